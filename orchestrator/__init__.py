@@ -1,0 +1,1 @@
+"""Declarative orchestrator for distributed training experiments: `python -m orchestrator`."""

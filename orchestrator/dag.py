@@ -1,0 +1,111 @@
+"""Planning: order the stages, compute each one's content key, and look it up in the cache.
+
+A stage's key is the hash of what determines its output: the content of the config subtrees it reads
+(keys marked `content=False` in the schema left out), its upstream stages' keys, the source code of the
+stage and of the plugins it declares, and any extra fingerprint (e.g. of the data files). Equal keys mean
+equal outputs, so an unchanged stage is never run twice and a sweep shares what its points have in common.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from orchestrator.cache import Cache
+from stages.base import Resources, Stage
+
+KEY_LENGTH = 20
+
+
+@dataclass
+class PlannedStage:
+    stage: Stage
+    key: str
+    cached: bool
+    resources: Resources
+    material: dict = field(repr=False)
+    note: Optional[str] = None          # e.g. "resumes from step 200"
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
+
+
+def content_view(node: Any) -> Any:
+    """Plain data of a config node, without the keys its schema marks as not affecting outputs."""
+    if isinstance(node, DictConfig):
+        schema = OmegaConf.get_type(node)
+        skip = {f.name for f in dataclasses.fields(schema) if not f.metadata.get("content", True)} \
+            if dataclasses.is_dataclass(schema) else set()
+        return {k: content_view(node[k]) for k in node.keys() if k not in skip}
+    if isinstance(node, ListConfig):
+        return [content_view(node[i]) for i in range(len(node))]
+    return node
+
+
+@lru_cache(maxsize=None)
+def source_hash(module: str) -> str:
+    """sha256 over the source files of a module, or of every module in a package."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"cannot find the source of {module}")
+    origin = Path(spec.origin)
+    files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(origin.parent).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def stage_key(cfg: DictConfig, stage: Stage, input_keys: dict[str, str]) -> tuple[str, dict]:
+    material = {
+        "stage": stage.name,
+        "config": {path: content_view(OmegaConf.select(cfg, path, throw_on_missing=True)) for path in stage.reads},
+        "inputs": {name: input_keys[name] for name in stage.after},
+        "code": {m: source_hash(m)[:16] for m in (stage.module, *stage.code)},
+        "extra": stage.fingerprint(cfg) if stage.fingerprint else None,
+    }
+    digest = hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
+    return digest[:KEY_LENGTH], material
+
+
+def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStage]:
+    """Stages in dependency order, each with its key and whether the cache already holds its output."""
+    by_name = {s.name: s for s in stages}
+    for s in stages:
+        missing = [u for u in s.after if u not in by_name]
+        if missing:
+            raise ValueError(f"stage {s.name} runs after unknown stage(s) {missing}")
+    ordered, seen = [], set()
+
+    def visit(s: Stage, trail: tuple[str, ...]) -> None:
+        if s.name in trail:
+            raise ValueError(f"stage dependencies form a cycle: {' -> '.join(trail + (s.name,))}")
+        if s.name in seen:
+            return
+        for up in s.after:
+            visit(by_name[up], trail + (s.name,))
+        seen.add(s.name)
+        ordered.append(s)
+
+    for s in stages:
+        visit(s, ())
+
+    keys: dict[str, str] = {}
+    planned = []
+    for s in ordered:
+        key, material = stage_key(cfg, s, keys)
+        keys[s.name] = key
+        cached = cache.is_complete(s.name, key)
+        note = None
+        if not cached and s.progress and cache.scratch(s.name, key).is_dir():
+            note = s.progress(cache.scratch(s.name, key))
+        planned.append(PlannedStage(s, key, cached, s.resources(cfg), material, note))
+    return planned

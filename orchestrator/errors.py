@@ -1,0 +1,105 @@
+"""Configuration errors in the user's language: the key, the value, the rule and a fix.
+
+Every check reports a `Problem`; all problems of a config are raised together as one `ConfigError`
+before anything starts. Hydra's own composition errors (bad types, unknown keys, missing options) are
+translated into the same form.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Problem:
+    key: str
+    value: Any
+    rule: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.key}={_show(self.value)}\n      rule: {self.rule}\n      fix:  {self.fix}"
+
+
+class ConfigError(Exception):
+    def __init__(self, problems: list[Problem]):
+        self.problems = list(problems)
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        n = len(self.problems)
+        head = f"invalid configuration, nothing was started ({n} problem{'s' if n != 1 else ''}):"
+        return "\n".join([head] + [f"  x {p}" for p in self.problems])
+
+
+def _show(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def field_help(schema: Optional[type], name: str) -> Optional[dataclasses.Field]:
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return None
+    return next((f for f in dataclasses.fields(schema) if f.name == name), None)
+
+
+def unknown_key_problem(full_key: str, schema: Optional[type], value: Any = "?", override: str = "") -> Problem:
+    name = full_key.rsplit(".", 1)[-1]
+    section = full_key.rsplit(".", 1)[0] if "." in full_key else "the top level"
+    known = [f.name for f in dataclasses.fields(schema)] if schema and dataclasses.is_dataclass(schema) else []
+    close = difflib.get_close_matches(name, known, n=1)
+    fix = f"did you mean {full_key.rsplit('.', 1)[0] + '.' if '.' in full_key else ''}{close[0]}? " if close else ""
+    fix += f"keys of {section}: {', '.join(known)}" if known else "remove it"
+    how = f"set by the override '{override}'; " if override else ""
+    return Problem(full_key, value, f"{section} has no key '{name}' ({how}every key is declared in "
+                   "orchestrator/schema.py, and Hydra's '+key=' would add it unchecked)", fix)
+
+
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string",
+               "bool": "true or false"}
+
+
+def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[ConfigError]:
+    """Translate a Hydra/OmegaConf composition error (argv: the command line's overrides, to quote them);
+    None when it is not one we recognise."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    if isinstance(exc, MissingConfigException):
+        missing = getattr(exc, "missing_cfg_file", "") or ""
+        group, _, option = missing.rpartition("/")
+        options = [o for o in (getattr(exc, "options", None) or []) if not o.endswith("_schema")]
+        if group and options:
+            return ConfigError([Problem(group, option, f"'{option}' is not an option of the config group '{group}' "
+                                        f"(the files in conf/{group}/)", f"choose one of: {', '.join(options)}")])
+        return ConfigError([Problem("config", missing, str(exc).splitlines()[0], "check the config name and path")])
+    if isinstance(exc, OverrideParseException):
+        return ConfigError([Problem("override", "", str(exc).strip(),
+                                    "write overrides as key=value, group=option or a sweep key=a,b")])
+    if not isinstance(exc, ConfigCompositionException):
+        return None
+    cause = exc.__cause__
+    full_key = getattr(cause, "full_key", None)
+    schema = getattr(cause, "object_type", None)
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key:
+        given = next((a for a in argv if a.lstrip("+~").split("=", 1)[0] == full_key), "")
+        return ConfigError([unknown_key_problem(full_key, schema, given.split("=", 1)[-1] if given else "?", given)])
+    if isinstance(cause, ValidationError) and full_key:
+        name = full_key.rsplit(".", 1)[-1]
+        f = field_help(schema, name)
+        msg = str(getattr(cause, "msg", cause)).splitlines()[0]
+        m = re.search(r"converted to (\w+)|not a valid (\w+)", msg)
+        wanted = _TYPE_WORDS.get(next((g for g in (m.groups() if m else ()) if g), ""), "a value of the declared type")
+        meaning = f" ({f.metadata['help']})" if f is not None and "help" in f.metadata else ""
+        example = f.default if f is not None and f.default is not dataclasses.MISSING else None
+        fix = f"give {full_key} {wanted}" + (f", e.g. {full_key}={_show(example)}" if example is not None else "")
+        return ConfigError([Problem(full_key, getattr(cause, "value", "?"), f"{full_key} must be {wanted}{meaning}",
+                                    fix)])
+    return ConfigError([Problem("config", "", str(exc).strip().splitlines()[0],
+                                "fix the override named above (python -m orchestrator --help lists the groups)")])

@@ -1,0 +1,52 @@
+"""What the user sees: the plan before anything runs and the stage table at the end."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.dag import PlannedStage
+
+console = Console(highlight=False)
+
+STYLE = {"cached": "green", "ran": "bold green", "failed": "bold red", "not run": "yellow", "will run": "cyan"}
+
+
+@dataclass
+class StageResult:
+    name: str
+    key: str
+    status: str                    # cached | ran | failed | not run
+    seconds: float = 0.0
+    summary: str = ""
+    error: Optional[str] = None
+
+
+def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
+    """where: stage name -> a short description of where it would run (stages to run only)."""
+    table = Table(title="plan", title_justify="left")
+    for col in ("stage", "key", "cache", "tasks", "runs"):
+        table.add_column(col)
+    for ps in plan:
+        cache = "[green]hit[/]" if ps.cached else "[cyan]miss[/]" + (f" ({ps.note})" if ps.note else "")
+        table.add_row(ps.name, ps.key[:12], cache, str(ps.resources.tasks),
+                      "-" if ps.cached else where.get(ps.name, ""))
+    return table
+
+
+def result_table(results: list[StageResult], total_s: float) -> Table:
+    table = Table(title=f"stages ({total_s:.1f} s in all)", title_justify="left")
+    for col in ("stage", "status", "time", "result"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r.name, f"[{STYLE.get(r.status, '')}]{r.status}[/]",
+                      f"{r.seconds:.1f} s" if r.status == "ran" or r.status == "failed" else "-", r.summary)
+    return table
+
+
+def plan_text(plan: list[PlannedStage], where: dict[str, str]) -> str:
+    with console.capture() as cap:
+        console.print(plan_table(plan, where))
+    return cap.get()

@@ -1,0 +1,226 @@
+"""The experiment schema: one dataclass per config section, a help text per field.
+
+YAML files under conf/ only pick values; every key they may set is declared here. Field metadata:
+  help     what the key means (shown in errors and in the README's config reference)
+  choices  the allowed values of a string key
+  content  False for keys that do not change what a stage produces (they stay out of the cache key)
+  min/max  inclusive bounds of a number
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
+        min: Optional[float] = None, max: Optional[float] = None):
+    """A config field with its documentation and rules (mutable defaults are copied per instance)."""
+    meta = {"help": help, "choices": choices, "content": content, "min": min, "max": max}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    name: str = key("gpt", "model family: an entry of the model registry (plugins/models)")
+    vocab_size: int = key(320, "embedding rows; must cover the data's vocabulary (byte corpora need 258)", min=1)
+    n_layers: int = key(8, "transformer layers", min=1)
+    n_heads: int = key(4, "attention heads per layer", min=1)
+    d_model: int = key(64, "hidden size", min=1)
+    d_ff: int = key(256, "MLP inner size", min=1)
+    max_seq_len: int = key(128, "longest sequence (rows of the position embedding)", min=1)
+    dropout: float = key(0.0, "dropout probability on attention output and MLP output", min=0.0, max=0.95)
+    tie_embeddings: bool = key(True, "share the token embedding with the output projection (GPT-2 style)")
+    bias: bool = key(True, "biases in Linear and LayerNorm layers")
+    init_std: float = key(0.02, "std of the normal weight initialisation", min=0.0)
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = key(1, "data-parallel degree", min=1)
+    hp: int = key(1, "horizontal (Megatron tensor) parallel degree", min=1)
+    pp: int = key(1, "pipeline-parallel degree (stages across ranks)", min=1)
+    dp_mode: str = key("replicate", "replicate: DDP-like; shard: FSDP2, parameters/grads/optimizer state sharded",
+                       choices=("replicate", "shard"))
+    microbatches: int = key(1, "microbatches per step: gradient accumulation, and pipeline microbatches when pp > 1", min=1)
+    pp_schedule: str = key("1f1b", "pipeline schedule",
+                           choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv"))
+    pp_chunks: int = key(1, "model chunks (virtual stages) per pipeline rank; interleaved/V schedules need >= 2", min=1)
+    sequence_parallel: bool = key(False, "shard LayerNorm/dropout activations along the sequence across hp ranks")
+    loss_parallel: bool = key(False, "vocab-parallel cross-entropy: logits stay sharded across hp ranks")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = key(MISSING, "optimizer", choices=("adamw", "sgd"))
+    lr: float = key(1e-3, "peak learning rate", min=0.0)
+    weight_decay: float = key(0.0, "decoupled weight decay, applied to weight matrices and embeddings (not biases or norms)", min=0.0)
+    warmup_steps: int = key(0, "linear warm-up steps from 0 to lr", min=0)
+    schedule: str = key("cosine", "learning-rate decay after warm-up", choices=("cosine", "constant"))
+    min_lr_ratio: float = key(0.1, "final lr of the cosine decay, as a fraction of lr", min=0.0, max=1.0)
+    impl: str = key("auto", "kernel: fused or foreach where torch offers it (auto picks the fastest available)",
+                    choices=("auto", "fused", "foreach", "for_loop"))
+
+
+@dataclass
+class AdamWConfig(OptimizerConfig):
+    name: str = key("adamw", "optimizer", choices=("adamw", "sgd"))
+    betas: List[float] = key([0.9, 0.95], "Adam beta1, beta2")
+    eps: float = key(1e-8, "Adam epsilon", min=0.0)
+
+
+@dataclass
+class SGDConfig(OptimizerConfig):
+    name: str = key("sgd", "optimizer", choices=("adamw", "sgd"))
+    momentum: float = key(0.9, "momentum factor", min=0.0, max=1.0)
+    nesterov: bool = key(False, "Nesterov momentum")
+
+
+@dataclass
+class MemoryConfig:
+    level: int = key(0, "activation memory optimisation: 0 none, 1 recompute each layer, "
+                        "2 selective recompute (attention and MLP internals)", choices=(0, 1, 2))
+
+
+@dataclass
+class TritonConfig:
+    enabled: bool = key(False, "compile the model with torch.compile (Triton kernels on GPU, C++ on CPU)")
+    mode: str = key("default", "compile mode; max-autotune is the analogue of ORT's kernel tuning switch",
+                    choices=("default", "reduce-overhead", "max-autotune"))
+    scope: str = key("blocks", "blocks: compile each transformer block (composes with hp/pp); model: whole model",
+                     choices=("blocks", "model"))
+    fullgraph: bool = key(False, "fail on graph breaks instead of falling back to eager for that part")
+    dynamic: bool = key(False, "compile for dynamic shapes")
+    cache_dir: str = key("${runs_dir}/cache/inductor", "Inductor's cache, so a rerun does not recompile",
+                         content=False)
+    attention: str = key("sdpa", "sdpa: fused scaled-dot-product attention kernels; math: the reference kernel",
+                         choices=("sdpa", "math"))
+    fallback: str = key("fail", "on a compile failure: fail, or eager (continue uncompiled, recorded)",
+                        choices=("fail", "eager"))
+
+
+@dataclass
+class EngineConfig:
+    name: str = key(MISSING, "who executes each block's shard-local compute", choices=("torch", "ort"))
+
+
+@dataclass
+class TorchEngineConfig(EngineConfig):
+    name: str = key("torch", "who executes each block's shard-local compute", choices=("torch", "ort"))
+
+
+@dataclass
+class OrtEngineConfig(EngineConfig):
+    name: str = key("ort", "who executes each block's shard-local compute", choices=("torch", "ort"))
+    log_level: str = key("WARNING", "ORT backend severity, as in ORT's training guide",
+                         choices=("WARNING", "INFO", "DEVINFO", "VERBOSE"), content=False)
+    fallback: str = key("fail", "on an ORT failure: fail with ORT's error, or continue on the torch engine",
+                        choices=("fail", "torch"))
+    save_onnx: bool = key(False, "dump exported and transformed graphs for inspection", content=False)
+    intra_op_threads: int = key(0, "ORT intra-op threads; 0 means torch's thread count", content=False, min=0)
+    seed: int = key(0, "ORT's random seed (dropout masks come from ORT's generator)")
+
+
+@dataclass
+class DataConfig:
+    name: str = key(MISSING, "data source: an entry of the data registry (plugins/data)",
+                    choices=("synthetic", "stdlib", "text"))
+    val_fraction: float = key(0.05, "share of documents held out for evaluation", min=0.0001, max=0.5)
+    packing: bool = key(True, "concatenate documents (separated by <eos>) instead of padding each one")
+    paths: List[str] = key([], "text: files or directories of UTF-8 text (directories are searched for *.txt, *.md, *.py)")
+    max_bytes: int = key(16_000_000, "read at most this many bytes of the corpus (0: no limit)", min=0)
+    synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = key(MISSING, "where stages run: local (subprocesses) or debug (in this process)",
+                    choices=("local", "debug"))
+    nprocs: Optional[int] = key(None, "processes of the train stage; default dp*hp*pp (must equal it if set)", min=1)
+    threads_per_rank: Optional[int] = key(None, "torch threads per rank; default: all cores for one rank, 1 for several",
+                                          content=False, min=1)
+    pg_timeout_s: int = key(300, "process-group timeout: a rank that stops answering fails the job after this long",
+                            content=False, min=1)
+
+
+@dataclass
+class TrackingConfig:
+    name: str = key(MISSING, "experiment tracking backend", choices=("mlflow", "none"))
+    uri: str = key("sqlite:///${runs_dir}/mlflow.db", "MLflow tracking URI", content=False)
+    experiment: str = key("orchestrator", "MLflow experiment name", content=False)
+    artifact_root: str = key("${runs_dir}/mlartifacts", "where a new experiment stores artifacts", content=False)
+    max_artifact_mb: int = key(200, "larger files are recorded by path instead of copied into MLflow", content=False, min=0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = key(300, "optimizer steps", min=1)
+    batch_size: int = key(16, "global batch: sequences per optimizer step", min=1)
+    seq_len: int = key(128, "tokens per sequence", min=1)
+    seed: int = key(1234, "seed of initialisation, data order and dropout")
+    grad_clip: float = key(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
+    eval_every: int = key(100, "evaluate the held-out loss every N steps (and at the end); 0: only at the end", min=0)
+    eval_batches: int = key(4, "batches per evaluation", min=1)
+    checkpoint_every: int = key(100, "save a resumable checkpoint every N steps; 0: only the final one", min=0)
+    keep_checkpoints: int = key(2, "periodic checkpoints kept while training (older ones are deleted)", content=False, min=1)
+    resume: bool = key(True, "continue an interrupted run from its latest complete checkpoint", content=False)
+    log_every: int = key(20, "print a metrics line every N steps", content=False, min=0)
+    progress: bool = key(True, "show a progress bar", content=False)
+
+
+@dataclass
+class ExportConfig:
+    opset: int = key(17, "ONNX opset of the TorchScript exporter", min=14, max=17)
+    sample_batch: int = key(2, "batch of the example input used to trace the model", min=1)
+    sample_seq: int = key(16, "sequence length of the example input used to trace the model", min=1)
+    verify_atol: float = key(1e-4, "max |logits(onnxruntime) - logits(torch)| accepted by the export check", min=0.0)
+
+
+@dataclass
+class TransformConfig:
+    passes: List[str] = key(["layernorm_stats_outputs"], "ONNX passes applied in order (plugins/onnx/passes.py)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    memory: MemoryConfig = MISSING
+    triton: TritonConfig = MISSING
+    engine: EngineConfig = MISSING
+    data: DataConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    tracking: TrackingConfig = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    transform: TransformConfig = field(default_factory=TransformConfig)
+    dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)
+    runs_dir: str = key("runs", "outputs: run folders, cache/, mlflow.db (relative to the working directory)",
+                        content=False)
+
+
+# group name -> {option-schema name: dataclass}; YAML options start with `defaults: [<option-schema name>]`
+GROUP_SCHEMAS = {
+    "model": {"model_schema": ModelConfig},
+    "parallel": {"parallel_schema": ParallelConfig},
+    "optimizer": {"adamw_schema": AdamWConfig, "sgd_schema": SGDConfig},
+    "memory": {"memory_schema": MemoryConfig},
+    "triton": {"triton_schema": TritonConfig},
+    "engine": {"torch_schema": TorchEngineConfig, "ort_schema": OrtEngineConfig},
+    "data": {"data_schema": DataConfig},
+    "cluster": {"cluster_schema": ClusterConfig},
+    "tracking": {"tracking_schema": TrackingConfig},
+}
+
+
+def register() -> None:
+    cs = ConfigStore.instance()
+    cs.store(name="config_schema", node=Config)
+    for group, schemas in GROUP_SCHEMAS.items():
+        for name, node in schemas.items():
+            cs.store(group=group, name=name, node=node)

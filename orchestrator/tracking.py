@@ -1,0 +1,173 @@
+"""Experiment tracking in MLflow: one parent run per invocation, one child run per stage.
+
+The orchestrator creates the store, the experiment and every run before any stage starts (several
+processes creating a fresh sqlite store at once break its migrations); a stage's rank 0 then logs into
+its own child run by id. `tracking=none` makes no MLflow call at all (MLflow is not even imported).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from stages.base import Tracker
+
+FLUSH_EVERY_S = 10.0
+MAX_BATCH = 900  # MLflow takes at most 1000 metrics per log_batch
+
+
+def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
+    """{"model": {"n_layers": 8}} -> {"model.n_layers": "8"}: MLflow params from (parts of) a config."""
+    if isinstance(value, dict):
+        flat: dict[str, str] = {}
+        for k, v in value.items():
+            flat.update(flatten_params(v, f"{prefix}.{k}" if prefix else str(k)))
+        return flat
+    return {prefix: json.dumps(value) if isinstance(value, (list, type(None))) else str(value)}
+
+
+def config_params(cfg: DictConfig, paths: Optional[tuple[str, ...]] = None) -> dict[str, str]:
+    """The resolved config (or the subtrees at `paths`) as MLflow params."""
+    if paths is None:
+        return flatten_params(OmegaConf.to_container(cfg, resolve=True))
+    return flatten_params({p: OmegaConf.to_container(OmegaConf.select(cfg, p), resolve=True) for p in paths})
+
+
+def _client(uri: str):
+    import mlflow  # imported here: 1-2 s, and only when tracking is on
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # not "Creating initial MLflow database tables..."
+    return mlflow.MlflowClient(tracking_uri=uri)
+
+
+class Invocation:
+    """The orchestrator's side: the parent run and the stage runs of one `python -m orchestrator`."""
+
+    def __init__(self, cfg: DictConfig, run_name: str, tags: dict[str, str]):
+        tcfg = cfg.tracking
+        self.uri = tcfg.uri
+        if self.uri.startswith("sqlite:///"):
+            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
+        self.client = _client(self.uri)
+        self.max_artifact_bytes = tcfg.max_artifact_mb * 2**20
+        self.experiment_id = self._experiment(tcfg.experiment, Path(tcfg.artifact_root))
+        self.parent = self.client.create_run(self.experiment_id, run_name=run_name, tags={
+            "orchestrator.kind": "invocation", **tags}).info.run_id
+        self.log_params(self.parent, config_params(cfg))
+
+    def _experiment(self, name: str, artifact_root: Path) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_root.resolve().as_uri())
+        except Exception:  # created by a concurrent invocation in the meantime
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        items = [Param(k, v[:6000]) for k, v in params.items()]
+        for i in range(0, len(items), 100):
+            self.client.log_batch(run_id, params=items[i:i + 100])
+
+    def log_artifact(self, run_id: str, path: Path, artifact_path: Optional[str] = None) -> None:
+        log_artifact(self.client, run_id, path, artifact_path, self.max_artifact_bytes)
+
+    def start_stage(self, name: str, key: str, params: dict[str, str], tags: dict[str, str]) -> str:
+        run = self.client.create_run(self.experiment_id, run_name=name, tags={
+            "mlflow.parentRunId": self.parent, "orchestrator.kind": "stage", "orchestrator.stage": name,
+            "orchestrator.key": key, **tags})
+        if params:
+            self.log_params(run.info.run_id, params)
+        return run.info.run_id
+
+    def end_run(self, run_id: str, status: str, metrics: Optional[dict[str, float]] = None,
+                tags: Optional[dict[str, str]] = None) -> None:
+        from mlflow.entities import Metric, RunTag
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+                              tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+        self.client.set_terminated(run_id, status)
+
+    def close_stale(self, run_ids: list[str], reason: str) -> None:
+        """Runs left RUNNING by a killed earlier attempt are marked KILLED."""
+        for run_id in run_ids:
+            try:
+                if self.client.get_run(run_id).info.status == "RUNNING":
+                    self.client.set_tag(run_id, "orchestrator.killed", reason)
+                    self.client.set_terminated(run_id, "KILLED")
+            except Exception:  # a run deleted by the user, or another store: nothing to close
+                pass
+
+
+def log_artifact(client, run_id: str, path: Path, artifact_path: Optional[str], max_bytes: int) -> None:
+    path = Path(path)
+    if path.stat().st_size > max_bytes:  # large files stay where they are; MLflow records where
+        client.set_tag(run_id, f"artifact.{path.name}", str(path.resolve()))
+    else:
+        client.log_artifact(run_id, str(path), artifact_path)
+
+
+class MlflowStageTracker(Tracker):
+    """A stage's rank 0 logging into its child run; metrics are batched (one write every few seconds)."""
+
+    def __init__(self, uri: str, run_id: str, max_artifact_mb: int):
+        self.client = _client(uri)
+        self.run_id = run_id
+        self.max_bytes = max_artifact_mb * 2**20
+        self._pending: list = []
+        self._last_flush = time.monotonic()
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self._pending.extend(Metric(k, float(v), now, step or 0) for k, v in metrics.items())
+        if len(self._pending) >= MAX_BATCH or time.monotonic() - self._last_flush > FLUSH_EVERY_S:
+            self.flush()
+
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
+        log_artifact(self.client, self.run_id, path, artifact_path, self.max_bytes)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(self.run_id, k, str(v))
+
+    def flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
+            self.client.log_batch(self.run_id, metrics=batch)
+        self._last_flush = time.monotonic()
+
+
+def stage_tracker(spec: dict, rank: int) -> Tracker:
+    """The tracker a stage process gets: MLflow for rank 0 when tracking is on, else one that records nothing."""
+    t = spec.get("tracking")
+    if rank != 0 or not t:
+        return Tracker()
+    return MlflowStageTracker(t["uri"], t["run_id"], t["max_artifact_mb"])
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,96 @@
+"""Run one stage on one rank: `python -m orchestrator.worker <spec.json>` (rank and world from the
+environment, torchrun's names), or `execute(spec)` in-process for the debug cluster.
+
+The spec is written by the orchestrator: resolved config, input folders, output/scratch folders, log
+folder, tracking run. On success rank 0 publishes the output into the cache (so a stage chain also works
+without the orchestrator watching, as on SLURM).
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from orchestrator.cache import Cache
+from orchestrator.tracking import stage_tracker
+from stages import get_stage
+from stages.base import StageContext
+
+LOG_FORMAT = "%(asctime)s [%(name)s] %(levelname)s %(message)s"
+
+
+def stage_logger(name: str, log_dir: Path, rank: int, console: bool) -> logging.Logger:
+    log = logging.getLogger(f"{name}.rank{rank}")
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+        h.close()
+    log_dir.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(log_dir / f"rank{rank}.log")
+    fh.setFormatter(logging.Formatter(LOG_FORMAT))
+    log.addHandler(fh)
+    if console:
+        sh = logging.StreamHandler(sys.stdout)
+        sh.setFormatter(logging.Formatter(f"[{name}] %(message)s"))
+        log.addHandler(sh)
+    return log
+
+
+def _threads(spec: dict, world: int) -> int:
+    if spec.get("threads"):
+        return int(spec["threads"])
+    return (os.cpu_count() or 1) if world == 1 else 1
+
+
+def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
+    import torch
+    import torch.distributed as dist
+
+    stage = get_stage(spec["stage"])
+    log = stage_logger(stage.name, Path(spec["log_dir"]), rank, console=rank == 0)
+    torch.set_num_threads(_threads(spec, world))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
+    try:
+        ctx = StageContext(cfg=OmegaConf.load(spec["config"]), inputs={k: Path(v) for k, v in spec["inputs"].items()},
+                           out=Path(spec["out"]), scratch=Path(spec["scratch"]), key=spec["key"], rank=rank,
+                           world_size=world, tracker=stage_tracker(spec, rank), log=log,
+                           interactive=bool(spec.get("interactive")))
+        stage.run(ctx)
+        ctx.tracker.flush()
+        if world > 1:
+            dist.barrier()
+        if rank == 0:
+            Cache(Path(spec["cache_root"])).publish(stage.name, spec["key"], spec["entry_meta"])
+    except BaseException:
+        log.exception("stage %s failed on rank %d", stage.name, rank)
+        raise
+    finally:
+        for h in list(log.handlers):
+            h.flush()
+        if world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print("usage: python -m orchestrator.worker <spec.json>", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    try:
+        execute(spec, rank, world)
+    except Exception:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

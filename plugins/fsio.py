@@ -1,0 +1,133 @@
+"""Durable file operations: write, fsync, rename. Readers never see half-written files or folders.
+
+A folder is published by building it under a temporary name, fsyncing every file and the folder, then
+renaming it into place (atomic on POSIX within one filesystem) and fsyncing the parent, so a crash at any
+moment leaves either the complete folder or none.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+MANIFEST_FILES_KEY = "files"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync every file and folder below root (files first, then their folders)."""
+    for dirpath, _, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            p = os.path.join(dirpath, name)
+            if os.path.islink(p):
+                continue
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def iter_files(root: Path, exclude: tuple[str, ...] = ()) -> Iterator[Path]:
+    """Regular files below root, sorted, as paths relative to root."""
+    for p in sorted(Path(root).rglob("*")):
+        rel = p.relative_to(root)
+        if p.is_file() and not p.is_symlink() and rel.as_posix() not in exclude:
+            yield rel
+
+
+def file_table(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{relative path: {bytes, sha256}} of every file below root."""
+    return {rel.as_posix(): {"bytes": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
+            for rel in iter_files(root, exclude)}
+
+
+def verify_file_table(root: Path, table: dict[str, dict], checksums: bool = True) -> list[str]:
+    """Problems found comparing the files below root with a file_table(); empty when everything matches."""
+    problems = []
+    for rel, want in table.items():
+        p = Path(root) / rel
+        if not p.is_file():
+            problems.append(f"{rel}: missing")
+        elif p.stat().st_size != want["bytes"]:
+            problems.append(f"{rel}: {p.stat().st_size} bytes, manifest says {want['bytes']}")
+        elif checksums and sha256_file(p) != want["sha256"]:
+            problems.append(f"{rel}: sha256 differs from the manifest")
+    return problems
+
+
+def publish_dir(src: Path, dst: Path) -> None:
+    """Make the finished folder src appear at dst in one step (dst must not exist yet)."""
+    src, dst = Path(src), Path(dst)
+    fsync_tree(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    os.rename(src, dst)  # fails if dst exists and is not empty: a complete entry is never replaced
+    fsync_dir(dst.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Delete a folder; renamed aside first so a crash mid-delete never leaves a partial folder under its name."""
+    path = Path(path)
+    if not path.exists():
+        return
+    doomed = path.with_name(f".{path.name}.deleting.{os.getpid()}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    """Recreate the files of src under dst as hard links (copies across filesystems). Cheap for large,
+    never-modified files such as published checkpoints."""
+    src, dst = Path(src), Path(dst)
+    for rel in iter_files(src):
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src / rel, target)
+        except OSError:
+            shutil.copy2(src / rel, target)

@@ -1,0 +1,72 @@
+"""The model registry: a model is an entry that bundles everything the stages need to know about it.
+
+Built-in entries are registered on import; third-party packages add theirs through the
+`orchestrator.models` entry-point group (each entry point is a callable that calls `register_model`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How one parameter is laid out across hp ranks (the record ONNX Runtime's Megatron checkpoints keep)."""
+    style: str                 # colwise | rowwise | vocab | replicate
+    axis: Optional[int]        # the partitioned axis of the weight, None when replicated
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[[Any], nn.Module]
+    """cfg.model -> module with its parameters initialised (on the current default device)."""
+    init_weights: Callable[[nn.Module, Any, int], None]
+    """(module, cfg.model, seed) -> None: deterministic, layout-independent initialisation."""
+    apply_memory: Callable[[nn.Module, int], nn.Module]
+    """(module, memory level) -> module with activation recomputation applied."""
+    partition: Callable[[str], Partition]
+    """parameter name -> its hp partition (Megatron plan)."""
+    split: Callable[[nn.Module, list[int], bool, bool], nn.Module]
+    """(module, global layer ids, has embedding, has head) -> the module pruned to one pipeline stage."""
+    loss: Callable[..., torch.Tensor]
+    """(outputs, labels) -> summed loss over non-ignored labels."""
+    example_inputs: Callable[[Any, int, int], tuple]
+    """(cfg.model, batch, seq) -> positional example inputs for tracing/export."""
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+_plugins_loaded = False
+
+
+def register_model(name: str, spec: ModelSpec) -> None:
+    _REGISTRY[name] = spec
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for ep in entry_points(group="orchestrator.models"):
+            ep.load()()
+
+
+def model_names() -> list[str]:
+    _load_plugins()
+    return sorted(_REGISTRY)
+
+
+def get_model(name: str) -> ModelSpec:
+    _load_plugins()
+    if name not in _REGISTRY:
+        raise KeyError(f"model.name={name!r} is not registered; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+from plugins.models import gpt as _gpt  # noqa: E402,F401  (registers "gpt")

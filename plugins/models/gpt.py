@@ -1,0 +1,184 @@
+"""A GPT you can read in one sitting, shaped for every parallel layout.
+
+- Layers live in a ModuleDict keyed by their global index, so a pipeline stage that keeps layers 4..7
+  still names them `layers.4...`: parameter names are the same in every layout (checkpoints reshard).
+- q, k, v are separate Linears and reshapes infer the head count (`view(B, T, -1, hd)`), so column-
+  sharding them across hp ranks needs no change to the forward.
+- A stage that does not hold the embedding or the head has them set to None; forward skips what is absent.
+- Initialisation draws every parameter from a generator seeded by (seed, name): identical in every layout.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from plugins.models import ModelSpec, Partition, register_model
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.head_dim = cfg.d_model // cfg.n_heads
+        self.wq = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.attn = Attention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.recompute = "none"  # none | layer | selective, set by apply_memory (an attribute keeps names stable)
+
+    def _forward(self, x):
+        x = x + self.drop(self._sub(self.attn, self.ln1(x)))
+        return x + self.drop(self._sub(self.mlp, self.ln2(x)))
+
+    def _sub(self, module, x):
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return checkpoint(module, x, use_reentrant=False)
+        return module(x)
+
+    def forward(self, x):
+        if self.recompute == "layer" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, h):
+        """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output."""
+        if self.wte is not None:
+            pos = torch.arange(h.shape[1], device=h.device)
+            h = self.drop(self.wte(h) + self.wpe(pos))
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.lm_head is not None:
+            h = self.lm_head(self.ln_f(h))
+        return h
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_weights(model: nn.Module, cfg, seed: int) -> None:
+    """GPT-2 initialisation; residual projections scaled by 1/sqrt(2 * n_layers)."""
+    resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(_name_seed(seed, name))
+            if name.endswith(".bias"):
+                value = torch.zeros(p.shape)
+            elif re.search(r"ln\w*\.weight$", name):
+                value = torch.ones(p.shape)
+            else:
+                std = resid_std if re.search(r"\.(wo|fc2)\.weight$", name) else cfg.init_std
+                value = torch.randn(p.shape, generator=g) * std
+            p.copy_(value.to(p.dtype))
+
+
+def build(cfg) -> GPT:
+    return GPT(cfg)
+
+
+def apply_memory(model: nn.Module, level: int) -> nn.Module:
+    mode = {0: "none", 1: "layer", 2: "selective"}[level]
+    for layer in model.layers.values():
+        layer.recompute = mode
+    return model
+
+
+def split(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
+    """Prune to one pipeline stage; kept layers keep their global index, so names do not change."""
+    keep = {str(i) for i in layers}
+    for k in [k for k in model.layers if k not in keep]:
+        del model.layers[k]
+    if not first:
+        model.wte = model.wpe = None
+    if not last:
+        model.ln_f = model.lm_head = None
+    return model
+
+
+_COLWISE = re.compile(r"\.(wq|wk|wv|fc1)\.(weight|bias)$")
+_ROWWISE = re.compile(r"\.(wo|fc2)\.weight$")
+_VOCAB = re.compile(r"^(wte|lm_head)\.weight$")
+
+
+def partition(name: str) -> Partition:
+    """Megatron's plan: q/k/v and MLP-in split by output (column), attention-out and MLP-out by input (row),
+    token embedding and head split by vocabulary rows; everything else replicated."""
+    if _COLWISE.search(name):
+        return Partition("colwise", 0)
+    if _ROWWISE.search(name):
+        return Partition("rowwise", 1)
+    if _VOCAB.search(name):
+        return Partition("vocab", 0)
+    return Partition("replicate", None)
+
+
+def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over labels != -100 (the caller divides by the global label count,
+    which keeps the loss identical however the batch is split across microbatches and ranks)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def example_inputs(cfg, batch: int, seq: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),)
+
+
+register_model("gpt", ModelSpec(
+    build=build,
+    init_weights=init_weights,
+    apply_memory=apply_memory,
+    partition=partition,
+    split=split,
+    loss=loss,
+    example_inputs=example_inputs,
+    input_names=("input_ids",),
+    output_names=("logits",),
+    dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}},
+))

@@ -1,0 +1,148 @@
+"""PyTorch -> ONNX with the TorchScript exporter, and a numerical check of the result in ONNX Runtime.
+
+Two kinds of graph:
+- training graphs (`params_as_inputs=True`): parameters are graph inputs named by their module names,
+  dropout in training mode, no constant folding: what ONNX Runtime's training engine consumes;
+- inference graphs (`params_as_inputs=False`): weights embedded, eval mode: a self-contained model.
+
+The module is wrapped so the exporter sees flat tensors; the IOSchema restores the module's nesting.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+from typing import Sequence
+
+import numpy as np
+import onnx
+import torch
+from torch import nn
+
+from plugins.onnx.io_schema import IOSchema, flatten, unflatten
+from plugins.onnx.passes import dropout_inference
+
+_WRAPPED = "module."
+
+
+class _FlatModule(nn.Module):
+    """Flat tensors in, flat tensors out, around a module that takes and returns nests."""
+
+    def __init__(self, module: nn.Module, schema: IOSchema):
+        super().__init__()
+        self.module = module
+        self.schema = schema
+
+    def forward(self, *flat):
+        out = self.module(*unflatten(self.schema.inputs, list(flat)))
+        return tuple(flatten(out, "out")[0])
+
+
+def describe(module: nn.Module, args: tuple, input_names: Sequence[str], output_names: Sequence[str],
+             dynamic_axes: dict[str, dict[int, str]]) -> IOSchema:
+    """Run the module once on example args and record the schema of its inputs and outputs."""
+    _, inputs = flatten(tuple(args), "input", dynamic_axes, item_names=list(input_names))
+    with torch.no_grad():
+        out = module(*args)
+    names = list(output_names) if isinstance(out, (tuple, list)) else None
+    _, outputs = flatten(out, output_names[0] if names is None else "output", dynamic_axes, item_names=names)
+    return IOSchema(inputs, outputs)
+
+
+def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
+    """Graph inputs of the wrapped module are called `module.<name>`: give them back their module names."""
+    renames = {i.name: i.name[len(_WRAPPED):] for i in model.graph.input if i.name.startswith(_WRAPPED)}
+    renames.update({i.name: i.name[len(_WRAPPED):] for i in model.graph.initializer if i.name.startswith(_WRAPPED)})
+    for value in list(model.graph.input) + list(model.graph.initializer):
+        value.name = renames.get(value.name, value.name)
+    for node in model.graph.node:
+        for k, name in enumerate(node.input):
+            if name in renames:
+                node.input[k] = renames[name]
+
+
+def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], output_names: Sequence[str],
+                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool
+                  ) -> tuple[onnx.ModelProto, IOSchema]:
+    schema = describe(module, args, input_names, output_names, dynamic_axes)
+    flat_args, _ = flatten(tuple(args), "input", item_names=list(input_names))
+    f = io.BytesIO()
+    was_training = module.training
+    module.train(params_as_inputs)
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
+            torch.onnx.export(
+                _FlatModule(module, schema), tuple(flat_args), f, dynamo=False,
+                input_names=schema.input_names, output_names=schema.output_names,
+                dynamic_axes=schema.dynamic_axes, opset_version=opset, do_constant_folding=not params_as_inputs,
+                training=torch.onnx.TrainingMode.TRAINING if params_as_inputs else torch.onnx.TrainingMode.EVAL,
+                export_params=not params_as_inputs, keep_initializers_as_inputs=params_as_inputs)
+    finally:
+        module.train(was_training)
+    model = onnx.load_model_from_string(f.getvalue())
+    _strip_wrapper_prefix(model)
+    return model, schema
+
+
+def parameter_feeds(module: nn.Module, model: onnx.ModelProto) -> dict[str, torch.Tensor]:
+    """The module's parameters and buffers that the graph takes as inputs, by graph input name."""
+    named = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    return {i.name: named[i.name] for i in model.graph.input if i.name in named}
+
+
+def run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], threads: int = 1) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    wanted = {i.name for i in session.get_inputs()}
+    return session.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in wanted})
+
+
+def max_abs_diff(model: onnx.ModelProto, schema: IOSchema, module: nn.Module, args: tuple) -> float:
+    """Run the graph in ONNX Runtime and the module in torch (eval mode) on args; max |difference| of outputs.
+
+    A training graph is checked through its inference view (dropout off), fed the module's parameters."""
+    if any(n.op_type == "Dropout" for n in model.graph.node):
+        model = copy.deepcopy(model)
+        dropout_inference(model)
+    flat_args, _ = flatten(tuple(args), "input")
+    feeds = dict(zip(schema.input_names, flat_args))
+    feeds.update(parameter_feeds(module, model))
+    got = run_onnxruntime(model, feeds)
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            want, _ = flatten(module(*args), "out")
+    finally:
+        module.train(was_training)
+    if len(got) != len(want):
+        raise AssertionError(f"graph returns {len(got)} outputs, the module {len(want)}")
+    return max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
+
+
+def export_checked(module: nn.Module, spec, model_cfg, export_cfg, params_as_inputs: bool
+                   ) -> tuple[onnx.ModelProto, IOSchema, dict]:
+    """Export a registry model and check the graph in ONNX Runtime on other shapes than the traced ones
+    (which proves the dynamic axes as well as the numbers). Raises when the check fails."""
+    import time
+
+    t0 = time.perf_counter()
+    graph, schema = export_module(module, spec.example_inputs(model_cfg, export_cfg.sample_batch, export_cfg.sample_seq),
+                                  spec.input_names, spec.output_names, spec.dynamic_axes, export_cfg.opset,
+                                  params_as_inputs=params_as_inputs)
+    export_s = time.perf_counter() - t0
+    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, model_cfg.max_seq_len)
+    t0 = time.perf_counter()
+    diff = max_abs_diff(graph, schema, module, spec.example_inputs(model_cfg, batch, seq))
+    if not diff <= export_cfg.verify_atol:
+        raise RuntimeError(f"ONNX check failed: max |outputs(onnxruntime) - outputs(torch)| = {diff:.3g} exceeds "
+                           f"export.verify_atol={export_cfg.verify_atol} (batch {batch}, sequence {seq})")
+    record = {"opset": export_cfg.opset, "ir_version": graph.ir_version, "nodes": len(graph.graph.node),
+              "graph_inputs": len(graph.graph.input), "export_s": export_s, "check_s": time.perf_counter() - t0,
+              "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq}}
+    return graph, schema, record

@@ -1,0 +1,54 @@
+"""Optimizers and learning-rate schedules, built from the `optimizer` config section."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay weight matrices and embeddings; never biases or norm scales (nanoGPT's rule: dim >= 2)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
+    """fused/foreach where torch offers it: fused kernels need plain dense float tensors on one device."""
+    if impl == "for_loop":
+        return {"foreach": False}
+    if impl == "foreach":
+        return {"foreach": True}
+    fusable = all(type(p) is nn.Parameter or type(p) is torch.Tensor for p in params) and all(
+        p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for p in params)
+    if impl == "fused" and not fusable:
+        raise ValueError("optimizer.impl=fused: these parameters (e.g. sharded DTensors) have no fused kernel; "
+                         "use optimizer.impl=foreach or auto")
+    return {"fused": True} if fusable else {"foreach": True}
+
+
+def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+    groups = _param_groups(model, cfg.weight_decay)
+    kwargs = _impl_kwargs(cfg.impl, [p for g in groups for p in g["params"]])
+    if cfg.name == "adamw":
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kwargs)
+    raise ValueError(f"optimizer.name={cfg.name!r}: known optimizers are adamw, sgd")
+
+
+def lr_factor(cfg, step: int, total_steps: int) -> float:
+    """Multiplier of cfg.lr at a 0-based step: linear warm-up, then constant or cosine down to min_lr_ratio."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / span, 1.0)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

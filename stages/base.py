@@ -1,0 +1,73 @@
+"""The stage contract: a stage is data plus one function; the DAG does the rest.
+
+A stage reads config subtrees (they enter its cache key), takes its upstream stages' output folders as
+inputs, and writes its own outputs into `ctx.out`. Nothing else passes between stages.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class Resources:
+    tasks: int = 1                 # processes (ranks) the stage runs as
+    cpus_per_task: int = 1
+    timeout_min: int = 60
+
+
+class Tracker:
+    """What a stage may record about itself. This base records nothing (tracking=none, ranks other than 0)."""
+
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None: ...
+
+    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None: ...
+
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+@dataclass
+class StageContext:
+    cfg: Any                        # the whole resolved config (DictConfig)
+    inputs: dict[str, Path]         # upstream stage name -> its output folder
+    out: Path                       # write outputs here; published atomically when run() returns
+    scratch: Path                   # survives a failed attempt (resume state), deleted after publishing
+    key: str = ""                   # this stage's content key (hash of its config, inputs and code)
+    rank: int = 0
+    world_size: int = 1
+    tracker: Tracker = field(default_factory=Tracker)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("stage"))
+    interactive: bool = False       # stdout ends at a terminal: live progress bars are welcome
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    run: Callable[[StageContext], None]
+    after: tuple[str, ...] = ()
+    """upstream stages: their output keys enter this stage's key, their folders are its inputs."""
+    reads: tuple[str, ...] = ()
+    """config paths (e.g. "model", "train") whose content enters the key."""
+    code: tuple[str, ...] = ()
+    """modules/packages whose source enters the key, besides the stage's own module."""
+    resources: Callable[[Any], Resources] = lambda cfg: Resources()
+    fingerprint: Optional[Callable[[Any], Any]] = None
+    """extra key material computed from the config (e.g. a fingerprint of the data files)."""
+    progress: Optional[Callable[[Path], Optional[str]]] = None
+    """(scratch folder) -> what an interrupted attempt left, e.g. "resumes at step 200"."""
+    summary: Optional[Callable[[Path], str]] = None
+    """(output folder) -> one line for the result table, e.g. "final loss 2.31"."""
+
+    @property
+    def module(self) -> str:
+        return self.run.__module__
