@@ -25,7 +25,7 @@ def _experiment(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     try:
-        _exit_codes.append(orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)))
+        _exit_codes.append(orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)).exit_code)
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line
         print(f"error: {e}", file=sys.stderr)
         _exit_codes.append(2)

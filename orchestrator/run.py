@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -27,8 +28,19 @@ from stages import all_stages
 ATTEMPT_FILE = "attempt.json"
 
 
-def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
-    """Run the experiment described by cfg; returns the process exit code (0: every stage succeeded)."""
+@dataclass
+class Report:
+    run_dir: Path
+    results: dict[str, StageResult] = field(default_factory=dict)
+    parent_run_id: Optional[str] = None
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(r.status in ("failed", "not run") for r in self.results.values()) else 0
+
+
+def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
+    """Run the experiment described by cfg (a dry run only plans it)."""
     t0 = time.perf_counter()
     validate(cfg, overrides)
     cache = Cache(Path(cfg.runs_dir).resolve() / "cache")
@@ -47,7 +59,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
         for name, launch in launches.items():
             console.print(f"{name}: {executor.command(launch)}", soft_wrap=True)
         console.print(f"dry run: nothing was started (plan written to {run_dir / 'plan.json'})", soft_wrap=True)
-        return 0
+        return Report(run_dir)
     if not launches:
         console.print("every stage is cached: nothing to run")
 
@@ -58,7 +70,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
         tracking.log_artifact(tracking.parent, run_dir / "plan.json")
         tracking.log_artifact(tracking.parent, run_dir / "plan.txt")
 
-    results: dict[str, StageResult] = {}
+    report = Report(run_dir, parent_run_id=tracking.parent if tracking else None)
+    results = report.results
     try:
         for ps in plan:
             blocked = [u for u in ps.stage.after if results[u].status in ("failed", "not run")]
@@ -75,7 +88,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
             tracking.end_run(tracking.parent, "KILLED")
         raise
 
-    failed = [r for r in results.values() if r.status in ("failed", "not run")]
+    failed = report.exit_code != 0
     total = time.perf_counter() - t0
     console.print(result_table(list(results.values()), total))
     console.print(f"outputs: {run_dir}", soft_wrap=True)
@@ -84,7 +97,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
                          {"orchestrator.status": "failed" if failed else "ok"})
         console.print(f"MLflow: mlflow ui --backend-store-uri {cfg.tracking.uri}  (run {tracking.parent})",
                       soft_wrap=True)
-    return 1 if failed else 0
+    return report
 
 
 def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, config_path: Path) -> Launch:

@@ -224,3 +224,4 @@ def register() -> None:
     for group, schemas in GROUP_SCHEMAS.items():
         for name, node in schemas.items():
             cs.store(group=group, name=name, node=node)
+

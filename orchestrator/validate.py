@@ -162,10 +162,6 @@ def training_problems(cfg: DictConfig) -> list[Problem]:
     if d.name == "text" and not d.paths:
         problems.append(Problem("data.paths", "[]", "data=text needs files or folders to read",
                                 "data.paths='[/path/to/corpus]'"))
-    if cfg.optimizer.warmup_steps > t.steps:
-        problems.append(Problem("optimizer.warmup_steps", cfg.optimizer.warmup_steps,
-                                f"warm-up cannot be longer than training (train.steps={t.steps})",
-                                f"optimizer.warmup_steps={t.steps // 10}"))
     return problems
 
 

@@ -32,7 +32,7 @@ def save(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimiz
         flat = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
         tensors = {k: v.contiguous() for k, v in flat.items() if isinstance(v, torch.Tensor)}
         settings = {k: v for k, v in flat.items() if not isinstance(v, torch.Tensor)}
-        save_file(tensors, str(folder / OPTIMIZER_FILE), metadata={"param_groups": json.dumps(settings)})
+        save_file(tensors, str(folder / OPTIMIZER_FILE), metadata={"param_groups": json.dumps(_encode(settings))})
 
 
 def load(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -42,7 +42,7 @@ def load(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimiz
     if optimizer is not None:
         flat: dict = {}
         with safe_open(str(folder / OPTIMIZER_FILE), framework="pt") as f:
-            flat.update(json.loads(f.metadata()["param_groups"]))
+            flat.update(_decode(json.loads(f.metadata()["param_groups"])))
             for k in f.keys():
                 flat[k] = f.get_tensor(k)
         # materialise the optimizer's state, then overwrite it with the saved values
@@ -53,3 +53,12 @@ def load(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimiz
 def tensors(folder: Path, file: str) -> dict[str, torch.Tensor]:
     with safe_open(str(Path(folder) / file), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def _encode(settings: dict) -> dict:
+    """JSON has no tuples (Adam's betas are one): keep them apart so they come back as tuples."""
+    return {k: {"tuple": list(v)} if isinstance(v, tuple) else v for k, v in settings.items()}
+
+
+def _decode(settings: dict) -> dict:
+    return {k: tuple(v["tuple"]) if isinstance(v, dict) and set(v) == {"tuple"} else v for k, v in settings.items()}

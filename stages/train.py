@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from rich.console import Console
@@ -56,23 +58,27 @@ def train(ctx: StageContext) -> None:
         ckpt.prune(checkpoints, keep=max(t.keep_checkpoints, 1))
 
     probe = MemoryProbe(device)
+    settings = StepSettings.of(cfg)
+    lrs = [cfg.optimizer.lr * lr_factor(cfg.optimizer, step, t.steps) for step in range(t.steps)]
+    steps, eval_every, log_every, checkpoint_every = t.steps, t.eval_every, t.log_every, t.checkpoint_every
     timed_tokens, timed_s = 0, 0.0
-    with _progress(ctx, t.steps, start) as progress:
-        task = progress.add_task("train", total=t.steps, completed=start, loss=float("nan"))
-        for step in range(start, t.steps):
-            row = train_step(model, spec, optimizer, batcher.train_batch(step), step, cfg, probe)
+    with _progress(ctx, steps, start) as progress:
+        task = progress.add_task("train", total=steps, completed=start, loss=float("nan"))
+        for step in range(start, steps):
+            row = train_step(model, spec.loss, optimizer, batcher.train_batch(step), step, lrs[step], settings, probe)
             done = step + 1
             if step - start >= WARMUP_STEPS_EXCLUDED:
                 timed_tokens += row["tokens"]
                 timed_s += row["step_time_s"]
-            if done == t.steps or (t.eval_every and done % t.eval_every == 0):
+            if done == steps or (eval_every and done % eval_every == 0):
                 row["eval_loss"] = eval_loss(model, spec.loss, batcher, t.eval_batches)
+            row["time"] = time.time()  # wall clock after all of the step's bookkeeping (for throughput audits)
             history.append(row)
             ctx.tracker.log_metrics(_numeric(row), step=done)
             progress.update(task, completed=done, loss=row["loss"])
-            if t.log_every and (done % t.log_every == 0 or done == t.steps):
-                progress.console.print(_line(row, t.steps), soft_wrap=True)
-            if done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
+            if log_every and (done % log_every == 0 or done == steps):
+                progress.console.print(_line(row, steps), soft_wrap=True)
+            if done == steps or (checkpoint_every and done % checkpoint_every == 0):
                 save(done)
     history.close()
 
@@ -94,26 +100,38 @@ def train(ctx: StageContext) -> None:
             ctx.tracker.log_artifact(artifact)
 
 
-def train_step(model, spec, optimizer, batch, step: int, cfg, probe: MemoryProbe) -> dict:
-    """One optimizer step over the global batch, accumulated over cfg.parallel.microbatches."""
+@dataclass(frozen=True)
+class StepSettings:
+    """What a step reads, resolved once: config lookups cost microseconds each in the hot loop."""
+    microbatches: int
+    grad_clip: float            # inf: measure the norm, clip nothing
+    dropout_seed: Optional[int]  # reseed per step (resume-exact dropout masks); None when there is no dropout
+
+    @staticmethod
+    def of(cfg) -> "StepSettings":
+        return StepSettings(cfg.parallel.microbatches,
+                            cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
+                            cfg.train.seed if cfg.model.dropout > 0 else None)
+
+
+def train_step(model, loss_fn, optimizer, batch, step: int, lr: float, s: StepSettings, probe: MemoryProbe) -> dict:
+    """One optimizer step over the global batch, accumulated over s.microbatches."""
     t0 = time.perf_counter()
-    torch.manual_seed(cfg.train.seed + step)  # dropout masks depend on the step only: resume-exact
-    lr = cfg.optimizer.lr * lr_factor(cfg.optimizer, step, cfg.train.steps)
+    if s.dropout_seed is not None:
+        torch.manual_seed(s.dropout_seed + step)  # dropout masks depend on the step only
     set_lr(optimizer, lr)
     n_labels = max(batch.n_labels, 1)  # the loss is a mean over the whole batch's labels, however it is split
     probe.start_step()
     loss_sum = torch.zeros(())
-    for inputs, labels in zip(batch.inputs.chunk(cfg.parallel.microbatches),
-                              batch.labels.chunk(cfg.parallel.microbatches)):
+    for inputs, labels in zip(batch.inputs.chunk(s.microbatches), batch.labels.chunk(s.microbatches)):
         probe.sample("pre_forward")
-        loss = spec.loss(model(inputs), labels) / n_labels
+        loss = loss_fn(model(inputs), labels) / n_labels
         probe.sample("post_forward")
         loss.backward()
         probe.sample("post_backward")
         loss_sum += loss.detach()
     params = [p for p in model.parameters() if p.grad is not None]
-    clip = cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip, foreach=True)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     probe.sample("post_step")
@@ -144,7 +162,7 @@ def _start_fresh(ctx: StageContext) -> int:
 
 
 def _numeric(row: dict) -> dict:
-    return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
+    return {k: float(v) for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
 
 
 def _line(row: dict, steps: int) -> str:

@@ -61,7 +61,6 @@ RULES = [
     (["train.seq_len=256"], "train.seq_len", "model.max_seq_len=128"),
     (["model.vocab_size=200"], "model.vocab_size", "token ids up to 257"),
     (["data=text"], "data.paths", "needs files"),
-    (["optimizer.warmup_steps=500"], "optimizer.warmup_steps", "warm-up"),
     (["parallel.dp_mode=foo"], "parallel.dp_mode", "one of replicate, shard"),
     (["parallel.pp_schedule=foo"], "parallel.pp_schedule", "one of gpipe"),
     (["model.dropout=1.5"], "model.dropout", "between 0.0 and 0.95"),

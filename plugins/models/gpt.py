@@ -107,7 +107,9 @@ def init_weights(model: nn.Module, cfg, seed: int) -> None:
     resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            g = torch.Generator().manual_seed(_name_seed(seed, name))
+            # a tied head is called lm_head.weight on a last pipeline stage without the embedding
+            canonical = "wte.weight" if cfg.tie_embeddings and name == "lm_head.weight" else name
+            g = torch.Generator().manual_seed(_name_seed(seed, canonical))
             if name.endswith(".bias"):
                 value = torch.zeros(p.shape)
             elif re.search(r"ln\w*\.weight$", name):

@@ -44,8 +44,10 @@ def describe(module: nn.Module, args: tuple, input_names: Sequence[str], output_
     _, inputs = flatten(tuple(args), "input", dynamic_axes, item_names=list(input_names))
     with torch.no_grad():
         out = module(*args)
-    names = list(output_names) if isinstance(out, (tuple, list)) else None
-    _, outputs = flatten(out, output_names[0] if names is None else "output", dynamic_axes, item_names=names)
+    # one name per top-level output when they match; otherwise a single name prefixes the whole nest
+    per_item = isinstance(out, (tuple, list)) and len(output_names) == len(out) and len(output_names) > 1
+    _, outputs = flatten(out, "output" if per_item else output_names[0], dynamic_axes,
+                         item_names=list(output_names) if per_item else None)
     return IOSchema(inputs, outputs)
 
 

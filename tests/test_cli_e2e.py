@@ -1,0 +1,153 @@
+"""`python -m orchestrator` as a user runs it: real processes, the real MLflow store, a SIGKILL mid-training."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlflow
+import psutil
+import pytest
+
+from tests.conftest import QUICK, ROOT, run_cli
+
+pytestmark = pytest.mark.e2e
+STAGES = ["export", "transform", "train", "checkpoint", "aggregate"]
+
+
+def mlflow_runs(workdir: Path):
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    exp = client.get_experiment_by_name("orchestrator")
+    return client, client.search_runs([exp.experiment_id], order_by=["attribute.start_time ASC"])
+
+
+def children(runs, parent_id):
+    return {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent_id}
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("default")
+    result = run_cli(QUICK, workdir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return workdir, result
+
+
+def test_default_experiment_prints_plan_and_stage_table(default_run):
+    _, result = default_run
+    out = result.stdout
+    assert "plan" in out and "stages (" in out
+    for stage in STAGES:
+        assert stage in out
+    assert out.count(" ran ") >= 5 and "eval" in out
+
+
+def test_mlflow_holds_one_parent_with_five_stage_runs(default_run):
+    workdir, _ = default_run
+    client, runs = mlflow_runs(workdir)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    parent = parents[0]
+    assert parent.data.params["model.n_layers"] == "8" and parent.data.params["train.steps"] == "12"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"config.yaml", "plan.json", "plan.txt"}
+    kids = children(runs, parent.info.run_id)
+    assert sorted(kids) == sorted(STAGES)
+    assert all(k.info.status == "FINISHED" and k.data.tags["orchestrator.status"] == "ran" for k in kids.values())
+    train = kids["train"]
+    for metric in ("loss", "lr", "tokens_per_s", "step_time_s", "grad_norm", "input_density", "label_density",
+                   "memory/rss_post_backward_mb"):
+        history = client.get_metric_history(train.info.run_id, metric)
+        assert [m.step for m in history] == list(range(1, 13)), metric
+    assert [m.step for m in client.get_metric_history(train.info.run_id, "eval_loss")] == [6, 12]
+    assert train.data.params["optimizer.lr"] == "0.001"
+    assert {"loss_curve.png", "metrics.jsonl", "summary.json"} <= {a.path for a in client.list_artifacts(train.info.run_id)}
+    assert "model.onnx" in {a.path for a in client.list_artifacts(kids["export"].info.run_id)}
+    assert "manifest.json" in {a.path for a in client.list_artifacts(kids["checkpoint"].info.run_id)}
+    assert kids["aggregate"].data.metrics["eval_loss"] == pytest.approx(train.data.metrics["final_eval_loss"], rel=1e-6)
+
+
+def test_rerun_reports_everything_cached_quickly(default_run):
+    workdir, _ = default_run
+    t0 = time.perf_counter()
+    result = run_cli(QUICK, workdir)
+    elapsed = time.perf_counter() - t0
+    assert result.returncode == 0, result.stderr
+    assert "every stage is cached" in result.stdout
+    assert result.stdout.count(" cached ") >= 5
+    assert elapsed < 30  # behaviour, not speed: "a few seconds" would be < 10; this only catches re-running
+    client, runs = mlflow_runs(workdir)
+    newest = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][-1]
+    kids = children(runs, newest.info.run_id)
+    assert {k.data.tags["orchestrator.status"] for k in kids.values()} == {"cached"}
+    assert all(k.data.tags["orchestrator.source_run_id"] for k in kids.values())
+
+
+def test_dry_run_prints_plan_and_commands(default_run):
+    workdir, _ = default_run
+    result = run_cli([*QUICK, "optimizer.lr=3e-4", "dry_run=true"], workdir)
+    assert result.returncode == 0, result.stderr
+    assert "dry run: nothing was started" in result.stdout
+    assert "train: " in result.stdout and "orchestrator.worker" in result.stdout
+    assert "export: " not in result.stdout  # cached: nothing to run
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_sigkill_during_training_resumes_with_the_same_loss_curve(tmp_path):
+    args = ["train.steps=60", "train.checkpoint_every=10", "train.eval_every=20", "tracking=mlflow"]
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    reference.mkdir()
+    killed.mkdir()
+    assert run_cli(args, reference).returncode == 0
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=killed, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        checkpoints = killed / "runs" / "cache" / "train"
+        _wait_for(lambda: any(checkpoints.glob("*.work/scratch/checkpoints/step_0000020/manifest.json")), 300,
+                  "the checkpoint of step 20")
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+        assert ranks, "the train stage runs in a child process"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        gone, alive = psutil.wait_procs(ranks, timeout=15)
+        assert not alive, f"orphaned stage processes: {alive}"  # they die with the orchestrator
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not any(checkpoints.glob("*/summary.json")), "killed before training finished"
+
+    result = run_cli(args, killed)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "resumes from step" in result.stdout
+    ref = _metrics(reference)
+    got = _metrics(killed)
+    assert got["resumed_from_step"] >= 20
+    assert [r["step"] for r in got["rows"]] == [r["step"] for r in ref["rows"]] == list(range(1, 61))
+    for a, b in zip(got["rows"], ref["rows"]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6, abs=0), a["step"]
+        if "eval_loss" in b:
+            assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6, abs=0)
+    # the killed invocation's runs do not stay RUNNING forever
+    _, runs = mlflow_runs(killed)
+    assert [r.info.run_name for r in runs if r.info.status == "RUNNING"] == []
+    assert any(r.info.status == "KILLED" and r.info.run_name == "train" for r in runs)
+
+
+def _metrics(workdir: Path) -> dict:
+    train = next(p for p in (workdir / "runs" / "cache" / "train").iterdir() if (p / "summary.json").exists())
+    rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
+    return {"rows": rows, **json.loads((train / "summary.json").read_text())}

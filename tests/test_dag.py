@@ -1,0 +1,133 @@
+"""Planning: order, content keys (what enters them and what does not), cache hits, atomic publishing."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cache import Cache
+from orchestrator.dag import plan, source_hash
+from plugins.fsio import verify_file_table
+from stages import all_stages
+from stages.base import Stage
+from tests.conftest import make_cfg
+
+
+def keys(*overrides: str, cache_root: Path) -> dict[str, str]:
+    return {ps.name: ps.key for ps in plan(make_cfg(*overrides), all_stages(), Cache(cache_root))}
+
+
+def test_plan_is_in_dependency_order_with_resources(tmp_path):
+    planned = plan(make_cfg(), all_stages(), Cache(tmp_path))
+    assert [ps.name for ps in planned] == ["export", "transform", "train", "checkpoint", "aggregate"]
+    assert all(not ps.cached for ps in planned)
+    assert [ps.resources.tasks for ps in planned] == [1, 1, 1, 1, 1]
+
+
+def test_keys_are_stable(tmp_path):
+    assert keys(cache_root=tmp_path) == keys(cache_root=tmp_path)
+
+
+def test_lr_change_reuses_export_and_transform(tmp_path):
+    a, b = keys(cache_root=tmp_path), keys("optimizer.lr=3e-4", cache_root=tmp_path)
+    assert a["export"] == b["export"] and a["transform"] == b["transform"]
+    assert a["train"] != b["train"] and a["checkpoint"] != b["checkpoint"] and a["aggregate"] != b["aggregate"]
+
+
+def test_layout_change_keeps_export(tmp_path):
+    a, b = keys(cache_root=tmp_path), keys("parallel.microbatches=2", cache_root=tmp_path)
+    assert a["export"] == b["export"] and a["transform"] != b["transform"]
+
+
+@pytest.mark.parametrize("override", ["train.resume=false", "train.log_every=5", "train.progress=false",
+                                      "tracking=none", "tracking.uri=sqlite:///elsewhere.db", "cluster=debug",
+                                      "cluster.threads_per_rank=1", "dry_run=true", "train.keep_checkpoints=5"])
+def test_execution_only_keys_do_not_change_keys(override, tmp_path):
+    assert keys(override, cache_root=tmp_path) == keys(cache_root=tmp_path)
+
+
+@pytest.mark.parametrize("override,first_changed", [("model.d_model=128", "export"), ("export.opset=16", "export"),
+                                                     ("train.seed=1", "train"), ("data=synthetic", "train"),
+                                                     ("memory=level1", "train")])
+def test_content_keys_change_from_the_first_stage_that_reads_them(override, first_changed, tmp_path):
+    a, b = keys(cache_root=tmp_path), keys(override, cache_root=tmp_path)
+    order = list(a)
+    for name in order[order.index(first_changed):]:
+        assert a[name] != b[name], name
+    for name in order[:order.index(first_changed)]:
+        assert a[name] == b[name], name
+
+
+def test_data_files_enter_the_key(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text("hello world " * 50 * (i + 1))
+    args = ("data=text", f"data.paths=[{corpus}]")
+    before = keys(*args, cache_root=tmp_path / "c")
+    (corpus / "doc0.txt").write_text("changed text " * 80)
+    after = keys(*args, cache_root=tmp_path / "c")
+    assert before["transform"] == after["transform"] and before["train"] != after["train"]
+
+
+def test_code_enters_the_key(tmp_path, monkeypatch):
+    cfg = make_cfg()
+    stages = all_stages()
+    before = {ps.name: ps.key for ps in plan(cfg, stages, Cache(tmp_path))}
+    real = source_hash.__wrapped__
+    source_hash.cache_clear()
+    monkeypatch.setattr("orchestrator.dag.source_hash",
+                        lambda m: "edited" if m == "plugins.optim" else real(m))
+    after = {ps.name: ps.key for ps in plan(cfg, stages, Cache(tmp_path))}
+    assert before["transform"] == after["transform"] and before["train"] != after["train"]
+
+
+def test_cycles_and_unknown_upstreams_are_rejected(tmp_path):
+    s = all_stages()
+    cyclic = [replace(s[0], after=("aggregate",)), *s[1:]]
+    with pytest.raises(ValueError, match="cycle"):
+        plan(make_cfg(), cyclic, Cache(tmp_path))
+    with pytest.raises(ValueError, match="unknown stage"):
+        plan(make_cfg(), [replace(s[0], after=("nope",))], Cache(tmp_path))
+
+
+def test_published_entry_is_a_hit_and_verifiable(tmp_path):
+    cache = Cache(tmp_path)
+    cfg = make_cfg()
+    first = plan(cfg, all_stages(), cache)[0]
+    out, scratch = cache.begin(first.name, first.key)
+    (out / "model.onnx").write_bytes(b"graph")
+    assert not cache.is_complete(first.name, first.key)  # being written: never a hit
+    entry = cache.publish(first.name, first.key, {"material": first.material})
+    assert cache.is_complete(first.name, first.key)
+    assert not cache.work(first.name, first.key).exists()
+    record = cache.record(first.name, first.key)
+    assert verify_file_table(entry, record["files"]) == []
+    (entry / "model.onnx").write_bytes(b"grapH")
+    assert verify_file_table(entry, record["files"]) == ["model.onnx: sha256 differs from the manifest"]
+    assert plan(cfg, all_stages(), cache)[0].cached
+
+
+def test_a_new_attempt_clears_output_but_keeps_scratch(tmp_path):
+    cache = Cache(tmp_path)
+    out, scratch = cache.begin("train", "k")
+    (out / "half.bin").write_bytes(b"x")
+    (scratch / "checkpoints").mkdir()
+    out, scratch = cache.begin("train", "k")
+    assert list(out.iterdir()) == [] and (scratch / "checkpoints").is_dir()
+
+
+def test_stage_progress_hint_shows_in_the_plan(tmp_path):
+    cache = Cache(tmp_path)
+    cfg = make_cfg()
+    train = next(ps for ps in plan(cfg, all_stages(), cache) if ps.name == "train")
+    (cache.scratch("train", train.key) / "checkpoints" / "step_0000100").mkdir(parents=True)
+    (cache.scratch("train", train.key) / "checkpoints" / "step_0000100" / "manifest.json").write_text("{}")
+    again = next(ps for ps in plan(cfg, all_stages(), cache) if ps.name == "train")
+    assert again.note == "resumes from step 100"
+
+
+def test_stage_declares_its_module():
+    assert {s.name: s.module for s in all_stages()}["train"] == "stages.train"
+    assert isinstance(all_stages()[0], Stage)

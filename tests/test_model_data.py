@@ -1,0 +1,160 @@
+"""The model registry entry, the partition plan, the data batcher and the optimizer pieces."""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from plugins.data import Batcher, Corpus, build_batcher, corpus_from_documents
+from plugins.data.tokenizer import EOS, PAD, decode, encode
+from plugins.models import get_model, model_names
+from plugins.optim import build_optimizer, lr_factor
+from plugins.partition import build_plan, pipeline_stages
+from tests.conftest import make_cfg
+
+
+def tiny(*overrides):
+    cfg = make_cfg("model.n_layers=4", "model.d_model=32", "model.d_ff=64", *overrides)
+    spec = get_model(cfg.model.name)
+    model = spec.build(cfg.model)
+    spec.init_weights(model, cfg.model, seed=7)
+    return cfg, spec, model
+
+
+def test_registry_has_gpt_and_names_unknown_models():
+    assert "gpt" in model_names()
+    with pytest.raises(KeyError, match="not registered"):
+        get_model("nope")
+
+
+def test_tied_embedding_and_shapes():
+    cfg, spec, model = tiny()
+    assert model.lm_head.weight is model.wte.weight
+    logits = model(torch.randint(0, 320, (2, 10)))
+    assert logits.shape == (2, 10, 320)
+
+
+def test_init_is_layout_independent():
+    """A pipeline stage's parameters equal the full model's under the same seed (names are global)."""
+    cfg, spec, full = tiny()
+    stage = spec.split(spec.build(cfg.model), [2, 3], first=False, last=True)
+    spec.init_weights(stage, cfg.model, seed=7)
+    names = dict(stage.named_parameters())
+    assert "layers.2.attn.wq.weight" in names and "layers.0.attn.wq.weight" not in names
+    assert "wte.weight" not in names and "lm_head.weight" in names
+    full_params = dict(full.named_parameters(remove_duplicate=False))
+    for n, p in names.items():
+        assert torch.equal(p, full_params[n]), n
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_recompute_levels_change_no_numbers(level):
+    cfg, spec, model = tiny()
+    other = copy.deepcopy(model)
+    spec.apply_memory(other, level)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    spec.loss(model(x), y).backward()
+    spec.loss(other(x), y).backward()
+    for (n, a), (_, b) in zip(model.named_parameters(), other.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), n
+
+
+def test_loss_ignores_padding_labels():
+    cfg, spec, model = tiny()
+    logits = torch.randn(1, 4, 320)
+    labels = torch.tensor([[1, 2, -100, -100]])
+    assert torch.isclose(spec.loss(logits, labels), spec.loss(logits[:, :2], labels[:, :2]))
+
+
+def test_partition_plan_for_hp2_pp2():
+    cfg = make_cfg("parallel=dp2_hp2_pp2")
+    plan = build_plan(cfg.model, cfg.parallel)
+    p = plan["parameters"]
+    assert p["layers.0.attn.wq.weight"] == {"shape": [64, 64], "partition_axis": 0, "partition_name": "colwise",
+                                             "is_partitioned": True, "shard_shape": [32, 64], "pp_stages": [0],
+                                             "tied_to": None}
+    assert p["layers.7.mlp.fc2.weight"]["shard_shape"] == [64, 128] and p["layers.7.mlp.fc2.weight"]["pp_stages"] == [1]
+    assert p["layers.0.mlp.fc2.bias"]["is_partitioned"] is False
+    assert p["lm_head.weight"]["tied_to"] == "wte.weight" and p["lm_head.weight"]["pp_stages"] == [1]
+    assert p["wte.weight"]["pp_stages"] == [0] and p["wte.weight"]["partition_name"] == "vocab"
+    assert plan["layout"]["world_size"] == 8
+
+
+def test_single_process_plan_partitions_nothing():
+    cfg = make_cfg()
+    plan = build_plan(cfg.model, cfg.parallel)
+    assert not any(v["is_partitioned"] for v in plan["parameters"].values())
+    assert plan["pipeline"] == [{"stage": 0, "rank": 0, "chunk": 0, "layers": list(range(8)),
+                                 "embedding": True, "head": True}]
+    assert plan["n_parameters"] == sum(p.numel() for p in get_model("gpt").build(cfg.model).parameters())
+
+
+def test_pipeline_stage_placement():
+    loop = pipeline_stages(8, pp=4, chunks=2, schedule="interleaved_1f1b")
+    assert [(s["stage"], s["rank"], s["chunk"]) for s in loop][:5] == [(0, 0, 0), (1, 1, 0), (2, 2, 0), (3, 3, 0),
+                                                                        (4, 0, 1)]
+    v = pipeline_stages(8, pp=2, chunks=2, schedule="zbv")
+    assert [s["rank"] for s in v] == [0, 1, 1, 0]  # V: rank 0 holds the first and the last stage
+
+
+def test_tokenizer_round_trip():
+    text = "def f():\n    return 'é'\n".encode()
+    assert decode(encode(text)) == text
+
+
+def test_batches_depend_only_on_step_and_seed():
+    cfg = make_cfg("data=synthetic", "train.batch_size=4", "train.seq_len=16")
+    a, b = build_batcher(cfg), build_batcher(cfg)
+    assert torch.equal(a.train_batch(5).inputs, b.train_batch(5).inputs)
+    assert not torch.equal(a.train_batch(5).inputs, a.train_batch(6).inputs)
+    batch = a.train_batch(3)
+    assert torch.equal(batch.inputs[:, 1:], batch.labels[:, :-1])  # labels are the next tokens
+    assert batch.input_density == 1.0 and batch.n_labels == 4 * 16
+
+
+def test_unpacked_short_documents_are_padded_and_masked():
+    cfg = make_cfg("data.packing=false", "data.val_fraction=0.5")
+    docs = [(f"d{i}", b"x" * (5 + i)) for i in range(8)]
+    batcher = Batcher(corpus_from_documents(docs, cfg.data), batch_size=4, seq_len=32, seed=0)
+    batch = batcher.train_batch(0)
+    assert (batch.inputs == PAD).any() and (batch.labels == -100).any()
+    assert 0 < batch.input_density < 1 and 0 < batch.label_density < 1
+    assert (batch.labels[batch.inputs == PAD] == -100).all()
+    assert (batch.labels == EOS).sum() == 4  # each row predicts its document's end
+
+
+def test_stdlib_corpus_has_a_held_out_split():
+    cfg = make_cfg()
+    batcher = build_batcher(cfg)
+    assert isinstance(batcher.corpus, Corpus) and batcher.corpus.packed
+    assert len(batcher.corpus.train[0]) > 10 * len(batcher.corpus.val[0]) > 0
+    assert batcher.eval_batch(0).inputs.max() < 258
+
+
+def test_too_little_data_is_explained():
+    corpus = Corpus([np.arange(10)], [np.arange(10)], 320, packed=True)
+    with pytest.raises(ValueError, match="fewer than train.seq_len"):
+        Batcher(corpus, 2, 64, 0)
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = make_cfg("optimizer.warmup_steps=10", "optimizer.min_lr_ratio=0.1").optimizer
+    assert lr_factor(cfg, 0, 100) == pytest.approx(0.1)
+    assert lr_factor(cfg, 9, 100) == pytest.approx(1.0)
+    assert lr_factor(cfg, 10, 100) == pytest.approx(1.0)
+    assert lr_factor(cfg, 55, 100) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr_factor(cfg, 100, 100) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name,impl,flag", [("adamw", "auto", "fused"), ("adamw", "foreach", "foreach"),
+                                            ("sgd", "auto", "fused"), ("sgd", "for_loop", "foreach")])
+def test_optimizer_kernels(name, impl, flag):
+    cfg, spec, model = tiny(f"optimizer={name}", f"optimizer.impl={impl}")
+    opt = build_optimizer(cfg.optimizer, model)
+    group = opt.param_groups[0]
+    assert group[flag] is (impl != "for_loop")
+    decayed = {id(p) for p in opt.param_groups[0]["params"]}
+    assert id(model.wte.weight) in decayed and id(model.layers["0"].ln1.weight) not in decayed

@@ -1,0 +1,141 @@
+"""The whole DAG in this process (cluster=debug): outputs, failure propagation, resume at the failed stage."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator.run import orchestrate
+from plugins import consolidate
+from plugins.fsio import read_json
+from plugins.models import get_model
+from tests.conftest import QUICK, make_cfg
+
+DEBUG = ["cluster=debug", "tracking=none", *QUICK]
+
+
+def run(tmp_path: Path, *overrides: str, name: str = "run"):
+    cfg = make_cfg(*DEBUG, *overrides, runs_dir=tmp_path / "runs")
+    return orchestrate(cfg, tmp_path / name, [*DEBUG, *overrides])
+
+
+def entry(tmp_path: Path, report, stage: str) -> Path:
+    return tmp_path / "runs" / "cache" / stage / report.results[stage].key
+
+
+def test_every_stage_writes_its_outputs(tmp_path):
+    report = run(tmp_path)
+    assert report.exit_code == 0
+    assert {n: r.status for n, r in report.results.items()} == dict.fromkeys(
+        ["export", "transform", "train", "checkpoint", "aggregate"], "ran")
+    assert (entry(tmp_path, report, "export") / "model.onnx").is_file()
+    assert read_json(entry(tmp_path, report, "export") / "io_schema.json")["input_names"] == ["input_ids"]
+    assert "layers.0.attn.wq.weight" in read_json(entry(tmp_path, report, "transform") / "partition_plan.json")[
+        "parameters"]
+    train = entry(tmp_path, report, "train")
+    summary = read_json(train / "summary.json")
+    rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "input_density", "label_density",
+                "memory/rss_pre_forward_mb", "memory/rss_post_forward_mb", "memory/rss_post_backward_mb"):
+        assert key in rows[0], key
+    assert [r["step"] for r in rows if "eval_loss" in r] == [6, 12]
+    assert (train / "loss_curve.png").stat().st_size > 1000
+    manifest = read_json(entry(tmp_path, report, "checkpoint") / "manifest.json")
+    assert manifest["step"] == 12 and manifest["trainer"]["world_size"] == 1
+    assert manifest["partition_plan"]["layout"]["world_size"] == 1 and manifest["config_key"]
+    agg = entry(tmp_path, report, "aggregate")
+    assert read_json(agg / "manifest.json")["verification"]["eval_loss"] == pytest.approx(
+        summary["final_eval_loss"], rel=1e-6)
+    # the aggregated checkpoint is usable by a plain program
+    cfg = make_cfg(*DEBUG)
+    model = get_model("gpt").build(cfg.model)
+    consolidate.load(agg, model)
+    assert torch.isfinite(model(torch.zeros(1, 4, dtype=torch.long))).all()
+
+
+def test_rerun_is_cached_and_lr_change_reuses_export_and_transform(tmp_path):
+    run(tmp_path, name="first")
+    again = run(tmp_path, name="again")
+    assert {r.status for r in again.results.values()} == {"cached"}
+    other = run(tmp_path, "optimizer.lr=3e-4", name="lr")
+    assert {n: r.status for n, r in other.results.items()} == {
+        "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran", "aggregate": "ran"}
+
+
+def test_dry_run_starts_nothing(tmp_path):
+    report = run(tmp_path, "dry_run=true")
+    assert report.results == {}
+    assert not (tmp_path / "runs" / "cache").exists()
+    plan = read_json(tmp_path / "run" / "plan.json")
+    assert [p["stage"] for p in plan] == ["export", "transform", "train", "checkpoint", "aggregate"]
+    assert all(not p["cached"] and p["command"] for p in plan)
+
+
+def test_failed_stage_stops_dependants_and_rerun_resumes_there(tmp_path, monkeypatch):
+    import stages.train
+
+    def broken(cfg):
+        raise RuntimeError("injected data failure")
+
+    monkeypatch.setattr(stages.train, "build_batcher", broken)
+    first = run(tmp_path, name="first")
+    assert first.exit_code == 1
+    assert {n: r.status for n, r in first.results.items()} == {
+        "export": "ran", "transform": "ran", "train": "failed", "checkpoint": "not run", "aggregate": "not run"}
+    assert "injected data failure" in first.results["train"].error
+    assert not (tmp_path / "runs" / "cache" / "checkpoint").exists()
+    monkeypatch.undo()
+
+    second = run(tmp_path, name="second")
+    assert second.exit_code == 0
+    assert {n: r.status for n, r in second.results.items()} == {
+        "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran", "aggregate": "ran"}
+
+
+def test_failed_aggregate_verification_publishes_nothing(tmp_path, monkeypatch):
+    import stages.aggregate
+
+    monkeypatch.setattr(stages.aggregate, "EVAL_RTOL", -1.0)  # no eval loss can pass: the check must fail
+    first = run(tmp_path, name="first")
+    assert first.results["aggregate"].status == "failed"
+    assert "differs from the train stage's final eval loss" in first.results["aggregate"].error
+    key = first.results["aggregate"].key
+    assert not (tmp_path / "runs" / "cache" / "aggregate" / key).exists()
+    monkeypatch.undo()
+    assert run(tmp_path, name="second").results["aggregate"].status == "ran"
+
+
+def test_resume_continues_exactly(tmp_path):
+    """Train 12 steps; separately train with the run cut after step 6 (its checkpoint), then resume."""
+    reference = run(tmp_path / "a", "train.steps=12")
+    ref_rows = (entry(tmp_path / "a", reference, "train") / "metrics.jsonl").read_text().splitlines()
+
+    import stages.train
+
+    real = stages.train.train_step
+    calls = {"n": 0}
+
+    def dies_after_six(*args, **kwargs):
+        if calls["n"] == 7:
+            raise KeyboardInterrupt  # stands in for a kill: nothing after this point runs
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    stages.train.train_step = dies_after_six
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path / "b", "train.steps=12", name="killed")
+    finally:
+        stages.train.train_step = real
+    resumed = run(tmp_path / "b", "train.steps=12", name="resumed")
+    train = entry(tmp_path / "b", resumed, "train")
+    assert read_json(train / "summary.json")["resumed_from_step"] == 6
+    got = [json.loads(r) for r in (train / "metrics.jsonl").read_text().splitlines()]
+    want = [json.loads(r) for r in ref_rows]
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=0), g["step"]
+        assert g.get("eval_loss") == pytest.approx(w.get("eval_loss"), rel=1e-6) if "eval_loss" in w else True
