@@ -54,6 +54,9 @@ def test_every_stage_writes_its_outputs(tmp_path):
     model = get_model("gpt").build(cfg.model)
     consolidate.load(agg, model)
     assert torch.isfinite(model(torch.zeros(1, 4, dtype=torch.long))).all()
+    # tracking=none: no MLflow store, no artifact folder
+    assert not (tmp_path / "runs" / "mlflow.db").exists() and not (tmp_path / "runs" / "mlartifacts").exists()
+    assert report.parent_run_id is None
 
 
 def test_rerun_is_cached_and_lr_change_reuses_export_and_transform(tmp_path):
