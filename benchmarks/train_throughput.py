@@ -29,7 +29,6 @@ from orchestrator.tracking import Invocation, MlflowStageTracker  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
 from plugins.fsio import atomic_write_json  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from plugins.optim import build_optimizer  # noqa: E402
 from plugins.partition import build_plan  # noqa: E402
 from stages.base import StageContext  # noqa: E402
 from stages.train import train  # noqa: E402

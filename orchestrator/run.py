@@ -51,16 +51,18 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
     config_path = run_dir / "config.yaml"
     config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     executor = make_executor(cfg.cluster.name)
-    launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan if not ps.cached}
-    where = {name: executor.describe(launch) for name, launch in launches.items()}
-    _write_plan(run_dir, plan, where, {name: executor.command(launch) for name, launch in launches.items()})
+    launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
+    to_run = [ps.name for ps in plan if not ps.cached]
+    where = {name: executor.describe(launches[name]) for name in to_run}
+    commands = {name: executor.command(launches[name]) for name in to_run}
+    _write_plan(run_dir, plan, where, commands)
     console.print(plan_table(plan, where))
     if cfg.dry_run:
-        for name, launch in launches.items():
-            console.print(f"{name}: {executor.command(launch)}", soft_wrap=True)
+        for name, command in commands.items():
+            console.print(f"{name}: {command}", soft_wrap=True)
         console.print(f"dry run: nothing was started (plan written to {run_dir / 'plan.json'})", soft_wrap=True)
         return Report(run_dir)
-    if not launches:
+    if not to_run:
         console.print("every stage is cached: nothing to run")
 
     tracking = Invocation(cfg, " ".join(overrides) or "default", {"orchestrator.run_dir": str(run_dir)}) \
@@ -81,7 +83,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
                     run_id = tracking.start_stage(ps.name, ps.key, {}, {"orchestrator.status": "not run"})
                     tracking.end_run(run_id, "KILLED")
                 continue
-            results[ps.name] = _run_stage(cfg, ps, cache, launches.get(ps.name), executor, tracking)
+            results[ps.name] = _run_stage(cfg, ps, cache, launches[ps.name], executor, tracking)
             _link_output(run_dir, ps, cache)
     except KeyboardInterrupt:
         if tracking:
@@ -114,7 +116,7 @@ def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, conf
     return Launch(ps, spec, log_dir / "spec.json", log_dir)
 
 
-def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Optional[Launch], executor,
+def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, executor,
                tracking: Optional[Invocation]) -> StageResult:
     with cache.lock(ps.name, ps.key):
         if cache.is_complete(ps.name, ps.key):  # cached before, or finished by a concurrent invocation

@@ -14,9 +14,6 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-MANIFEST_FILES_KEY = "files"
-
-
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:

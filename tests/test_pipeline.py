@@ -141,4 +141,5 @@ def test_resume_continues_exactly(tmp_path):
     assert [r["step"] for r in got] == [r["step"] for r in want]
     for g, w in zip(got, want):
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=0), g["step"]
-        assert g.get("eval_loss") == pytest.approx(w.get("eval_loss"), rel=1e-6) if "eval_loss" in w else True
+        if "eval_loss" in w:
+            assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-6, abs=0), g["step"]
