@@ -168,6 +168,8 @@ class TrainConfig:
     checkpoint_every: int = key(100, "save a resumable checkpoint every N steps; 0: only the final one", min=0)
     keep_checkpoints: int = key(2, "periodic checkpoints kept while training (older ones are deleted)", content=False, min=1)
     resume: bool = key(True, "continue an interrupted run from its latest complete checkpoint", content=False)
+    init_from: Optional[str] = key(None, "start from this checkpoint folder (written by any layout): weights, optimizer "
+                                         "state and step; training continues up to train.steps")
     log_every: int = key(20, "print a metrics line every N steps", content=False, min=0)
     progress: bool = key(True, "show a progress bar", content=False)
 

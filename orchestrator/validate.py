@@ -16,7 +16,7 @@ SCHEDULES = {
     "interleaved_1f1b": (">= 2", lambda pp, c: pp),
     "looped_bfs": (">= 2", lambda pp, c: pp),
     "interleaved_zb": (">= 2", lambda pp, c: pp),
-    "zbv": ("== 2", lambda pp, c: pp * c),
+    "zbv": ("== 2", lambda pp, c: pp),
 }
 
 
@@ -118,6 +118,11 @@ def layout_problems(cfg: DictConfig) -> list[Problem]:
             problems.append(Problem("parallel.microbatches", p.microbatches, f"parallel.pp_schedule={p.pp_schedule} "
                                     f"with pp={p.pp}, pp_chunks={p.pp_chunks} needs at least {need} microbatches "
                                     "(every stage must have work in flight)", f"parallel.microbatches={need}"))
+        rounds = max(1, p.microbatches // p.pp)
+        if p.pp_schedule in ("interleaved_1f1b", "interleaved_zb") and p.microbatches % rounds:
+            problems.append(Problem("parallel.microbatches", p.microbatches, f"parallel.pp_schedule={p.pp_schedule} "
+                                    f"runs microbatches in rounds of pp={p.pp}: {p.microbatches} is not a multiple of "
+                                    f"its {rounds} rounds", f"parallel.microbatches={rounds * p.pp}"))
     if t.batch_size % (p.dp * p.microbatches):
         problems.append(Problem("train.batch_size", t.batch_size, f"the global batch is split into parallel.dp="
                                 f"{p.dp} ranks x parallel.microbatches={p.microbatches} microbatches: it must be "
@@ -159,9 +164,42 @@ def training_problems(cfg: DictConfig) -> list[Problem]:
     if need is not None and need > m.vocab_size:
         problems.append(Problem("model.vocab_size", m.vocab_size, f"data={d.name} produces token ids up to {need - 1}",
                                 f"model.vocab_size={need} or more (a multiple of 64 is fastest)"))
+    problems += _init_from_problems(cfg)
     if d.name == "text" and not d.paths:
         problems.append(Problem("data.paths", "[]", "data=text needs files or folders to read",
                                 "data.paths='[/path/to/corpus]'"))
+    return problems
+
+
+def _init_from_problems(cfg: DictConfig) -> list[Problem]:
+    """train.init_from names a complete checkpoint of a model with this model's parameters (any layout)."""
+    from pathlib import Path
+
+    from plugins.checkpoint import MANIFEST
+    from plugins.fsio import read_json
+    from plugins.partition import build_plan
+
+    path = cfg.train.init_from
+    if not path:
+        return []
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        return [Problem("train.init_from", path, f"must be a complete checkpoint folder (with {MANIFEST}), e.g. "
+                        "runs/cache/checkpoint/<key> or the checkpoint/ folder of a train stage's output",
+                        "point it at a checkpoint folder, or remove it (train.init_from=null)")]
+    manifest = read_json(manifest_path)
+    theirs = {n: q["shape"] for n, q in manifest.get("partition_plan", {}).get("parameters", {}).items()}
+    ours = {n: q["shape"] for n, q in build_plan(cfg.model, cfg.parallel)["parameters"].items()}
+    differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
+    problems = []
+    if differ:
+        problems.append(Problem("train.init_from", path, f"the checkpoint holds another model: {len(differ)} "
+                                f"parameter(s) differ in name or shape, e.g. {differ[0]}: checkpoint "
+                                f"{theirs.get(differ[0])}, model {ours.get(differ[0])}",
+                                "choose the model= options the checkpoint was trained with"))
+    if manifest.get("step", 0) >= cfg.train.steps:
+        problems.append(Problem("train.steps", cfg.train.steps, f"train.init_from is at step {manifest.get('step')}: "
+                                "training continues up to train.steps", f"train.steps={manifest.get('step', 0) + 100}"))
     return problems
 
 
@@ -196,13 +234,7 @@ def _has_cuda() -> bool:
 
 def unavailable_problems(cfg: DictConfig) -> list[Problem]:
     """Features whose configs exist but whose execution is not in this version yet."""
-    p = cfg.parallel
     problems = []
-    world = p.dp * p.hp * p.pp
-    if world > 1:
-        problems.append(Problem("parallel", f"dp{p.dp}_hp{p.hp}_pp{p.pp}", f"multi-rank training ({world} ranks) is "
-                                "not available in this version: its configs and checks exist, execution does not yet",
-                                "parallel=single"))
     if cfg.engine.name == "ort":
         problems.append(Problem("engine", "ort", "training on the ONNX Runtime engine is not available in this "
                                 "version (export and transform already produce its graphs)", "engine=torch"))

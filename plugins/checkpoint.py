@@ -54,21 +54,45 @@ def _is_rank0() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def training_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
-    """The DCP state of a model and its optimizer (fresh tensors to load into, or current values to save)."""
-    state = {"model": get_model_state_dict(model, options=_OPTIONS)}
-    if optimizer is not None:
-        state["optim"] = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
-    return state
+Parts = list[tuple[nn.Module, Optional[torch.optim.Optimizer]]]
 
 
-def apply_training_state(model: nn.Module, optimizer: Optional[torch.optim.Optimizer], state: dict) -> None:
-    set_model_state_dict(model, state["model"], options=_OPTIONS)
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optim"], options=_OPTIONS)
+def _canonical_optim_key(key: str, aliases: dict[str, str]) -> str:
+    """"state.lm_head.weight.exp_avg" -> "state.wte.weight.exp_avg" when lm_head.weight is a tied copy."""
+    section, rest = key.split(".", 1)
+    fqn, leaf = rest.rsplit(".", 1)
+    return f"{section}.{aliases.get(fqn, fqn)}.{leaf}"
 
 
-def save(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], meta: dict) -> Path:
+def training_state(parts: Parts, aliases: Optional[dict[str, str]] = None) -> dict:
+    """The DCP state of this rank's modules and optimizers, keyed by parameter name (optimizer state
+    flattened). A tied copy is keyed by the weight it copies, so a layout that holds two copies (first and
+    last pipeline stage) and one that holds one shared weight write and read the same entries."""
+    aliases = aliases or {}
+    model: dict = {}
+    optim: dict = {}
+    for module, optimizer in parts:
+        for k, v in get_model_state_dict(module, options=_OPTIONS).items():
+            model.setdefault(aliases.get(k, k), v)
+        if optimizer is not None:
+            for k, v in get_optimizer_state_dict(module, optimizer, options=_OPTIONS).items():
+                optim.setdefault(_canonical_optim_key(k, aliases), v)
+    return {"model": model, **({"optim": optim} if any(o is not None for _, o in parts) else {})}
+
+
+def apply_training_state(parts: Parts, state: dict, aliases: Optional[dict[str, str]] = None) -> None:
+    """Copy loaded values into every module and optimizer (each tied copy gets the canonical entry)."""
+    aliases = aliases or {}
+    for module, optimizer in parts:
+        own = get_model_state_dict(module, options=_OPTIONS)
+        set_model_state_dict(module, {k: state["model"][aliases.get(k, k)] for k in own}, options=_OPTIONS)
+        if optimizer is not None:
+            own = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
+            set_optimizer_state_dict(module, optimizer, {k: state["optim"][_canonical_optim_key(k, aliases)]
+                                                         for k in own}, options=_OPTIONS)
+
+
+def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]] = None) -> Path:
     """Write a complete checkpoint at `path` (every rank calls this). Returns path."""
     path = Path(path)
     partial = path.with_name(f".{path.name}.partial")
@@ -78,7 +102,7 @@ def save(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
             raise FileExistsError(f"checkpoint {path} exists")
     _barrier()
     with _quiet_single_process():
-        dcp.save(training_state(model, optimizer), checkpoint_id=str(partial))
+        dcp.save(training_state(parts, aliases), checkpoint_id=str(partial))
     _barrier()
     if _is_rank0():
         manifest = {"format": FORMAT, **meta, "files": file_table(partial, exclude=(MANIFEST,))}
@@ -88,13 +112,14 @@ def save(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer
     return path
 
 
-def load(path: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> dict:
-    """Load a checkpoint into model (and optimizer) in whatever layout they are; returns its manifest."""
+def load(path: Path, parts: Parts, aliases: Optional[dict[str, str]] = None) -> dict:
+    """Load a checkpoint into this rank's modules (and optimizers) in whatever layout they are, whatever
+    layout wrote it; returns its manifest."""
     manifest = read_manifest(path)
-    state = training_state(model, optimizer)
+    state = training_state(parts, aliases)
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    apply_training_state(model, optimizer, state)
+    apply_training_state(parts, state, aliases)
     return manifest
 
 

@@ -105,3 +105,36 @@ def plot_loss_curve(rows: Iterable[dict], path: Path, title: str = "") -> Option
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_pipeline_timeline(timeline: dict, path: Path, title: str = "") -> Optional[Path]:
+    """One row per pipeline rank: when it ran each microbatch's forward (F), backward (B) and weight
+    gradient (W) of each of its stages; the gaps are the bubble."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = sorted(timeline["ranks"], key=lambda r: r["rank"])
+    if not ranks:
+        return None
+    colors = {"F": "tab:blue", "B": "tab:orange", "W": "tab:green"}
+    fig, ax = plt.subplots(figsize=(10, 0.6 * len(ranks) + 1.5), dpi=100)
+    for row, r in enumerate(ranks):
+        for stage, kind, mb, t0, t1 in r["events"]:
+            ax.broken_barh([(t0 * 1e3, (t1 - t0) * 1e3)], (row - 0.4, 0.8), color=colors.get(kind, "gray"),
+                           edgecolor="white", linewidth=0.5)
+            if (t1 - t0) * 1e3 > 0.03 * r["step_seconds"] * 1e3:
+                ax.text((t0 + t1) / 2 * 1e3, row, f"{kind}{mb}" + (f"s{stage}" if len({e[0] for e in r['events']}) > 1 else ""),
+                        ha="center", va="center", fontsize=7, color="white")
+        idle = 1 - sum(t1 - t0 for *_, t0, t1 in r["events"]) / r["step_seconds"] if r["step_seconds"] else 0
+        ax.text(r["step_seconds"] * 1e3, row, f"  idle {idle:.0%}", va="center", fontsize=8)
+    ax.set_yticks(range(len(ranks)), [f"pp rank {r['rank']}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step started")
+    ax.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    ax.legend(handles, ["forward", "backward (input grad)", "backward (weight grad)"], loc="lower right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

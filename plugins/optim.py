@@ -8,10 +8,18 @@ from torch import nn
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay weight matrices and embeddings; never biases or norm scales (nanoGPT's rule: dim >= 2)."""
+    """Decay weight matrices and embeddings; never biases or norm scales (nanoGPT's rule: dim >= 2).
+
+    Each group is split by tensor kind: foreach kernels cannot mix DTensors (sharded by tensor parallelism)
+    with plain tensors (replicated modules). Checkpoints do not see groups: optimizer state is saved per
+    parameter, so layouts with other groupings read it alike."""
     params = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = []
+    for decay, wd in ((True, weight_decay), (False, 0.0)):
+        chosen = [p for p in params if (p.dim() >= 2) == decay]
+        for kind in sorted({type(p).__name__ for p in chosen}):
+            groups.append({"params": [p for p in chosen if type(p).__name__ == kind], "weight_decay": wd})
+    return groups
 
 
 def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:

@@ -1,164 +1,220 @@
-"""train: the training loop, resumable from its latest complete checkpoint.
+"""train: the training loop on every rank of the layout, resumable from its latest complete checkpoint.
 
-Everything a step depends on is a function of the step number (batch, learning rate, dropout seed) or is
-in the checkpoint (parameters, optimizer state), so a run killed at any moment and resumed produces the
-same losses as one that never stopped.
+Everything a step depends on is a function of the step number (global batch, learning rate, dropout seed)
+or is in the checkpoint (parameters, optimizer state), so a run killed at any moment and resumed produces
+the same losses as one that never stopped; and the global batch and the loss normalisation (sum over the
+batch's labels / their count) do not depend on the layout, so every layout computes the same losses.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plugins import checkpoint as ckpt
 from plugins.data import build_batcher, data_fingerprint
-from plugins.evaluate import eval_loss
 from plugins.fsio import atomic_write_json, link_tree, read_json, remove_tree
-from plugins.metrics import MemoryProbe, MetricsLog, plot_loss_curve
+from plugins.metrics import MemoryProbe, MetricsLog, plot_loss_curve, plot_pipeline_timeline
 from plugins.models import get_model
 from plugins.optim import build_optimizer, lr_factor, set_lr
+from plugins.parallel.layout import Layout, build_layout
+from plugins.parallel.mesh import pick_device
 from stages.base import Resources, Stage, StageContext
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps of an attempt are slower (allocator, caches): not in tokens/s
 
 
-def train(ctx: StageContext) -> None:
-    cfg, t = ctx.cfg, ctx.cfg.train
-    if ctx.world_size > 1:
-        raise NotImplementedError("multi-rank training is not available in this version (validation should "
-                                  "have rejected parallel layouts with more than one rank)")
-    plan = read_json(ctx.inputs["transform"] / "partition_plan.json")
-    spec = get_model(cfg.model.name)
-    model = spec.build(cfg.model)
-    spec.init_weights(model, cfg.model, t.seed)
-    spec.apply_memory(model, cfg.memory.level)
-    optimizer = build_optimizer(cfg.optimizer, model)
-    batcher = build_batcher(cfg)
-    device = next(model.parameters()).device
-
-    checkpoints = ctx.scratch / "checkpoints"
-    history = MetricsLog(ctx.scratch / "metrics.jsonl")
-    start = _restore(ctx, model, optimizer, checkpoints) if t.resume else _start_fresh(ctx)
-    earlier = history.truncate(after_step=start)
-    for row in earlier:  # an interrupted attempt's curve, so this run's record is complete
-        ctx.tracker.log_metrics(_numeric(row), step=row["step"])
-
-    meta = {"trainer": {"world_size": ctx.world_size, **{k: plan["layout"][k] for k in ("dp", "hp", "pp")},
-                        "optimizer": cfg.optimizer.name, "seed": t.seed},
-            "config_key": ctx.key, "partition_plan": plan}
-
-    def save(step: int) -> None:
-        history.sync()
-        ckpt.save(ckpt.step_dir(checkpoints, step), model, optimizer, {**meta, "step": step})
-        ckpt.prune(checkpoints, keep=max(t.keep_checkpoints, 1))
-
-    probe = MemoryProbe(device)
-    settings = StepSettings.of(cfg)
-    lrs = [cfg.optimizer.lr * lr_factor(cfg.optimizer, step, t.steps) for step in range(t.steps)]
-    steps, eval_every, log_every, checkpoint_every = t.steps, t.eval_every, t.log_every, t.checkpoint_every
-    timed_tokens, timed_s = 0, 0.0
-    with _progress(ctx, steps, start) as progress:
-        task = progress.add_task("train", total=steps, completed=start, loss=float("nan"))
-        for step in range(start, steps):
-            row = train_step(model, spec.loss, optimizer, batcher.train_batch(step), step, lrs[step], settings, probe)
-            done = step + 1
-            if step - start >= WARMUP_STEPS_EXCLUDED:
-                timed_tokens += row["tokens"]
-                timed_s += row["step_time_s"]
-            if done == steps or (eval_every and done % eval_every == 0):
-                row["eval_loss"] = eval_loss(model, spec.loss, batcher, t.eval_batches)
-            row["time"] = time.time()  # wall clock after all of the step's bookkeeping (for throughput audits)
-            history.append(row)
-            ctx.tracker.log_metrics(_numeric(row), step=done)
-            progress.update(task, completed=done, loss=row["loss"])
-            if log_every and (done % log_every == 0 or done == steps):
-                progress.console.print(_line(row, steps), soft_wrap=True)
-            if done == steps or (checkpoint_every and done % checkpoint_every == 0):
-                save(done)
-    history.close()
-
-    if start == t.steps:  # an earlier attempt finished training and saved its last checkpoint
-        ctx.log.info("training had already reached step %d: publishing its results", t.steps)
-    final = ckpt.step_dir(checkpoints, t.steps)
-    link_tree(final, ctx.out / "checkpoint")
-    rows = history.rows()
-    (ctx.out / "metrics.jsonl").write_text(history.path.read_text())
-    last = rows[-1]
-    summary = {"steps": t.steps, "resumed_from_step": start, "final_loss": last["loss"],
-               "final_eval_loss": last["eval_loss"], "tokens_per_s": timed_tokens / timed_s if timed_s else None,
-               "n_parameters": plan["n_parameters"]}
-    atomic_write_json(ctx.out / "summary.json", summary)
-    png = plot_loss_curve(rows, ctx.out / "loss_curve.png", f"{cfg.model.name} {plan['n_parameters']:,} params")
-    ctx.tracker.log_metrics({"final_eval_loss": summary["final_eval_loss"]})
-    for artifact in (png, ctx.out / "metrics.jsonl", ctx.out / "summary.json"):
-        if artifact:
-            ctx.tracker.log_artifact(artifact)
-
-
 @dataclass(frozen=True)
 class StepSettings:
     """What a step reads, resolved once: config lookups cost microseconds each in the hot loop."""
-    microbatches: int
     grad_clip: float            # inf: measure the norm, clip nothing
     dropout_seed: Optional[int]  # reseed per step (resume-exact dropout masks); None when there is no dropout
 
     @staticmethod
     def of(cfg) -> "StepSettings":
-        return StepSettings(cfg.parallel.microbatches,
-                            cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
+        return StepSettings(cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
                             cfg.train.seed if cfg.model.dropout > 0 else None)
 
 
-def train_step(model, loss_fn, optimizer, batch, step: int, lr: float, s: StepSettings, probe: MemoryProbe) -> dict:
-    """One optimizer step over the global batch, accumulated over s.microbatches."""
+def train(ctx: StageContext) -> None:
+    cfg, t = ctx.cfg, ctx.cfg.train
+    plan = read_json(ctx.inputs["transform"] / "partition_plan.json")
+    device = pick_device()
+    probe = MemoryProbe(device)
+    layout = build_layout(cfg, plan, get_model(cfg.model.name), device, probe=probe, timeline=cfg.parallel.pp > 1)
+    optimizers = [build_optimizer(cfg.optimizer, part) for part in layout.parts]
+    parts = list(zip(layout.parts, optimizers))
+    batcher = build_batcher(cfg)
+
+    checkpoints = ctx.scratch / "checkpoints"
+    history = MetricsLog(ctx.scratch / "metrics.jsonl")
+    if not t.resume and ctx.is_rank0:
+        remove_tree(checkpoints)
+        history.path.unlink(missing_ok=True)
+    _barrier(layout)
+    start = _restore(ctx, layout, parts, checkpoints, t.init_from)
+    if ctx.is_rank0:
+        for row in history.truncate(after_step=start):  # an interrupted attempt's curve: this record is complete
+            ctx.tracker.log_metrics(_numeric(row), step=row["step"])
+
+    meta = {"trainer": {"world_size": layout.coords.world_size, **{k: plan["layout"][k] for k in ("dp", "hp", "pp")},
+                        "dp_mode": plan["layout"]["dp_mode"], "optimizer": cfg.optimizer.name, "seed": t.seed},
+            "config_key": ctx.key, "partition_plan": plan}
+
+    def save(step: int) -> None:
+        if ctx.is_rank0:
+            history.sync()
+        ckpt.save(ckpt.step_dir(checkpoints, step), parts, {**meta, "step": step}, layout.aliases)
+        ckpt.prune(checkpoints, keep=max(t.keep_checkpoints, 1))
+
+    settings = StepSettings.of(cfg)
+    lrs = [cfg.optimizer.lr * lr_factor(cfg.optimizer, step, t.steps) for step in range(t.steps)]
+    steps, eval_every, log_every, checkpoint_every = t.steps, t.eval_every, t.log_every, t.checkpoint_every
+    timed_tokens, timed_s = 0, 0.0
+    with _progress(ctx, steps) as progress:
+        task = progress.add_task("train", total=steps, completed=start, loss=float("nan"))
+        for step in range(start, steps):
+            row = train_step(layout, optimizers, batcher.train_batch(step), step, lrs[step], settings, probe)
+            done = step + 1
+            if step - start >= WARMUP_STEPS_EXCLUDED:
+                timed_tokens += row["tokens"]
+                timed_s += row["step_time_s"]
+            if done == steps or (eval_every and done % eval_every == 0):
+                row["eval_loss"] = evaluate(layout, batcher, t.eval_batches)
+            row["time"] = time.time()  # wall clock after all of the step's bookkeeping (for throughput audits)
+            if ctx.is_rank0:
+                history.append(row)
+                ctx.tracker.log_metrics(_numeric(row), step=done)
+                progress.update(task, completed=done, loss=row["loss"])
+                if log_every and (done % log_every == 0 or done == steps):
+                    progress.console.print(_line(row, steps), soft_wrap=True)
+            if done == steps or (checkpoint_every and done % checkpoint_every == 0):
+                save(done)
+    history.close()
+    timeline = _gather_timeline(layout)
+    if not ctx.is_rank0:
+        return
+
+    if start == steps:  # an earlier attempt finished training and saved its last checkpoint
+        ctx.log.info("training had already reached step %d: publishing its results", steps)
+    link_tree(ckpt.step_dir(checkpoints, steps), ctx.out / "checkpoint")
+    rows = history.rows()
+    (ctx.out / "metrics.jsonl").write_text(history.path.read_text())
+    summary = {"steps": steps, "resumed_from_step": start, "final_loss": rows[-1]["loss"],
+               "final_eval_loss": rows[-1]["eval_loss"], "tokens_per_s": timed_tokens / timed_s if timed_s else None,
+               "n_parameters": plan["n_parameters"], "layout": plan["layout"]}
+    atomic_write_json(ctx.out / "summary.json", summary)
+    title = f"{cfg.model.name} {plan['n_parameters']:,} params, dp{layout.coords.dp_size} hp{layout.coords.hp_size} " \
+            f"pp{layout.coords.pp_size}"
+    artifacts = [plot_loss_curve(rows, ctx.out / "loss_curve.png", title), ctx.out / "metrics.jsonl",
+                 ctx.out / "summary.json"]
+    if timeline:
+        atomic_write_json(ctx.out / "pipeline_timeline.json", timeline)
+        artifacts.append(plot_pipeline_timeline(timeline, ctx.out / "pipeline_timeline.png",
+                                                f"{cfg.parallel.pp_schedule}, pp={cfg.parallel.pp}, "
+                                                f"{cfg.parallel.microbatches} microbatches (last step)"))
+    ctx.tracker.log_metrics({"final_eval_loss": summary["final_eval_loss"]})
+    for artifact in artifacts:
+        if artifact:
+            ctx.tracker.log_artifact(artifact)
+
+
+def train_step(layout: Layout, optimizers, batch, step: int, lr: float, s: StepSettings, probe: MemoryProbe) -> dict:
+    """One optimizer step over the global batch (this rank's share of it), metrics reduced over ranks."""
     t0 = time.perf_counter()
     if s.dropout_seed is not None:
         torch.manual_seed(s.dropout_seed + step)  # dropout masks depend on the step only
-    set_lr(optimizer, lr)
+    for opt in optimizers:
+        set_lr(opt, lr)
     n_labels = max(batch.n_labels, 1)  # the loss is a mean over the whole batch's labels, however it is split
     probe.start_step()
-    loss_sum = torch.zeros(())
-    for inputs, labels in zip(batch.inputs.chunk(s.microbatches), batch.labels.chunk(s.microbatches)):
-        probe.sample("pre_forward")
-        loss = loss_fn(model(inputs), labels) / n_labels
-        probe.sample("post_forward")
-        loss.backward()
-        probe.sample("post_backward")
-        loss_sum += loss.detach()
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, s.grad_clip, foreach=True)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    loss = layout.runner.train_step(layout.local_batch(batch.inputs), layout.local_batch(batch.labels), n_labels)
+    grad_norm = layout.sync_and_clip(s.grad_clip)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     probe.sample("post_step")
     elapsed = time.perf_counter() - t0
+    memory = probe.metrics()
+    if layout.world:  # the loss is a sum of rank contributions; time and memory are the worst rank's
+        idle = layout.timeline.idle_fraction() if layout.timeline else 0.0
+        sums = layout.reduce(torch.stack([loss.float().cpu(), torch.tensor(idle)]))
+        loss, idle = sums[0], sums[1].item() / layout.coords.world_size
+        worst = layout.reduce(torch.tensor([elapsed, *memory.values()], dtype=torch.float64), dist.ReduceOp.MAX)
+        elapsed, memory = worst[0].item(), dict(zip(memory, worst[1:].tolist()))
     tokens = batch.inputs.numel()
-    return {"step": step + 1, "loss": loss_sum.item(), "grad_norm": grad_norm.item(), "lr": lr,
-            "tokens": tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
-            "input_density": batch.input_density, "label_density": batch.label_density, **probe.metrics()}
+    row = {"step": step + 1, "loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr,
+           "tokens": tokens, "tokens_per_s": tokens / elapsed, "step_time_s": elapsed,
+           "input_density": batch.input_density, "label_density": batch.label_density, **memory}
+    if layout.timeline is not None:
+        row["pipeline_idle_fraction"] = idle
+    return row
 
 
-def _restore(ctx: StageContext, model, optimizer, checkpoints) -> int:
-    found = ckpt.latest(checkpoints)
-    if found is None:
+def evaluate(layout: Layout, batcher, n_batches: int) -> float:
+    """Mean next-token loss over the first n_batches held-out batches, computed in the layout."""
+    layout.train(False)
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for i in range(n_batches):
+        batch = batcher.eval_batch(i)
+        total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels)).cpu()
+        count += batch.n_labels
+    layout.train(True)
+    return layout.reduce(total).item() / max(count, 1)
+
+
+def _restore(ctx: StageContext, layout: Layout, parts, checkpoints: Path, init_from: Optional[str]) -> int:
+    """The step to start from: this run's latest complete checkpoint, else `train.init_from`, else 0.
+    Rank 0 chooses (and verifies checksums); every rank loads the same folder."""
+    choice = None
+    if ctx.is_rank0:
+        found = ckpt.latest(checkpoints)
+        if found is not None:
+            for problem in found[2]:
+                ctx.log.warning("skipping a damaged checkpoint: %s", problem)
+            choice = str(found[1])
+        elif init_from:
+            problems = ckpt.verify(Path(init_from))
+            if problems:
+                raise RuntimeError(f"train.init_from={init_from} is not a complete checkpoint: {'; '.join(problems)}")
+            choice = str(Path(init_from).resolve())
+    if layout.world:
+        box = [choice]
+        dist.broadcast_object_list(box, src=0)
+        choice = box[0]
+    if choice is None:
         return 0
-    step, path, rejected = found
-    for problem in rejected:
-        ctx.log.warning("skipping a damaged checkpoint: %s", problem)
-    ckpt.load(path, model, optimizer)
-    ctx.log.info("resuming from the checkpoint of step %d (%s)", step, path)
-    ctx.tracker.set_tags({"resumed_from_step": step})
+    manifest = ckpt.load(Path(choice), parts, layout.aliases)
+    step = manifest["step"]
+    written_by = manifest.get("trainer", {})
+    ctx.log.info("starting from the checkpoint of step %d (%s; written by dp%s hp%s pp%s)", step, choice,
+                 written_by.get("dp"), written_by.get("hp"), written_by.get("pp"))
+    ctx.tracker.set_tags({"resumed_from_step": step, "resumed_from": choice})
     return step
 
 
-def _start_fresh(ctx: StageContext) -> int:
-    remove_tree(ctx.scratch / "checkpoints")
-    (ctx.scratch / "metrics.jsonl").unlink(missing_ok=True)
-    return 0
+def _gather_timeline(layout: Layout) -> Optional[dict]:
+    """Every rank's pipeline events of the last step, on rank 0 (a collective: all ranks call it)."""
+    if layout.timeline is None:
+        return None
+    mine = {"rank": layout.coords.pp, "dp": layout.coords.dp, "hp": layout.coords.hp,
+            "step_seconds": layout.timeline.step_seconds, "events": layout.timeline.events}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return {"ranks": [g for g in gathered if g["dp"] == 0 and g["hp"] == 0]}
+
+
+def _barrier(layout: Layout) -> None:
+    if layout.world:
+        dist.barrier()
 
 
 def _numeric(row: dict) -> dict:
@@ -173,11 +229,11 @@ def _line(row: dict, steps: int) -> str:
     return text
 
 
-def _progress(ctx: StageContext, steps: int, start: int) -> Progress:
+def _progress(ctx: StageContext, steps: int) -> Progress:
     console = Console(force_terminal=ctx.interactive or None, highlight=False)
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("loss {task.fields[loss]:.4f}"), TimeRemainingColumn(),
-                    console=console, disable=not ctx.cfg.train.progress, transient=True)
+                    console=console, disable=not (ctx.cfg.train.progress and ctx.is_rank0), transient=True)
 
 
 def _progress_hint(scratch) -> str | None:
@@ -191,14 +247,24 @@ def _summary(out) -> str:
     return f"loss {s['final_loss']:.4f}, eval {s['final_eval_loss']:.4f}{tps}"
 
 
+def _fingerprint(cfg) -> dict:
+    """Key material beyond the config: the data files, and the checkpoint a run starts from."""
+    start = None
+    if cfg.train.init_from:
+        manifest = Path(cfg.train.init_from) / ckpt.MANIFEST
+        start = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else "missing"
+    return {"data": data_fingerprint(cfg), "init_from": start}
+
+
 STAGE = Stage(
     name="train",
     run=train,
     after=("transform",),
     reads=("model", "parallel", "optimizer", "memory", "triton", "engine", "data", "train"),
-    code=("plugins.models", "plugins.data", "plugins.optim", "plugins.checkpoint", "plugins.metrics"),
+    code=("plugins.models", "plugins.data", "plugins.optim", "plugins.checkpoint", "plugins.metrics",
+          "plugins.parallel"),
     resources=lambda cfg: Resources(tasks=cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp),
-    fingerprint=data_fingerprint,
+    fingerprint=_fingerprint,
     progress=_progress_hint,
     summary=_summary,
 )

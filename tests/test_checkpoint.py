@@ -31,20 +31,20 @@ def states_equal(a: dict, b: dict) -> bool:
 
 def test_save_and_load_are_exact(tmp_path):
     cfg, spec, model, opt = trained()
-    path = ckpt.save(ckpt.step_dir(tmp_path, 2), model, opt, {"step": 2, "trainer": {}})
+    path = ckpt.save(ckpt.step_dir(tmp_path, 2), [(model, opt)], {"step": 2, "trainer": {}})
     assert ckpt.verify(path) == []
     manifest = ckpt.read_manifest(path)
     assert manifest["step"] == 2 and manifest["files"] and all(f["sha256"] for f in manifest["files"].values())
     _, _, fresh, fresh_opt = trained(steps=0, seed=1)
-    ckpt.load(path, fresh, fresh_opt)
-    want, got = ckpt.training_state(model, opt), ckpt.training_state(fresh, fresh_opt)
+    ckpt.load(path, [(fresh, fresh_opt)])
+    want, got = ckpt.training_state([(model, opt)]), ckpt.training_state([(fresh, fresh_opt)])
     assert states_equal(want["model"], got["model"]) and states_equal(want["optim"], got["optim"])
 
 
 def test_partial_and_damaged_checkpoints_are_never_taken(tmp_path):
     cfg, spec, model, opt = trained()
-    ckpt.save(ckpt.step_dir(tmp_path, 1), model, opt, {"step": 1, "trainer": {}})
-    ckpt.save(ckpt.step_dir(tmp_path, 2), model, opt, {"step": 2, "trainer": {}})
+    ckpt.save(ckpt.step_dir(tmp_path, 1), [(model, opt)], {"step": 1, "trainer": {}})
+    ckpt.save(ckpt.step_dir(tmp_path, 2), [(model, opt)], {"step": 2, "trainer": {}})
     # a crash mid-save leaves a partial folder and no step_3
     (tmp_path / ".step_0000003.partial").mkdir()
     # a folder under a final name but without a manifest (never produced by save, but never trusted either)
@@ -74,7 +74,7 @@ def test_consolidated_round_trip_with_tied_weights(tmp_path):
     _, _, fresh, fresh_opt = trained(steps=0, seed=3)
     consolidate.load(tmp_path, fresh, fresh_opt)
     assert fresh.lm_head.weight is fresh.wte.weight
-    want, got = ckpt.training_state(model, opt), ckpt.training_state(fresh, fresh_opt)
+    want, got = ckpt.training_state([(model, opt)]), ckpt.training_state([(fresh, fresh_opt)])
     assert states_equal(want["model"], got["model"]) and states_equal(want["optim"], got["optim"])
     # and it trains on identically
     x = torch.randint(0, 256, (2, 8))

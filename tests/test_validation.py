@@ -47,10 +47,15 @@ RULES = [
     (["parallel=pipeline_pp2", "parallel.microbatches=1"], "parallel.microbatches", "at least 2 microbatches"),
     (["parallel.pp=2", "parallel.microbatches=2", "parallel.pp_schedule=interleaved_1f1b"],
      "parallel.pp_chunks", "pp_chunks >= 2"),
-    (["parallel.pp=2", "parallel.pp_chunks=2", "parallel.microbatches=2", "parallel.pp_schedule=zbv"],
+    (["parallel.pp=4", "parallel.pp_chunks=2", "parallel.microbatches=2", "parallel.pp_schedule=zbv"],
      "parallel.microbatches", "at least 4 microbatches"),
+    (["parallel.pp=2", "parallel.pp_chunks=1", "parallel.microbatches=2", "parallel.pp_schedule=zbv"],
+     "parallel.pp_chunks", "pp_chunks == 2"),
     (["parallel.pp=2", "parallel.pp_chunks=2", "parallel.microbatches=2", "parallel.pp_schedule=1f1b"],
      "parallel.pp_chunks", "pp_chunks == 1"),
+    (["parallel=pipeline_pp4_interleaved", "parallel.microbatches=9", "train.batch_size=18"],
+     "parallel.microbatches", "not a multiple of its 2 rounds"),
+    (["train.init_from=/nonexistent"], "train.init_from", "complete checkpoint folder"),
     (["parallel.pp_chunks=2"], "parallel.pp_chunks", "need a pipeline"),
     (["parallel=ddp2", "train.batch_size=15"], "train.batch_size", "divisible by 2"),
     (["parallel.microbatches=3"], "train.batch_size", "divisible by 3"),
@@ -101,9 +106,9 @@ def test_all_problems_are_reported_together():
 
 
 def test_not_yet_available_features_say_so():
-    keys = {p.key: p for p in problems_of("parallel=megatron_hp2")}
-    assert "not available in this version" in keys["parallel"].rule
-    assert keys["parallel"].fix == "parallel=single"
+    keys = {p.key: p for p in problems_of("engine=ort")}
+    assert "not available in this version" in keys["engine"].rule
+    assert keys["engine"].fix == "engine=torch"
 
 
 @pytest.mark.parametrize("override,key,words", [

@@ -32,6 +32,10 @@ class ModelSpec:
     """parameter name -> its hp partition (Megatron plan)."""
     split: Callable[[nn.Module, list[int], bool, bool], nn.Module]
     """(module, global layer ids, has embedding, has head) -> the module pruned to one pipeline stage."""
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    """module -> its repeated blocks (units of data-parallel sharding)."""
+    parallelize: Callable[[nn.Module, Any, Any], nn.Module]
+    """(module, hp DeviceMesh, cfg.parallel) -> the module with tensor parallelism applied (in place)."""
     loss: Callable[..., torch.Tensor]
     """(outputs, labels) -> summed loss over non-ignored labels."""
     example_inputs: Callable[[Any, int, int], tuple]

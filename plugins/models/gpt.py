@@ -143,6 +143,54 @@ def split(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
     return model
 
 
+def blocks(model: GPT) -> list[nn.Module]:
+    """The repeated units (data-parallel wrapping, recomputation and compilation go per block)."""
+    return list(model.layers.values())
+
+
+def parallelize(model: GPT, hp_mesh, parallel) -> GPT:
+    """Megatron-style tensor parallel over hp_mesh (TorchTitan's plan for this model).
+
+    q/k/v and MLP-in are column-parallel, attention-out and MLP-out row-parallel; the token embedding is
+    vocab-parallel (rows) and so is the head (its output columns), which keeps a tied pair on the same
+    Shard(0) layout. With sequence parallelism the residual stream between blocks is sharded along the
+    sequence (entered at the global first block, so the embeddings stay replicated); with loss parallelism
+    the logits stay vocab-sharded for loss_parallel()'s cross-entropy.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    sp, lp = parallel.sequence_parallel, parallel.loss_parallel
+    residual = Shard(1) if sp else Replicate()
+    plan = {}
+    if model.wte is not None:
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for i in model.layers:
+        pre = f"layers.{i}."
+        plan.update({pre + "attn.wq": ColwiseParallel(), pre + "attn.wk": ColwiseParallel(),
+                     pre + "attn.wv": ColwiseParallel(), pre + "mlp.fc1": ColwiseParallel(),
+                     pre + "attn.wo": RowwiseParallel(output_layouts=residual),
+                     pre + "mlp.fc2": RowwiseParallel(output_layouts=residual)})
+        if sp:
+            to_full = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan.update({pre + "ln1": SequenceParallel(), pre + "ln2": SequenceParallel(),
+                         pre + "attn": to_full, pre + "mlp": to_full})
+    if sp and "0" in model.layers:
+        plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    if model.lm_head is not None:
+        if sp:
+            plan["ln_f"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if lp else Replicate(),
+                                          use_local_output=not lp)
+    tied = model.wte is not None and model.lm_head is not None and model.lm_head.weight is model.wte.weight
+    parallelize_module(model, hp_mesh, plan)
+    if tied:  # parallelize_module replaces each module's weight and silently unties them
+        model.lm_head.weight = model.wte.weight
+    return model
+
+
 _COLWISE = re.compile(r"\.(wq|wk|wv|fc1)\.(weight|bias)$")
 _ROWWISE = re.compile(r"\.(wo|fc2)\.weight$")
 _VOCAB = re.compile(r"^(wte|lm_head)\.weight$")
@@ -178,6 +226,8 @@ register_model("gpt", ModelSpec(
     apply_memory=apply_memory,
     partition=partition,
     split=split,
+    blocks=blocks,
+    parallelize=parallelize,
     loss=loss,
     example_inputs=example_inputs,
     input_names=("input_ids",),

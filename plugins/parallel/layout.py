@@ -1,0 +1,155 @@
+"""This rank's share of the model, built from the partition plan the transform stage wrote.
+
+`build_layout` makes the rank's pipeline stage module(s) (layers by global index, so parameter names are
+the same in every layout), initialises them by name, applies recomputation, tensor parallelism (the
+model's `parallelize`) and data parallelism (FSDP2), checks the result against the plan, and chooses the
+runner (microbatch loop or pipeline schedule). One process is the layout with every size 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from plugins.parallel.data import apply_dp
+from plugins.parallel.grads import TiedGradients, clip_grad_norm
+from plugins.parallel.mesh import Coordinates, build_mesh
+from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
+from plugins.partition import aliases as plan_aliases
+
+
+@dataclass
+class Layout:
+    parts: list[nn.Module]              # this rank's stage modules (one unless a schedule has several chunks)
+    runner: object                      # MicrobatchRunner | PipelineRunner
+    coords: Coordinates
+    aliases: dict[str, str]             # name of a tied copy -> the name of the weight it copies
+    device: torch.device
+    mesh: object = None
+    tied: Optional[TiedGradients] = None
+    timeline: Optional[Timeline] = None
+    loss_rank: bool = True              # whether this rank's loss counts in the global sum
+    stage_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        seen: set[int] = set()
+        self.params = []                # (name, parameter) of every local parameter, each once
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append((name, p))
+
+    @property
+    def world(self) -> bool:
+        return self.coords.world_size > 1
+
+    def local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rows of the global batch this rank's data-parallel replica trains on."""
+        rows = tensor.shape[0] // self.coords.dp_size
+        return tensor[self.coords.dp * rows:(self.coords.dp + 1) * rows].to(self.device)
+
+    def sync_and_clip(self, max_norm: float) -> torch.Tensor:
+        """Make tied copies' gradients equal, then clip by the global norm (returned). A tied copy is not
+        counted in the norm: the weight it copies lives on the first stage and is counted there."""
+        if self.tied is not None:
+            self.tied.sync()
+        return clip_grad_norm(self.params, max_norm, set(self.aliases),
+                              self.coords.dp_size * self.coords.hp_size, self.world)
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def reduce(self, values: torch.Tensor, op=None) -> torch.Tensor:
+        if self.world:
+            dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
+        return values
+
+
+def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False) -> Layout:
+    p = cfg.parallel
+    mesh, coords = build_mesh(p, device)
+    local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
+    parts = []
+    for st in local_stages:
+        module = spec.build(cfg.model)
+        if p.pp > 1:
+            module = spec.split(module, st["layers"], st["embedding"], st["head"])
+        spec.init_weights(module, cfg.model, cfg.train.seed)
+        module.to(device)
+        spec.apply_memory(module, cfg.memory.level)
+        if p.hp > 1:
+            spec.parallelize(module, mesh["hp"], p)
+        if p.dp > 1:
+            apply_dp(module, mesh["dp"], p.dp_mode, spec.blocks(module))
+        parts.append(module)
+    check_against_plan(parts, plan)
+
+    aliases = plan_aliases(plan)
+    loss_rank = coords.hp == 0  # tensor-parallel peers compute the same loss: count it once
+    if p.pp > 1:
+        tl = Timeline() if timeline else None
+        runner = PipelineRunner(parts, [s["stage"] for s in local_stages], [s["rank"] for s in plan["pipeline"]],
+                                p.pp_schedule,
+                                p.microbatches, spec.loss, mesh.get_group("pp"), device, loss_rank,
+                                p.loss_parallel, p.dp, tl, probe)
+    else:
+        tl = None
+        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe)
+    layout = Layout(parts, runner, coords, aliases, device, mesh, None, tl, loss_rank,
+                    [s["stage"] for s in local_stages])
+    if p.pp > 1 and aliases:
+        layout.tied = _tied_gradients(layout, plan)
+    return layout
+
+
+def check_against_plan(parts: list[nn.Module], plan: dict) -> None:
+    """Every local parameter has the plan's full shape, and is split across hp exactly where the plan says."""
+    problems = []
+    for part in parts:
+        for name, param in part.named_parameters(remove_duplicate=False):
+            want = plan["parameters"].get(name)
+            if want is None:
+                problems.append(f"{name}: not in the partition plan")
+                continue
+            if list(param.shape) != want["shape"]:
+                problems.append(f"{name}: shape {list(param.shape)}, plan {want['shape']}")
+            hp_split = _split_on_hp(param, want["partition_axis"])
+            if hp_split != want["is_partitioned"]:
+                problems.append(f"{name}: split across hp={hp_split}, plan says {want['is_partitioned']}")
+    if problems:
+        raise RuntimeError("the layout does not match the transform stage's partition plan: " + "; ".join(problems[:8]))
+
+
+def _split_on_hp(param: torch.Tensor, axis: Optional[int]) -> bool:
+    if axis is None or not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return any(dim == "hp" and placement.is_shard(axis) for dim, placement in zip(names, param.placements))
+
+
+def _tied_gradients(layout: Layout, plan: dict) -> TiedGradients:
+    """Group the copies of tied weights: local copies, and the ranks of the first and last stage that hold
+    the same (dp, hp) shard. new_group is collective: every rank creates every group, in the same order."""
+    canonical = set(layout.aliases.values())
+    copies = [p for part in layout.parts for name, p in part.named_parameters()
+              if name in layout.aliases or name in canonical]
+    first_rank = plan["pipeline"][0]["rank"]
+    last_rank = plan["pipeline"][-1]["rank"]
+    group = None
+    if first_rank != last_rank:
+        grid = layout.mesh.mesh  # tensor of global ranks indexed by (pp, dp, hp)
+        for d in range(grid.shape[1]):
+            for h in range(grid.shape[2]):
+                ranks = [int(grid[first_rank, d, h]), int(grid[last_rank, d, h])]
+                g = dist.new_group(ranks)
+                if (d, h) == (layout.coords.dp, layout.coords.hp):
+                    group = g
+        if layout.coords.pp not in (first_rank, last_rank):
+            group = None
+    return TiedGradients(copies, group)

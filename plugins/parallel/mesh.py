@@ -1,0 +1,49 @@
+"""The rank's place in the layout: one DeviceMesh with dims (pp, dp, hp)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+DIMS = ("pp", "dp", "hp")
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    pp: int = 0
+    dp: int = 0
+    hp: int = 0
+    pp_size: int = 1
+    dp_size: int = 1
+    hp_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.dp_size * self.hp_size
+
+
+def build_mesh(parallel, device: torch.device) -> tuple[Optional[DeviceMesh], Coordinates]:
+    """The mesh of a multi-rank layout (None for one process) and this rank's coordinates in it."""
+    sizes = (parallel.pp, parallel.dp, parallel.hp)
+    if sizes == (1, 1, 1):
+        return None, Coordinates()
+    if not dist.is_initialized() or dist.get_world_size() != parallel.pp * parallel.dp * parallel.hp:
+        raise RuntimeError(f"layout pp{parallel.pp} x dp{parallel.dp} x hp{parallel.hp} needs "
+                           f"{parallel.pp * parallel.dp * parallel.hp} initialised ranks")
+    mesh = init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
+    coords = Coordinates(*(mesh.get_local_rank(d) for d in DIMS), *sizes)
+    return mesh, coords
+
+
+def pick_device() -> torch.device:
+    """CUDA (one device per local rank) when present, else CPU."""
+    import os
+
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")

@@ -1,0 +1,218 @@
+"""How a step's forward and backward run: a microbatch loop on one stage, or a pipeline schedule.
+
+Both runners take the rank's share of the global batch and return the rank's contribution to the step's
+loss (already divided by the global label count, detached). The loss they differentiate is that share times
+`grad_scale` (the dp degree): data parallelism averages gradients over dp ranks, the global mean needs
+their sum. Ranks whose contribution would repeat another
+rank's (tensor-parallel peers, stages without the loss) contribute zero, so one SUM all-reduce over the
+world gives the global loss.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from plugins.parallel.data import set_gradient_sync
+
+SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+MULTI_STAGE = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
+               "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+
+
+def _value(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor (under loss_parallel it is a replicated DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def loss_context(loss_parallel: bool):
+    if loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel as ctx
+
+        return ctx()
+    return contextlib.nullcontext()
+
+
+class MicrobatchRunner:
+    """One stage holds the whole model (dp and/or hp only): accumulate gradients over microbatches."""
+
+    def __init__(self, module: nn.Module, loss_fn: Callable, microbatches: int, counts_loss: bool,
+                 loss_parallel: bool, grad_scale: float = 1.0, probe=None):
+        self.module, self.loss_fn, self.microbatches = module, loss_fn, microbatches
+        self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
+        self.grad_scale = grad_scale
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int) -> torch.Tensor:
+        total = torch.zeros((), device=inputs.device)
+        chunks = list(zip(inputs.chunk(self.microbatches), labels.chunk(self.microbatches)))
+        for i, (x, y) in enumerate(chunks):
+            set_gradient_sync([self.module], i == len(chunks) - 1)
+            self._sample("pre_forward")
+            with loss_context(self.loss_parallel):
+                loss = self.loss_fn(self.module(x), y) / n_labels
+                self._sample("post_forward")
+                (loss * self.grad_scale if self.grad_scale != 1 else loss).backward()
+            self._sample("post_backward")
+            total += _value(loss.detach())
+        return total if self.counts_loss else torch.zeros_like(total)
+
+    @torch.no_grad()
+    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        with loss_context(self.loss_parallel):
+            total = _value(self.loss_fn(self.module(inputs), labels))
+        return total if self.counts_loss else torch.zeros_like(total)
+
+    def _sample(self, phase: str) -> None:
+        if self.probe is not None:
+            self.probe.sample(phase)
+
+
+class PipelineRunner:
+    """This rank's pipeline stages under a torch.distributed.pipelining schedule.
+
+    The last stage keeps neither outputs nor labels it does not need (return_outputs=False, ColossalAI's
+    return_output_label=False) and losses are summed detached. Gradients are not rescaled by the schedule:
+    the loss is already a share of the global mean."""
+
+    def __init__(self, modules: list[nn.Module], stage_ids: list[int], stage_ranks: list[int], schedule: str,
+                 microbatches: int, loss_fn: Callable, group, device: torch.device, counts_loss: bool,
+                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None):
+        from torch.distributed.pipelining import PipelineStage, schedules
+
+        n_stages = len(stage_ranks)
+        self.stages = [PipelineStage(m, s, n_stages, device, group=group) for m, s in zip(modules, stage_ids)]
+        self.modules = dict(zip(stage_ids, modules))
+        self.stage_ranks, self.group, self.microbatches = stage_ranks, group, microbatches
+        self.has_first = any(s.is_first for s in self.stages)
+        self.has_last = any(s.is_last for s in self.stages)
+        self.loss_fn, self.counts_loss, self.loss_parallel = loss_fn, counts_loss, loss_parallel
+        self.grad_scale = grad_scale
+        self.scale = 1.0  # what the schedule's loss is multiplied by (its returned losses too)
+        if schedule in SINGLE_STAGE:
+            cls = getattr(schedules, SINGLE_STAGE[schedule])
+            self.schedule = cls(self.stages[0], n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        else:
+            cls = getattr(schedules, MULTI_STAGE[schedule])
+            self.schedule = cls(self.stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        self.timeline, self.probe = timeline, probe
+        if timeline is not None:
+            timeline.instrument(self.stages)
+
+    def _loss(self, output, target):
+        return self.loss_fn(output, target) * self.scale
+
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int) -> torch.Tensor:
+        """Forward and backward of every microbatch, as the schedule orders them (memory is sampled
+        around the whole schedule: its phases interleave)."""
+        self.scale = self.grad_scale / n_labels
+        if self.probe is not None:
+            self.probe.sample("pre_forward")
+        if self.timeline is not None:
+            self.timeline.start_step()
+        losses: list = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        with loss_context(self.loss_parallel):
+            self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.timeline is not None:
+            self.timeline.stop_step()
+        if self.probe is not None:
+            self.probe.sample("post_backward")
+        total = sum((_value(l.detach()) for l in losses), torch.zeros((), device=inputs.device)) / self.grad_scale
+        return total if self.counts_loss and self.has_last else torch.zeros_like(total)
+
+    @torch.no_grad()
+    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward only, microbatch by microbatch through the stages in order, activations passed
+        point-to-point (torch 2.13's schedule.eval() fails for the V schedule: "can't steal_bwd_input
+        if this stage doesn't have backward"). Evaluation is rare: simplicity beats overlap here."""
+        import torch.distributed as dist
+
+        me = dist.get_group_rank(self.group, dist.get_rank())
+        xs = inputs.chunk(self.microbatches) if self.has_first else [None] * self.microbatches
+        ys = labels.chunk(self.microbatches) if self.has_last else [None] * self.microbatches
+        total = torch.zeros((), device=inputs.device)
+        last = len(self.stage_ranks) - 1
+        for x, y in zip(xs, ys):
+            h = x
+            for s, owner in enumerate(self.stage_ranks):
+                if owner != me:
+                    continue
+                if s > 0 and self.stage_ranks[s - 1] != me:
+                    h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
+                with loss_context(self.loss_parallel):
+                    h = self.modules[s](h)
+                    if s == last:
+                        total += _value(self.loss_fn(h, y))
+                if s < last and self.stage_ranks[s + 1] != me:
+                    _send(h, self.stage_ranks[s + 1], self.group)
+        return total if self.counts_loss and self.has_last else torch.zeros_like(total)
+
+
+def _send(t: torch.Tensor, peer: int, group) -> None:
+    import torch.distributed as dist
+
+    header = torch.zeros(8, dtype=torch.int64, device=t.device)
+    header[0] = t.dim()
+    header[1:1 + t.dim()] = torch.tensor(t.shape)
+    dist.send(header, group_dst=peer, group=group)
+    dist.send(t.contiguous(), group_dst=peer, group=group)
+
+
+def _recv(peer: int, group, device: torch.device) -> torch.Tensor:
+    import torch.distributed as dist
+
+    header = torch.zeros(8, dtype=torch.int64, device=device)
+    dist.recv(header, group_src=peer, group=group)
+    t = torch.empty(header[1:1 + int(header[0])].tolist(), device=device)
+    dist.recv(t, group_src=peer, group=group)
+    return t
+
+
+class Timeline:
+    """Records when each of this rank's stages runs each microbatch's forward and backward, to measure
+    the pipeline bubble (idle share of a step) and to draw a per-rank timeline."""
+
+    def __init__(self):
+        self.events: list[tuple[int, str, int, float, float]] = []   # (stage, kind, microbatch, t0, t1)
+        self.step_start = 0.0
+        self.step_seconds = 0.0
+        self.recording = False
+
+    def start_step(self) -> None:
+        self.events.clear()
+        self.recording = True
+        self.step_start = time.perf_counter()
+
+    def stop_step(self) -> None:
+        self.recording = False
+        self.step_seconds = time.perf_counter() - self.step_start
+
+    def idle_fraction(self) -> float:
+        """Share of the last step this rank spent outside its stages' compute (waiting: the bubble)."""
+        return 1.0 - self.busy_seconds() / self.step_seconds if self.step_seconds else 0.0
+
+    def instrument(self, stages) -> None:
+        for stage in stages:
+            for kind, name in (("F", "forward_one_chunk"), ("B", "backward_one_chunk"), ("W", "backward_weight_one_chunk")):
+                if hasattr(stage, name):
+                    setattr(stage, name, self._timed(getattr(stage, name), stage.stage_index, kind))
+
+    def _timed(self, fn, stage: int, kind: str):
+        def wrapper(chunk_id, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(chunk_id, *args, **kwargs)
+            finally:
+                if self.recording:
+                    self.events.append((stage, kind, chunk_id, t0 - self.step_start,
+                                        time.perf_counter() - self.step_start))
+        return wrapper
+
+    def busy_seconds(self) -> float:
+        return sum(t1 - t0 for _, _, _, t0, t1 in self.events)
