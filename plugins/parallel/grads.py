@@ -16,11 +16,16 @@ from torch.distributed.tensor import DTensor, Replicate
 
 
 def _local(g: torch.Tensor) -> torch.Tensor:
-    if isinstance(g, DTensor):
-        if any(p.is_partial() for p in g.placements):
-            g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
-        return g.to_local()
-    return g
+    return g.to_local() if isinstance(g, DTensor) else g
+
+
+def reduce_partial_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sequence parallelism leaves LayerNorm gradients as Partial(sum) DTensors (one addend per rank).
+    Reduce them in place, so that clipping and the optimizer act on the gradient itself, not on a copy."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            p.grad = g.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in g.placements])
 
 
 def _copies(g: torch.Tensor, ranks_per_stage: int) -> int:
@@ -38,6 +43,7 @@ def clip_grad_norm(named_params: list[tuple[str, torch.nn.Parameter]], max_norm:
 
     skip: names of parameters that are extra copies of another (a tied head on the last pipeline stage):
     they are scaled but counted once. world: all-reduce over every rank (False for one process)."""
+    reduce_partial_grads([p for _, p in named_params])
     grads = [p.grad for _, p in named_params if p.grad is not None]
     counted = [_local(p.grad) for n, p in named_params if p.grad is not None and n not in skip]
     weights = [1.0 / _copies(p.grad, ranks_per_stage) for n, p in named_params if p.grad is not None and n not in skip]

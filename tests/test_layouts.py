@@ -1,0 +1,190 @@
+"""Every parallel layout trains like one process; checkpoints move between layouts; ranks fail cleanly.
+
+Real `python -m orchestrator` runs (local cluster: one process per rank, gloo, one thread each), fp32,
+dropout 0, tied embeddings, the same seed and data. A constant learning rate makes a 5-step run the first
+half of a 10-step run, so checkpoints taken at step 5 can be continued and compared.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from plugins import checkpoint as ckpt
+from plugins import consolidate
+from plugins.data import build_batcher
+from plugins.fsio import read_json
+from plugins.models import get_model
+from plugins.optim import build_optimizer
+from tests.conftest import ROOT, make_cfg, run_cli
+
+pytestmark = pytest.mark.e2e
+
+COMMON = ["train.batch_size=8", "train.seq_len=32", "train.eval_every=5", "train.checkpoint_every=5",
+          "train.eval_batches=2", "optimizer.schedule=constant", "optimizer.warmup_steps=0", "tracking=none",
+          "train.progress=false"]
+LAYOUTS = {
+    "single": ["parallel=single"],
+    "ddp2-replicate": ["parallel=ddp2", "parallel.dp_mode=replicate"],
+    "ddp2-shard": ["parallel=ddp2", "parallel.dp_mode=shard"],
+    "megatron_hp2": ["parallel=megatron_hp2"],
+    "megatron_hp2-sp-lp": ["parallel=megatron_hp2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
+    "megatron_hp4": ["parallel=megatron_hp4"],
+    "pipeline_pp2": ["parallel=pipeline_pp2"],
+    "pipeline_pp4_interleaved": ["parallel=pipeline_pp4_interleaved"],
+    "dp2_hp2_pp2-replicate": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=replicate"],
+    "dp2_hp2_pp2-shard": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=shard"],
+}
+RTOL = 1e-5
+
+
+def outputs(result: subprocess.CompletedProcess) -> Path:
+    """The run folder of a finished invocation (its stages/<name>/output links into the cache)."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "stages/train/output/metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("layouts")
+
+
+@pytest.fixture(scope="module")
+def runs(workdir) -> dict[str, Path]:
+    """10 steps in every layout, one after another, sharing one cache (the export runs once)."""
+    return {name: outputs(run_cli([*COMMON, "train.steps=10", *args], workdir)) for name, args in LAYOUTS.items()}
+
+
+def assert_close(got: list[float], want: list[float], what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert abs(g - w) <= RTOL * abs(w), f"{what}[{i}]: {g!r} vs {w!r} (rel {abs(g - w) / abs(w):.1e})"
+
+
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+def test_layout_matches_one_process(runs, layout):
+    got, want = rows(runs[layout]), rows(runs["single"])
+    assert [r["step"] for r in got] == list(range(1, 11))
+    assert_close([r["loss"] for r in got], [r["loss"] for r in want], "loss")
+    assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], "global grad norm")
+    assert_close([r["eval_loss"] for r in got if "eval_loss" in r], [r["eval_loss"] for r in want if "eval_loss" in r],
+                 "eval loss")
+
+
+def test_layout_is_recorded_in_plan_and_manifest(runs):
+    run = runs["dp2_hp2_pp2-shard"]
+    manifest = read_json(run / "stages/checkpoint/output/manifest.json")
+    assert manifest["trainer"] == {"world_size": 8, "dp": 2, "hp": 2, "pp": 2, "dp_mode": "shard",
+                                   "optimizer": "adamw", "seed": 1234}
+    plan = manifest["partition_plan"]
+    assert plan["layout"]["world_size"] == 8 and len(plan["pipeline"]) == 2
+    assert plan["parameters"]["layers.0.attn.wq.weight"]["shard_shape"] == [32, 64]
+    assert ckpt.verify(run / "stages/checkpoint/output") == []
+    summary = read_json(run / "stages/train/output/summary.json")
+    assert summary["layout"]["dp_mode"] == "shard"
+
+
+def test_pipeline_runs_record_their_timeline(runs):
+    for layout in ("pipeline_pp2", "pipeline_pp4_interleaved", "dp2_hp2_pp2-shard"):
+        out = runs[layout] / "stages/train/output"
+        timeline = read_json(out / "pipeline_timeline.json")
+        pp = int(re.search(r"pp(\d)", layout).group(1))
+        assert sorted(r["rank"] for r in timeline["ranks"]) == list(range(pp))
+        assert all({e[1] for e in r["events"]} >= {"F"} for r in timeline["ranks"])
+        assert (out / "pipeline_timeline.png").stat().st_size > 5000
+        assert all(0 <= r["pipeline_idle_fraction"] < 1 for r in rows(runs[layout]))
+
+
+def test_checkpoint_reshards_into_other_layouts(runs, workdir):
+    """5 steps in dp2_hp2_pp2, then 5 more in megatron_hp4 and in single from that checkpoint: the same
+    losses as 10 uninterrupted steps in dp2_hp2_pp2."""
+    first = outputs(run_cli([*COMMON, "train.steps=5", *LAYOUTS["dp2_hp2_pp2-replicate"]], workdir))
+    checkpoint = (first / "stages/checkpoint/output").resolve()
+    reference = [r["loss"] for r in rows(runs["dp2_hp2_pp2-replicate"])][5:]
+    for layout in ("megatron_hp4", "single"):
+        cont = outputs(run_cli([*COMMON, "train.steps=10", f"train.init_from={checkpoint}", *LAYOUTS[layout]], workdir))
+        got = rows(cont)
+        assert [r["step"] for r in got] == list(range(6, 11)), layout
+        assert read_json(cont / "stages/train/output/summary.json")["resumed_from_step"] == 5
+        assert_close([r["loss"] for r in got], reference, f"{layout} continuing dp2_hp2_pp2")
+
+
+def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, workdir):
+    """The aggregated dp2_hp2_pp2 checkpoint: a plain model scores the distributed eval loss, and a plain
+    loop with a plain optimizer loaded from it continues exactly like the distributed run."""
+    first = outputs(run_cli([*COMMON, "train.steps=5", *LAYOUTS["dp2_hp2_pp2-shard"]], workdir))
+    aggregated = first / "stages/aggregate/output"
+    verification = read_json(aggregated / "manifest.json")["verification"]
+    distributed = read_json(first / "stages/train/output/summary.json")["final_eval_loss"]
+    assert abs(verification["eval_loss"] - distributed) <= RTOL * distributed
+
+    cfg = make_cfg(*COMMON, "train.steps=10")
+    spec = get_model("gpt")
+    model = spec.build(cfg.model)
+    optimizer = build_optimizer(cfg.optimizer, model)
+    consolidate.load(aggregated, model, optimizer)
+    batcher = build_batcher(cfg)
+    losses = []
+    for step in range(5, 10):
+        batch = batcher.train_batch(step)
+        loss = spec.loss(model(batch.inputs), batch.labels) / batch.n_labels
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert_close(losses, [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][5:], "plain continuation")
+
+
+def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
+    args = [*COMMON, "parallel=ddp2", "train.steps=80", "train.checkpoint_every=10", "train.eval_every=40"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    scratch = tmp_path / "runs" / "cache" / "train"
+    try:
+        deadline = time.monotonic() + 300
+        while not any(scratch.glob("*.work/scratch/checkpoints/step_0000020/manifest.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-20 checkpoint"
+            time.sleep(0.05)
+        ranks = [p for p in psutil.Process(proc.pid).children(recursive=True) if p.environ().get("RANK") == "1"]
+        assert len(ranks) == 1
+        killed_at = time.monotonic()
+        ranks[0].send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1
+    assert "rank 1 of 2: killed by signal SIGKILL" in out
+    assert ended_after < 60, f"took {ended_after:.0f} s to notice (process-group timeout is 300 s)"
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert leftovers == [], "ranks left running"
+    work = next(scratch.glob("*.work/scratch/checkpoints"))
+    for step_dir in work.iterdir():
+        if step_dir.name.startswith("step_"):
+            assert ckpt.verify(step_dir) == [], step_dir  # complete ones verify
+        else:
+            assert not (step_dir / ckpt.MANIFEST).exists(), step_dir  # partial ones never have a manifest
+    assert not any(scratch.glob("*/summary.json"))
+
+    result = run_cli(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "resumes from step" in result.stdout
+    summary = read_json(outputs(result) / "stages/train/output/summary.json")
+    assert summary["resumed_from_step"] >= 20 and summary["steps"] == 80
