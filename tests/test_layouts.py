@@ -43,6 +43,8 @@ LAYOUTS = {
     "pipeline_pp4_interleaved": ["parallel=pipeline_pp4_interleaved"],
     "dp2_hp2_pp2-replicate": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=replicate"],
     "dp2_hp2_pp2-shard": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=shard"],
+    "megatron_hp2-recompute-layers": ["parallel=megatron_hp2", "memory=level1"],
+    "ddp2-shard-recompute-selective": ["parallel=ddp2", "parallel.dp_mode=shard", "memory=level2"],
 }
 RTOL = 1e-5
 
