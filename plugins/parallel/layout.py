@@ -66,9 +66,12 @@ class Layout:
             part.train(mode)
 
     def reduce(self, values: torch.Tensor, op=None) -> torch.Tensor:
-        if self.world:
-            dist.all_reduce(values, op=op or dist.ReduceOp.SUM)
-        return values
+        """All-reduce small host-side statistics (on the rank's device: nccl reduces CUDA tensors only)."""
+        if not self.world:
+            return values
+        on_device = values.to(self.device)
+        dist.all_reduce(on_device, op=op or dist.ReduceOp.SUM)
+        return on_device.cpu()
 
 
 def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False) -> Layout:
