@@ -86,7 +86,7 @@ def reference_markdown(conf: Path = CONF) -> str:
     for section, schemas in [*GROUP_SCHEMAS.items(), ("train", {"train": TrainConfig}),
                              ("export", {"export": ExportConfig}), ("transform", {"transform": TransformConfig})]:
         lines += _table(conf, default_cfg, section, schemas)
-    top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir")]
+    top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir")]
     lines += ["", "**top level**", "", "| key | default | meaning |", "| --- | --- | --- |"]
     lines += [f"| `{f.name}` | `{_show(default_cfg[f.name])}` | {f.metadata['help']}{_rules(f.metadata)} |"
               for f in top]

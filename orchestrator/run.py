@@ -43,7 +43,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
     """Run the experiment described by cfg (a dry run only plans it)."""
     t0 = time.perf_counter()
     validate(cfg, overrides)
-    cache = Cache(Path(cfg.runs_dir).resolve() / "cache")
+    cache = Cache(Path(cfg.cache_dir).resolve())
     plan = make_plan(cfg, all_stages(), cache)
 
     run_dir = run_dir.resolve()

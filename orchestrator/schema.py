@@ -34,6 +34,7 @@ class ModelConfig:
     d_ff: int = key(256, "MLP inner size", min=1)
     max_seq_len: int = key(128, "longest sequence (rows of the position embedding)", min=1)
     dropout: float = key(0.0, "dropout probability on attention output and MLP output", min=0.0, max=0.95)
+    activation: str = key("gelu", "MLP activation", choices=("gelu", "relu", "silu", "elu"))
     tie_embeddings: bool = key(True, "share the token embedding with the output projection (GPT-2 style)")
     bias: bool = key(True, "biases in Linear and LayerNorm layers")
     init_std: float = key(0.02, "std of the normal weight initialisation", min=0.0)
@@ -95,7 +96,7 @@ class TritonConfig:
                      choices=("blocks", "model"))
     fullgraph: bool = key(False, "fail on graph breaks instead of falling back to eager for that part")
     dynamic: bool = key(False, "compile for dynamic shapes")
-    cache_dir: str = key("${runs_dir}/cache/inductor", "Inductor's cache, so a rerun does not recompile",
+    cache_dir: str = key("${cache_dir}/inductor", "Inductor's cache, so a rerun does not recompile",
                          content=False)
     attention: str = key("sdpa", "sdpa: fused scaled-dot-product attention kernels; math: the reference kernel",
                          choices=("sdpa", "math"))
@@ -106,6 +107,8 @@ class TritonConfig:
 @dataclass
 class EngineConfig:
     name: str = key(MISSING, "who executes each block's shard-local compute", choices=("torch", "ort"))
+    opset: int = key(17, "ONNX opset of the exported graphs (the export stage, and the graphs ORT trains)",
+                     min=14, max=17)
 
 
 @dataclass
@@ -116,13 +119,16 @@ class TorchEngineConfig(EngineConfig):
 @dataclass
 class OrtEngineConfig(EngineConfig):
     name: str = key("ort", "who executes each block's shard-local compute", choices=("torch", "ort"))
-    log_level: str = key("WARNING", "ORT backend severity, as in ORT's training guide",
+    log_level: str = key("WARNING", "as in ORT's training guide: WARNING (ORT backend errors only), INFO (backend "
+                                    "warnings, rank 0 only), DEVINFO (backend info, every rank), VERBOSE (everything, "
+                                    "every rank, and a verbose exporter)",
                          choices=("WARNING", "INFO", "DEVINFO", "VERBOSE"), content=False)
-    fallback: str = key("fail", "on an ORT failure: fail with ORT's error, or continue on the torch engine",
-                        choices=("fail", "torch"))
-    save_onnx: bool = key(False, "dump exported and transformed graphs for inspection", content=False)
+    fallback: str = key("fail", "when ORT cannot build or run a unit: fail with ORT's message, or run that unit on the "
+                                "torch engine (recorded in MLflow)", choices=("fail", "torch"))
+    save_onnx: bool = key(False, "write the graphs ORT runs (forward and fw+bw) into the run folder and MLflow",
+                          content=False)
     intra_op_threads: int = key(0, "ORT intra-op threads; 0 means torch's thread count", content=False, min=0)
-    seed: int = key(0, "ORT's random seed (dropout masks come from ORT's generator)")
+    seed: int = key(0, "ORT's random seed, for ops that draw random numbers inside ORT graphs (dropout stays in torch)")
 
 
 @dataclass
@@ -176,7 +182,6 @@ class TrainConfig:
 
 @dataclass
 class ExportConfig:
-    opset: int = key(17, "ONNX opset of the TorchScript exporter", min=14, max=17)
     sample_batch: int = key(2, "batch of the example input used to trace the model", min=1)
     sample_seq: int = key(16, "sequence length of the example input used to trace the model", min=1)
     verify_atol: float = key(1e-4, "max |logits(onnxruntime) - logits(torch)| accepted by the export check", min=0.0)
@@ -204,6 +209,8 @@ class Config:
     dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)
     runs_dir: str = key("runs", "outputs: run folders, cache/, mlflow.db (relative to the working directory)",
                         content=False)
+    cache_dir: str = key("${runs_dir}/cache", "the content-addressed store of every stage's outputs (also ORT's cache "
+                                              "directory: exported and transformed graphs live here)", content=False)
 
 
 # group name -> {option-schema name: dataclass}; YAML options start with `defaults: [<option-schema name>]`

@@ -215,6 +215,11 @@ def machine_problems(cfg: DictConfig) -> list[Problem]:
                                 "kernels, which need a CUDA GPU and ORT's Triton build; this machine has no CUDA device",
                                 "triton=off (engine=ort runs ORT's CPU kernels), or engine=torch triton=on "
                                 "(torch.compile generates C++ on CPU)"))
+    if ort and cfg.parallel.sequence_parallel:
+        problems.append(Problem("parallel.sequence_parallel", True, "engine=ort runs each unit (LayerNorm through the "
+                                "row-parallel matmul) as one graph, but sequence parallelism needs a collective "
+                                "between the LayerNorm and the matmuls", "parallel.sequence_parallel=false, or "
+                                "engine=torch"))
     if ort and importlib.util.find_spec("onnxruntime") is None:
         problems.append(Problem("engine", "ort", "engine=ort needs onnxruntime-training",
                                 "pip install -e . (it installs onnxruntime-training==1.19.2), or engine=torch"))
@@ -235,9 +240,6 @@ def _has_cuda() -> bool:
 def unavailable_problems(cfg: DictConfig) -> list[Problem]:
     """Features whose configs exist but whose execution is not in this version yet."""
     problems = []
-    if cfg.engine.name == "ort":
-        problems.append(Problem("engine", "ort", "training on the ONNX Runtime engine is not available in this "
-                                "version (export and transform already produce its graphs)", "engine=torch"))
     if cfg.triton.enabled:
         problems.append(Problem("triton", "on", "compiled kernels (torch.compile) are not available in this version",
                                 "triton=off"))

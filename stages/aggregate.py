@@ -15,7 +15,7 @@ from plugins.data import build_batcher, data_fingerprint
 from plugins.evaluate import eval_loss
 from plugins.fsio import atomic_write_json, file_table, read_json
 from plugins.models import get_model
-from plugins.onnx.exporter import export_checked
+from plugins.onnx.exporter import export_model
 from plugins.optim import build_optimizer
 from plugins.partition import aliases as plan_aliases
 from stages.base import Stage, StageContext
@@ -53,7 +53,8 @@ def aggregate(ctx: StageContext) -> None:
                            f"loss {trained!r} by more than {EVAL_RTOL:g} (relative)")
 
     # 3. an ONNX model for inference (weights inside), checked in ONNX Runtime
-    graph, schema, onnx_record = export_checked(plain, spec, cfg.model, cfg.export, params_as_inputs=False)
+    graph, schema, onnx_record = export_model(plain, spec, cfg.model, cfg.export, cfg.engine.opset,
+                                              params_as_inputs=False)
     onnx_diff = onnx_record["check"]["max_abs_diff"]
     onnx.save(graph, ctx.out / "model.onnx")
     atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
@@ -97,7 +98,7 @@ STAGE = Stage(
     name="aggregate",
     run=aggregate,
     after=("checkpoint", "train"),
-    reads=("model", "optimizer", "data", "train", "export"),
+    reads=("model", "optimizer", "data", "train", "export", "engine.opset"),
     code=("plugins.checkpoint", "plugins.consolidate", "plugins.models", "plugins.onnx", "plugins.data",
           "plugins.evaluate"),
     fingerprint=data_fingerprint,

@@ -1,8 +1,10 @@
 """export: the model from its registry entry -> ONNX (TorchScript exporter), checked in ONNX Runtime.
 
-Writes the training graph (parameters as graph inputs, as ONNX Runtime's training engine takes them),
-its input/output schema, and a record of the check. The key holds only what shapes the graph: the model
-config, the export options and this code; batch and sequence length are dynamic axes.
+Writes the training graph of the whole model (parameters as graph inputs), and one graph per unit of a
+block (attention, MLP: what the ONNX Runtime engine trains; every layer has the same structure, so one
+export serves all), each with its input/output schema and a record of its check. The key holds only what
+shapes the graphs: the model config, the export options, the opset and this code; batch and sequence
+length are dynamic axes.
 """
 from __future__ import annotations
 
@@ -10,36 +12,45 @@ import onnx
 
 from plugins.fsio import atomic_write_json, read_json
 from plugins.models import get_model
-from plugins.onnx.exporter import export_checked
+from plugins.onnx.exporter import export_model, export_unit
 from stages.base import Stage, StageContext
 
 
 def export(ctx: StageContext) -> None:
-    mcfg = ctx.cfg.model
+    mcfg, ecfg, opset = ctx.cfg.model, ctx.cfg.export, ctx.cfg.engine.opset
+    verbose = ctx.cfg.engine.get("log_level") == "VERBOSE"
     spec = get_model(mcfg.name)
     model = spec.build(mcfg)
     spec.init_weights(model, mcfg, seed=0)  # weights are graph inputs: their values do not enter the graph
-    graph, schema, record = export_checked(model, spec, mcfg, ctx.cfg.export, params_as_inputs=True)
+    graph, schema, record = export_model(model, spec, mcfg, ecfg, opset, params_as_inputs=True, verbose=verbose)
     onnx.save(graph, ctx.out / "model.onnx")
     atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
-    atomic_write_json(ctx.out / "export.json", record)
-    ctx.tracker.log_metrics({"export_s": record["export_s"], "check_s": record["check_s"],
-                             "check_max_abs_diff": record["check"]["max_abs_diff"]})
+    records = {"model": record}
+    block = spec.blocks(model)[0]
+    (ctx.out / "units").mkdir()
+    for unit in spec.units:
+        graph, schema, records[unit.name] = export_unit(unit.core(block), spec, mcfg, ecfg, opset, verbose)
+        onnx.save(graph, ctx.out / "units" / f"{unit.name}.onnx")
+        atomic_write_json(ctx.out / "units" / f"{unit.name}.io_schema.json", schema.to_json())
+    atomic_write_json(ctx.out / "export.json", records)
+    for name, r in records.items():
+        ctx.tracker.log_metrics({f"{name}/export_s": r["export_s"], f"{name}/check_max_abs_diff": r["check"]["max_abs_diff"]})
+        ctx.log.info("exported %s: %d nodes (opset %d) in %.2fs; onnxruntime vs torch max|diff| %.2e",
+                     name, r["nodes"], opset, r["export_s"], r["check"]["max_abs_diff"])
     ctx.tracker.log_artifact(ctx.out / "model.onnx")
     ctx.tracker.log_artifact(ctx.out / "io_schema.json")
-    ctx.log.info("exported %d nodes (opset %d) in %.2fs; onnxruntime vs torch max|diff| %.2e",
-                 record["nodes"], record["opset"], record["export_s"], record["check"]["max_abs_diff"])
 
 
 def _summary(out) -> str:
-    r = read_json(out / "export.json")
-    return f"{r['nodes']} nodes, opset {r['opset']}, ORT check {r['check']['max_abs_diff']:.1e}"
+    records = read_json(out / "export.json")
+    worst = max(r["check"]["max_abs_diff"] for r in records.values())
+    return f"{records['model']['nodes']} nodes + {len(records) - 1} unit graphs, ORT check {worst:.1e}"
 
 
 STAGE = Stage(
     name="export",
     run=export,
-    reads=("model", "export"),
+    reads=("model", "export", "engine.opset"),
     code=("plugins.models", "plugins.onnx"),
     summary=_summary,
 )

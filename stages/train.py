@@ -49,7 +49,9 @@ def train(ctx: StageContext) -> None:
     plan = read_json(ctx.inputs["transform"] / "partition_plan.json")
     device = pick_device()
     probe = MemoryProbe(device)
-    layout = build_layout(cfg, plan, get_model(cfg.model.name), device, probe=probe, timeline=cfg.parallel.pp > 1)
+    spec = get_model(cfg.model.name)
+    layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1)
+    fallbacks = _apply_engine(ctx, layout, spec, device)
     optimizers = [build_optimizer(cfg.optimizer, part) for part in layout.parts]
     parts = list(zip(layout.parts, optimizers))
     batcher = build_batcher(cfg)
@@ -110,7 +112,8 @@ def train(ctx: StageContext) -> None:
     (ctx.out / "metrics.jsonl").write_text(history.path.read_text())
     summary = {"steps": steps, "resumed_from_step": start, "final_loss": rows[-1]["loss"],
                "final_eval_loss": rows[-1]["eval_loss"], "tokens_per_s": timed_tokens / timed_s if timed_s else None,
-               "n_parameters": plan["n_parameters"], "layout": plan["layout"]}
+               "n_parameters": plan["n_parameters"], "layout": plan["layout"], "engine": cfg.engine.name,
+               "engine_fallbacks": fallbacks}
     atomic_write_json(ctx.out / "summary.json", summary)
     title = f"{cfg.model.name} {plan['n_parameters']:,} params, dp{layout.coords.dp_size} hp{layout.coords.hp_size} " \
             f"pp{layout.coords.pp_size}"
@@ -125,6 +128,26 @@ def train(ctx: StageContext) -> None:
     for artifact in artifacts:
         if artifact:
             ctx.tracker.log_artifact(artifact)
+
+
+def _apply_engine(ctx: StageContext, layout: Layout, spec, device) -> dict[str, str]:
+    """engine=ort: run every block's units in ONNX Runtime; returns {unit: why it runs on torch instead}."""
+    if ctx.cfg.engine.name != "ort":
+        return {}
+    from plugins.engines.ort.engine import graph_files, install
+
+    ort_dir = ctx.inputs["transform"] / "ort"
+    hp_group = layout.mesh.get_group("hp") if layout.coords.hp_size > 1 else None
+    fallbacks = install(layout.parts, spec, ort_dir, ctx.cfg.engine, hp_group, device, ctx.rank)
+    for unit, why in fallbacks.items():
+        ctx.log.warning("engine=ort: unit %s runs on torch (engine.fallback=torch): %s", unit, why)
+    ctx.tracker.set_tags({"engine": "ort", **{f"engine.fallback.{u}": why[:4000] for u, why in fallbacks.items()}})
+    ctx.tracker.log_metrics({"engine/ort_units": len(spec.units) - len(fallbacks), "engine/fallback_units": len(fallbacks)})
+    if ctx.cfg.engine.save_onnx:
+        for graph in graph_files(ort_dir):
+            ctx.tracker.log_artifact(graph, "onnx")
+            ctx.log.info("engine.save_onnx: %s", graph)
+    return fallbacks
 
 
 def train_step(layout: Layout, optimizers, batch, step: int, lr: float, s: StepSettings, probe: MemoryProbe) -> dict:
@@ -262,7 +285,7 @@ STAGE = Stage(
     after=("transform",),
     reads=("model", "parallel", "optimizer", "memory", "triton", "engine", "data", "train"),
     code=("plugins.models", "plugins.data", "plugins.optim", "plugins.checkpoint", "plugins.metrics",
-          "plugins.parallel"),
+          "plugins.parallel", "plugins.engines"),
     resources=lambda cfg: Resources(tasks=cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp),
     fingerprint=_fingerprint,
     progress=_progress_hint,

@@ -47,7 +47,7 @@ def test_execution_only_keys_do_not_change_keys(override, tmp_path):
     assert keys(override, cache_root=tmp_path) == keys(cache_root=tmp_path)
 
 
-@pytest.mark.parametrize("override,first_changed", [("model.d_model=128", "export"), ("export.opset=16", "export"),
+@pytest.mark.parametrize("override,first_changed", [("model.d_model=128", "export"), ("engine.opset=16", "export"),
                                                      ("train.seed=1", "train"), ("data=synthetic", "train"),
                                                      ("memory=level1", "train")])
 def test_content_keys_change_from_the_first_stage_that_reads_them(override, first_changed, tmp_path):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from plugins.models import get_model
-from plugins.onnx.exporter import export_checked, export_module, max_abs_diff
+from plugins.onnx.exporter import export_model, export_module, export_unit, max_abs_diff
 from plugins.onnx.io_schema import IOSchema, Node, flatten, unflatten
 from plugins.onnx.passes import PASSES, apply_passes
 from tests.conftest import make_cfg
@@ -73,7 +73,7 @@ def gpt_export():
     spec = get_model("gpt")
     model = spec.build(cfg.model)
     spec.init_weights(model, cfg.model, 0)
-    graph, schema, record = export_checked(model, spec, cfg.model, cfg.export, params_as_inputs=True)
+    graph, schema, record = export_model(model, spec, cfg.model, cfg.export, cfg.engine.opset, params_as_inputs=True)
     return cfg, spec, model, graph, schema, record
 
 
@@ -100,7 +100,7 @@ def test_export_check_fails_loudly():
     model = spec.build(cfg.model)
     spec.init_weights(model, cfg.model, 0)
     with pytest.raises(RuntimeError, match="exceeds export.verify_atol=0.0"):
-        export_checked(model, spec, cfg.model, cfg.export, params_as_inputs=True)
+        export_model(model, spec, cfg.model, cfg.export, cfg.engine.opset, params_as_inputs=True)
 
 
 def test_layernorm_pass_lets_ort_build_the_gradient_graph(gpt_export):

@@ -71,8 +71,10 @@ RULES = [
     (["model.dropout=1.5"], "model.dropout", "between 0.0 and 0.95"),
     (["train.steps=0"], "train.steps", ">= 1"),
     (["memory.level=3"], "memory.level", "one of 0, 1, 2"),
-    (["export.opset=18"], "export.opset", "between 14 and 17"),
+    (["engine.opset=18"], "engine.opset", "between 14 and 17"),
     (["engine=ort", "triton=on"], "triton.enabled", "need a CUDA GPU"),
+    (["engine=ort", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",
+     "runs each unit"),
     (["+parallel.foo=1"], "parallel.foo", "has no key 'foo'"),
     (["+foo=1"], "foo", "has no key 'foo'"),
     (["+model.n_head=2"], "model.n_head", "has no key 'n_head'"),
@@ -106,9 +108,9 @@ def test_all_problems_are_reported_together():
 
 
 def test_not_yet_available_features_say_so():
-    keys = {p.key: p for p in problems_of("engine=ort")}
-    assert "not available in this version" in keys["engine"].rule
-    assert keys["engine"].fix == "engine=torch"
+    keys = {p.key: p for p in problems_of("triton=on")}
+    assert "not available in this version" in keys["triton"].rule
+    assert keys["triton"].fix == "triton=off"
 
 
 @pytest.mark.parametrize("override,key,words", [

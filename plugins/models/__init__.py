@@ -21,6 +21,17 @@ class Partition:
 
 
 @dataclass(frozen=True)
+class EngineUnit:
+    """A part of a block an engine may run itself: its core is the shard-local compute up to a row-parallel
+    matmul (under tensor parallelism: input replicated, output a partial sum); `bias` (a parameter name in
+    the block) is added after the reduction."""
+    name: str
+    core: Callable[[nn.Module], nn.Module]
+    """block -> a module computing the core from the block's own parameters (names relative to the block)."""
+    bias: Optional[str]
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     build: Callable[[Any], nn.Module]
     """cfg.model -> module with its parameters initialised (on the current default device)."""
@@ -36,6 +47,10 @@ class ModelSpec:
     """module -> its repeated blocks (units of data-parallel sharding)."""
     parallelize: Callable[[nn.Module, Any, Any], nn.Module]
     """(module, hp DeviceMesh, cfg.parallel) -> the module with tensor parallelism applied (in place)."""
+    units: tuple[EngineUnit, ...]
+    """the units of a block (blocks(module)[i].engine, when set, is called as engine(unit name, block, x))."""
+    block_inputs: Callable[[Any, int, int], tuple]
+    """(cfg.model, batch, seq) -> example inputs of a block (for exporting its units)."""
     loss: Callable[..., torch.Tensor]
     """(outputs, labels) -> summed loss over non-ignored labels."""
     example_inputs: Callable[[Any, int, int], tuple]

@@ -6,6 +6,8 @@
   sharding them across hp ranks needs no change to the forward.
 - A stage that does not hold the embedding or the head has them set to None; forward skips what is absent.
 - Initialisation draws every parameter from a generator seeded by (seed, name): identical in every layout.
+- A block is two units, attention and MLP, each ending in a row-parallel projection: an engine may run a
+  unit's core (everything up to that projection's matmul, shard-local under tensor parallelism) itself.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plugins.models import ModelSpec, Partition, register_model
+from plugins.models import EngineUnit, ModelSpec, Partition, register_model
 
 
 class Attention(nn.Module):
@@ -30,13 +32,20 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
-    def forward(self, x):
+    def mix(self, x):
+        """q/k/v projections and causal attention, heads concatenated: the input of the output projection."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+        return y.transpose(1, 2).reshape(B, T, -1)
+
+    def forward(self, x):
+        return self.wo(self.mix(x))
+
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "silu": F.silu, "elu": F.elu}
 
 
 class MLP(nn.Module):
@@ -44,9 +53,13 @@ class MLP(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.bias)
         self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.bias)
+        self.act = ACTIVATIONS[cfg.activation]
+
+    def hidden(self, x):
+        return self.act(self.fc1(x))
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x)))
+        return self.fc2(self.hidden(x))
 
 
 class Block(nn.Module):
@@ -58,15 +71,20 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
         self.recompute = "none"  # none | layer | selective, set by apply_memory (an attribute keeps names stable)
+        self.engine = None  # callable (unit name, block, x) -> unit output, set by an engine other than torch
 
     def _forward(self, x):
-        x = x + self.drop(self._sub(self.attn, self.ln1(x)))
-        return x + self.drop(self._sub(self.mlp, self.ln2(x)))
+        x = x + self.drop(self._unit("attention", x))
+        return x + self.drop(self._unit("mlp", x))
 
-    def _sub(self, module, x):
+    def _unit(self, name, x):
+        run = self.torch_unit if self.engine is None else (lambda n, h: self.engine(n, self, h))
         if self.recompute == "selective" and torch.is_grad_enabled():
-            return checkpoint(module, x, use_reentrant=False)
-        return module(x)
+            return checkpoint(run, name, x, use_reentrant=False)
+        return run(name, x)
+
+    def torch_unit(self, name, x):
+        return self.attn(self.ln1(x)) if name == "attention" else self.mlp(self.ln2(x))
 
     def forward(self, x):
         if self.recompute == "layer" and torch.is_grad_enabled():
@@ -141,6 +159,37 @@ def split(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
     if not last:
         model.ln_f = model.lm_head = None
     return model
+
+
+class AttentionCore(nn.Module):
+    """ln1, attention and the output projection's matmul without its bias: the attention unit's shard-local
+    compute (under tensor parallelism a partial sum; the bias is added after the reduction)."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.ln1, self.attn = block.ln1, block.attn
+
+    def forward(self, x):
+        return F.linear(self.attn.mix(self.ln1(x)), self.attn.wo.weight)
+
+
+class MLPCore(nn.Module):
+    """ln2, the MLP and its output projection's matmul without the bias: the MLP unit's shard-local compute."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.ln2, self.mlp = block.ln2, block.mlp
+
+    def forward(self, x):
+        return F.linear(self.mlp.hidden(self.ln2(x)), self.mlp.fc2.weight)
+
+
+UNITS = (EngineUnit("attention", AttentionCore, "attn.wo.bias"), EngineUnit("mlp", MLPCore, "mlp.fc2.bias"))
+
+
+def block_inputs(cfg, batch: int, seq: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, seq, cfg.d_model, generator=g),)
 
 
 def blocks(model: GPT) -> list[nn.Module]:
@@ -228,6 +277,8 @@ register_model("gpt", ModelSpec(
     split=split,
     blocks=blocks,
     parallelize=parallelize,
+    units=UNITS,
+    block_inputs=block_inputs,
     loss=loss,
     example_inputs=example_inputs,
     input_names=("input_ids",),

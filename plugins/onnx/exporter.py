@@ -64,7 +64,7 @@ def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
 
 
 def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], output_names: Sequence[str],
-                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool
+                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool, verbose: bool = False
                   ) -> tuple[onnx.ModelProto, IOSchema]:
     schema = describe(module, args, input_names, output_names, dynamic_axes)
     flat_args, _ = flatten(tuple(args), "input", item_names=list(input_names))
@@ -79,7 +79,7 @@ def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], ou
                 input_names=schema.input_names, output_names=schema.output_names,
                 dynamic_axes=schema.dynamic_axes, opset_version=opset, do_constant_folding=not params_as_inputs,
                 training=torch.onnx.TrainingMode.TRAINING if params_as_inputs else torch.onnx.TrainingMode.EVAL,
-                export_params=not params_as_inputs, keep_initializers_as_inputs=params_as_inputs)
+                export_params=not params_as_inputs, keep_initializers_as_inputs=params_as_inputs, verbose=verbose)
     finally:
         module.train(was_training)
     model = onnx.load_model_from_string(f.getvalue())
@@ -127,24 +127,43 @@ def max_abs_diff(model: onnx.ModelProto, schema: IOSchema, module: nn.Module, ar
     return max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
 
 
-def export_checked(module: nn.Module, spec, model_cfg, export_cfg, params_as_inputs: bool
-                   ) -> tuple[onnx.ModelProto, IOSchema, dict]:
-    """Export a registry model and check the graph in ONNX Runtime on other shapes than the traced ones
-    (which proves the dynamic axes as well as the numbers). Raises when the check fails."""
+def export_checked(module: nn.Module, make_inputs, input_names: Sequence[str], output_names: Sequence[str],
+                   dynamic_axes: dict[str, dict[int, str]], export_cfg, opset: int, max_seq: int,
+                   params_as_inputs: bool, verbose: bool = False) -> tuple[onnx.ModelProto, IOSchema, dict]:
+    """Export a module traced on make_inputs(batch, seq) and check the graph in ONNX Runtime on other shapes
+    than the traced ones (which proves the dynamic axes as well as the numbers). Raises when the check fails."""
     import time
 
     t0 = time.perf_counter()
-    graph, schema = export_module(module, spec.example_inputs(model_cfg, export_cfg.sample_batch, export_cfg.sample_seq),
-                                  spec.input_names, spec.output_names, spec.dynamic_axes, export_cfg.opset,
-                                  params_as_inputs=params_as_inputs)
+    graph, schema = export_module(module, make_inputs(export_cfg.sample_batch, export_cfg.sample_seq), input_names,
+                                  output_names, dynamic_axes, opset, params_as_inputs=params_as_inputs,
+                                  verbose=verbose)
     export_s = time.perf_counter() - t0
-    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, model_cfg.max_seq_len)
+    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, max_seq)
     t0 = time.perf_counter()
-    diff = max_abs_diff(graph, schema, module, spec.example_inputs(model_cfg, batch, seq))
+    diff = max_abs_diff(graph, schema, module, make_inputs(batch, seq))
     if not diff <= export_cfg.verify_atol:
         raise RuntimeError(f"ONNX check failed: max |outputs(onnxruntime) - outputs(torch)| = {diff:.3g} exceeds "
                            f"export.verify_atol={export_cfg.verify_atol} (batch {batch}, sequence {seq})")
-    record = {"opset": export_cfg.opset, "ir_version": graph.ir_version, "nodes": len(graph.graph.node),
+    record = {"opset": opset, "ir_version": graph.ir_version, "nodes": len(graph.graph.node),
               "graph_inputs": len(graph.graph.input), "export_s": export_s, "check_s": time.perf_counter() - t0,
               "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq}}
     return graph, schema, record
+
+
+def export_model(module: nn.Module, spec, model_cfg, export_cfg, opset: int, params_as_inputs: bool,
+                 verbose: bool = False) -> tuple[onnx.ModelProto, IOSchema, dict]:
+    """The whole registry model: token ids in, logits out."""
+    return export_checked(module, lambda b, t: spec.example_inputs(model_cfg, b, t), spec.input_names,
+                          spec.output_names, spec.dynamic_axes, export_cfg, opset, model_cfg.max_seq_len,
+                          params_as_inputs, verbose)
+
+
+UNIT_AXES = {"x": {0: "batch", 1: "sequence"}, "y": {0: "batch", 1: "sequence"}}
+
+
+def export_unit(core: nn.Module, spec, model_cfg, export_cfg, opset: int, verbose: bool = False
+                ) -> tuple[onnx.ModelProto, IOSchema, dict]:
+    """One unit of a block (hidden states x in, y out), parameters as graph inputs named as in the block."""
+    return export_checked(core, lambda b, t: spec.block_inputs(model_cfg, b, t), ["x"], ["y"], UNIT_AXES,
+                          export_cfg, opset, model_cfg.max_seq_len, params_as_inputs=True, verbose=verbose)

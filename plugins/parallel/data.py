@@ -6,16 +6,21 @@ from __future__ import annotations
 from torch import nn
 
 
-def apply_dp(module: nn.Module, dp_mesh, mode: str, blocks: list[nn.Module]) -> nn.Module:
+def apply_dp(module: nn.Module, dp_mesh, mode: str, blocks: list[nn.Module],
+             reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 averages gradients over dp ranks; the runners scale each rank's backward loss by dp so the
     average is the sum the global-mean loss needs (a divide factor of 1 would need PREMUL_SUM, which gloo
-    does not have)."""
+    does not have).
+
+    reshard_after_forward=False keeps each block's gathered parameters until its backward: needed when an
+    engine (ONNX Runtime) holds pointers to them from forward to backward, which FSDP's free-and-regather
+    would invalidate."""
     if mode == "shard":
         from torch.distributed.fsdp import fully_shard
 
         for block in blocks:  # per block, so only one block's full weights exist at a time
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(module, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
     elif mode == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

@@ -88,8 +88,9 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         spec.apply_memory(module, cfg.memory.level)
         if p.hp > 1:
             spec.parallelize(module, mesh["hp"], p)
-        if p.dp > 1:
-            apply_dp(module, mesh["dp"], p.dp_mode, spec.blocks(module))
+        if p.dp > 1:  # ONNX Runtime keeps pointers to the parameters from forward to backward
+            apply_dp(module, mesh["dp"], p.dp_mode, spec.blocks(module),
+                     reshard_after_forward=cfg.engine.name != "ort")
         parts.append(module)
     check_against_plan(parts, plan)
 
