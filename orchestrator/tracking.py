@@ -35,7 +35,9 @@ def config_params(cfg: DictConfig, paths: Optional[tuple[str, ...]] = None) -> d
     """The resolved config (or the subtrees at `paths`) as MLflow params."""
     if paths is None:
         return flatten_params(OmegaConf.to_container(cfg, resolve=True))
-    return flatten_params({p: OmegaConf.to_container(OmegaConf.select(cfg, p), resolve=True) for p in paths})
+    selected = {p: OmegaConf.select(cfg, p) for p in paths}  # a section, or a single key such as engine.opset
+    return flatten_params({p: OmegaConf.to_container(v, resolve=True) if OmegaConf.is_config(v) else v
+                           for p, v in selected.items()})
 
 
 def _client(uri: str):

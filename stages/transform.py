@@ -60,7 +60,8 @@ def _ort_units(ctx: StageContext, plan: dict) -> None:
         passes = apply_passes(graph, list(cfg.transform.passes))
         params = param_inputs(graph, ["x"])
         shards = {n: plan["parameters"][prefix + n]["shard_shape"] for n in params}
-        record = {"params": params, "bias": unit.bias, "passes": passes}
+        replicated = [n for n in params if not plan["parameters"][prefix + n]["is_partitioned"]]
+        record = {"params": params, "replicated": replicated, "bias": unit.bias, "passes": passes}
         try:
             record["partitioned_inputs"] = partition_for_hp(graph, shards, ["x"], {"x": x_shape}, unit.name)
             grad_model, record["agent"] = build_gradient_graph(graph, ["x"], ["x"], unit.name)

@@ -131,3 +131,10 @@ def test_stage_progress_hint_shows_in_the_plan(tmp_path):
 def test_stage_declares_its_module():
     assert {s.name: s.module for s in all_stages()}["train"] == "stages.train"
     assert isinstance(all_stages()[0], Stage)
+
+
+def test_stage_params_take_sections_and_single_keys():
+    from orchestrator.tracking import config_params
+
+    params = config_params(make_cfg(), ("model", "engine.opset"))
+    assert params["engine.opset"] == "17" and params["model.n_layers"] == "8" and params["model.name"] == "gpt"

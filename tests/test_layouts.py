@@ -190,3 +190,74 @@ def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
     assert "resumes from step" in result.stdout
     summary = read_json(outputs(result) / "stages/train/output/summary.json")
     assert summary["resumed_from_step"] >= 20 and summary["steps"] == 80
+
+
+# -- engine=ort: the same layouts with each block's units in ONNX Runtime ------------------------------------
+
+ORT_LAYOUTS = ["single", "megatron_hp2", "pipeline_pp2", "dp2_hp2_pp2-replicate", "dp2_hp2_pp2-shard"]
+ORT_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ort_runs(workdir) -> dict[str, Path]:
+    return {name: outputs(run_cli([*COMMON, "train.steps=10", "engine=ort", *LAYOUTS[name]], workdir))
+            for name in ORT_LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", ORT_LAYOUTS)
+def test_ort_losses_match_torch(runs, ort_runs, layout):
+    got, want = rows(ort_runs[layout]), rows(runs[layout])
+    summary = read_json(ort_runs[layout] / "stages/train/output/summary.json")
+    assert summary["engine"] == "ort" and summary["engine_fallbacks"] == {}
+    for g, w in zip(got, want, strict=True):
+        assert abs(g["loss"] - w["loss"]) <= ORT_RTOL * w["loss"], (g["step"], g["loss"], w["loss"])
+
+
+@pytest.mark.parametrize("layout", ORT_LAYOUTS)
+def test_ort_gradients_match_torch(ort_runs, layout):
+    transform = (ort_runs[layout] / "stages/transform/output").resolve()
+    world = read_json(transform / "partition_plan.json")["layout"]["world_size"]
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+                             str(ROOT / "tests" / "grad_parity_rank.py"), str(transform),
+                             *COMMON, "engine=ort", *LAYOUTS[layout]],
+                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    found = re.search(r'^(\{"worst".*)$', result.stdout, re.M)
+    assert found, result.stdout[-2000:] + result.stderr[-3000:]
+    parity = json.loads(found.group(1))
+    assert parity["fallbacks"] == {} and parity["compared"] > 0
+    assert parity["worst"] <= 1.0, parity  # every gradient within 1e-4 relative (floor 1e-6 of the largest)
+
+
+def test_ort_new_batch_size_rebuilds_nothing(ort_runs, workdir):
+    """Batch and sequence length are dynamic axes: export and transform come from the cache."""
+    result = run_cli([*COMMON, "train.steps=10", "engine=ort", "train.batch_size=4", "train.seq_len=48",
+                      "dry_run=true"], workdir)
+    plan = {p["stage"]: p for p in json.loads(Path(re.search(r"plan written to (\S+)\)", result.stdout)
+                                                     .group(1)).read_text())}
+    assert plan["export"]["cached"] and plan["transform"]["cached"], result.stdout
+    assert not plan["train"]["cached"]
+
+
+def test_ort_fallback_to_torch_is_recorded(tmp_path):
+    """ELU has no gradient in ONNX Runtime: with engine.fallback=torch the MLP units run on torch, the
+    attention units on ORT, and MLflow says so."""
+    args = [*COMMON, "train.steps=4", "engine=ort", "model.activation=elu", "tracking=mlflow"]
+    result = run_cli([*args, "engine.fallback=torch"], tmp_path)
+    run_dir = outputs(result)
+    fallbacks = read_json(run_dir / "stages/train/output/summary.json")["engine_fallbacks"]
+    assert list(fallbacks) == ["mlp"] and "gradient graph" in fallbacks["mlp"]
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    train = next(r for r in client.search_runs([client.get_experiment_by_name("orchestrator").experiment_id])
+                 if r.info.run_name == "train")
+    assert "GetGradientForOp" in train.data.tags["engine.fallback.mlp"]
+    assert train.data.metrics["engine/fallback_units"] == 1 and train.data.metrics["engine/ort_units"] == 1
+
+
+def test_ort_failure_stops_with_orts_message(tmp_path):
+    result = run_cli([*COMMON, "train.steps=4", "engine=ort", "model.activation=elu", "engine.fallback=fail"], tmp_path)
+    assert result.returncode == 1
+    assert "stage transform failed" in result.stdout
+    assert "ONNX Runtime cannot build the gradient graph of the mlp graph" in result.stdout
+    assert "GetGradientForOp" in result.stdout

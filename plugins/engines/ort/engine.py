@@ -3,7 +3,8 @@
 Each block gets `block.engine = OrtBlockEngine(...)`: for a unit, it feeds the block's live parameters
 (local shards of DTensors; FSDP has unsharded them for the block's forward) and the unit input to the unit's
 ORT graph, between Megatron's f and g when tensor parallelism is on, and adds the row-parallel bias after the
-reduction. Units ORT could not build run on torch (engine.fallback=torch) and are reported.
+reduction. Parameters every hp rank holds whole (the unit's LayerNorm) also pass through f: inside the
+unit each rank sees only its heads' share of their gradient, and f sums the shares. Units ORT could not build run on torch (engine.fallback=torch) and are reported.
 """
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ class OrtBlockEngine:
         params = [_local(block.get_parameter(n)) for n in record["params"]]
         if self.hp_group is not None:
             x = CopyToHP.apply(x, self.hp_group)
+            replicated = set(record["replicated"])
+            params = [CopyToHP.apply(p, self.hp_group) if n in replicated else p
+                      for n, p in zip(record["params"], params)]
         y = unit.apply(x, *params)
         if self.hp_group is not None:
             y = ReduceFromHP.apply(y, self.hp_group)
