@@ -14,9 +14,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from orchestrator.errors import ConfigError, from_hydra
+from orchestrator.report import EXIT_CODES
 from orchestrator.schema import register
-
-_exit_codes: list[int] = []
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -25,10 +24,10 @@ def _experiment(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     try:
-        _exit_codes.append(orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)).exit_code)
+        EXIT_CODES.append(orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)).exit_code)
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line
         print(f"error: {e}", file=sys.stderr)
-        _exit_codes.append(2)
+        EXIT_CODES.append(2)
 
 
 def main() -> int:
@@ -36,13 +35,16 @@ def main() -> int:
     register()
     try:
         _experiment()
+    except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception as e:
         translated = from_hydra(e, tuple(sys.argv[1:]))
         if translated is None:
             raise
         print(f"error: {translated}", file=sys.stderr)
         return 2
-    return max(_exit_codes, default=0)
+    return max(EXIT_CODES, default=0)
 
 
 if __name__ == "__main__":

@@ -62,3 +62,11 @@ class Cache:
         publish_dir(out, self.entry(stage, key))
         remove_tree(self.work(stage, key))
         return self.entry(stage, key)
+
+
+def link_output(run_dir: Path, stage: str, entry: Path) -> None:
+    """run_dir/stages/<stage>/output -> the cache entry: a run folder shows every output it used."""
+    link = run_dir / "stages" / stage / "output"
+    if entry.exists() and not link.is_symlink():
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(entry, target_is_directory=True)

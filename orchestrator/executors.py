@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.dag import PlannedStage
+from orchestrator.tracking import config_params
 
 TAIL_LINES = 25
 
@@ -34,6 +35,19 @@ class Launch:
     spec: dict
     spec_path: Path
     log_dir: Path
+
+    def open_run(self, tracking, cfg, status: str, closes_itself: bool = False) -> Optional[str]:
+        """Create the stage's MLflow run (None without tracking) and have the stage's rank 0 log into it;
+        closes_itself: the stage ends the run (no orchestrator watches it, as on SLURM)."""
+        if tracking is None:
+            return None
+        ps = self.planned
+        run_id = tracking.start_stage(ps.name, ps.key, config_params(cfg, ps.stage.reads),
+                                      {"orchestrator.status": status})
+        self.spec["tracking"] = {"uri": cfg.tracking.uri, "run_id": run_id,
+                                 "max_artifact_mb": cfg.tracking.max_artifact_mb, "end_run": closes_itself}
+        self.spec["entry_meta"]["mlflow_run_id"] = run_id
+        return run_id
 
 
 @dataclass
@@ -198,12 +212,17 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             pass
 
 
-def make_executor(cluster_name: str):
-    if cluster_name == "debug":
+def make_executor(cluster):
+    """The executor of a cluster config (for slurm: a view that describes jobs; orchestrator.slurm submits)."""
+    if cluster.name == "debug":
         return DebugExecutor()
-    if cluster_name == "local":
+    if cluster.name == "local":
         return LocalExecutor()
-    raise ValueError(f"cluster={cluster_name!r}: known clusters are local, debug")
+    if cluster.name == "slurm":
+        from orchestrator.slurm import SlurmView
+
+        return SlurmView(cluster)
+    raise ValueError(f"cluster={cluster.name!r}: known clusters are local, debug, slurm")
 
 
 def write_spec(path: Path, spec: dict) -> None:

@@ -12,7 +12,7 @@ import yaml
 
 from omegaconf import OmegaConf
 
-from orchestrator.schema import GROUP_SCHEMAS, Config, ExportConfig, TrainConfig, TransformConfig
+from orchestrator.schema import GROUP_SCHEMAS, Config, ExportConfig, SweepConfig, TrainConfig, TransformConfig
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -84,7 +84,8 @@ def reference_markdown(conf: Path = CONF) -> str:
         lines.append(f"| `{group}` | " + ", ".join(f"`{o}`" for o in options) + " |")
     default_cfg = _compose(conf)
     for section, schemas in [*GROUP_SCHEMAS.items(), ("train", {"train": TrainConfig}),
-                             ("export", {"export": ExportConfig}), ("transform", {"transform": TransformConfig})]:
+                             ("export", {"export": ExportConfig}), ("transform", {"transform": TransformConfig}),
+                             ("sweep", {"sweep": SweepConfig})]:
         lines += _table(conf, default_cfg, section, schemas)
     top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir")]
     lines += ["", "**top level**", "", "| key | default | meaning |", "| --- | --- | --- |"]

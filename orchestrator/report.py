@@ -1,7 +1,8 @@
 """What the user sees: the plan before anything runs and the stage table at the end."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
@@ -10,6 +11,7 @@ from rich.table import Table
 from orchestrator.dag import PlannedStage
 
 console = Console(highlight=False)
+EXIT_CODES: list[int] = []  # of each invocation (or sweep) in this process; the command exits with the worst
 
 STYLE = {"cached": "green", "ran": "bold green", "failed": "bold red", "not run": "yellow", "will run": "cyan"}
 
@@ -24,6 +26,19 @@ class StageResult:
     error: Optional[str] = None
 
 
+@dataclass
+class Report:
+    """The outcome of one invocation (one sweep point): every stage's result."""
+    run_dir: Path
+    results: dict[str, StageResult] = field(default_factory=dict)
+    parent_run_id: Optional[str] = None
+    submitted: bool = False        # SLURM jobs left running (cluster.wait=false): outcomes unknown yet
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if any(r.status in ("failed", "not run") for r in self.results.values()) else 0
+
+
 def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
     """where: stage name -> a short description of where it would run (stages to run only)."""
     table = Table(title="plan", title_justify="left")
@@ -36,8 +51,8 @@ def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
     return table
 
 
-def result_table(results: list[StageResult], total_s: float) -> Table:
-    table = Table(title=f"stages ({total_s:.1f} s in all)", title_justify="left")
+def result_table(results: list[StageResult], total_s: float, title: str = "stages") -> Table:
+    table = Table(title=f"{title} ({total_s:.1f} s in all)", title_justify="left")
     for col in ("stage", "status", "time", "result"):
         table.add_column(col)
     for r in results:

@@ -9,18 +9,17 @@ from __future__ import annotations
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 from rich.panel import Panel
 
-from orchestrator.cache import Cache
+from orchestrator.cache import Cache, link_output
 from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.executors import Launch, make_executor, write_spec
-from orchestrator.report import StageResult, console, plan_table, plan_text, result_table
-from orchestrator.tracking import Invocation, config_params, process_alive
+from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
+from orchestrator.tracking import Invocation, process_alive
 from orchestrator.validate import validate
 from plugins.fsio import atomic_write_json, read_json
 from stages import all_stages
@@ -28,19 +27,12 @@ from stages import all_stages
 ATTEMPT_FILE = "attempt.json"
 
 
-@dataclass
-class Report:
-    run_dir: Path
-    results: dict[str, StageResult] = field(default_factory=dict)
-    parent_run_id: Optional[str] = None
+def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
+                follow_jobs: bool = True) -> Report:
+    """Run the experiment described by cfg (a dry run only plans it).
 
-    @property
-    def exit_code(self) -> int:
-        return 1 if any(r.status in ("failed", "not run") for r in self.results.values()) else 0
-
-
-def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
-    """Run the experiment described by cfg (a dry run only plans it)."""
+    sweep_run_id: the MLflow run of the sweep this is a point of (its parent). follow_jobs=False (SLURM):
+    return once the jobs are submitted (a sweep follows all its points' jobs together)."""
     t0 = time.perf_counter()
     validate(cfg, overrides)
     cache = Cache(Path(cfg.cache_dir).resolve())
@@ -50,7 +42,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    executor = make_executor(cfg.cluster.name)
+    executor = make_executor(cfg.cluster)
     launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
     to_run = [ps.name for ps in plan if not ps.cached]
     where = {name: executor.describe(launches[name]) for name in to_run}
@@ -65,12 +57,14 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
     if not to_run:
         console.print("every stage is cached: nothing to run")
 
-    tracking = Invocation(cfg, " ".join(overrides) or "default", {"orchestrator.run_dir": str(run_dir)}) \
-        if cfg.tracking.name == "mlflow" else None
+    tags = {"orchestrator.run_dir": str(run_dir), **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
+    tracking = Invocation(cfg, " ".join(overrides) or "default", tags) if cfg.tracking.name == "mlflow" else None
     if tracking:
         tracking.log_artifact(tracking.parent, config_path)
         tracking.log_artifact(tracking.parent, run_dir / "plan.json")
         tracking.log_artifact(tracking.parent, run_dir / "plan.txt")
+    if cfg.cluster.name == "slurm":
+        return _submit(cfg, plan, launches, cache, run_dir, tracking, follow_jobs and cfg.cluster.wait, t0)
 
     report = Report(run_dir, parent_run_id=tracking.parent if tracking else None)
     results = report.results
@@ -84,7 +78,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
                     tracking.end_run(run_id, "KILLED")
                 continue
             results[ps.name] = _run_stage(cfg, ps, cache, launches[ps.name], executor, tracking)
-            _link_output(run_dir, ps, cache)
+            link_output(run_dir, ps.name, cache.entry(ps.name, ps.key))
     except KeyboardInterrupt:
         if tracking:
             tracking.end_run(tracking.parent, "KILLED")
@@ -99,6 +93,26 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> Report:
                          {"orchestrator.status": "failed" if failed else "ok"})
         console.print(f"MLflow: mlflow ui --backend-store-uri {cfg.tracking.uri}  (run {tracking.parent})",
                       soft_wrap=True)
+    return report
+
+
+def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launch], cache: Cache, run_dir: Path,
+            tracking: Optional[Invocation], wait: bool, t0: float) -> Report:
+    """cluster=slurm: every stage to run becomes a job, submitted now; then follow them (or return)."""
+    from orchestrator.follow import follow
+    from orchestrator.slurm import submit_plan
+
+    submitted = submit_plan(cfg, plan, launches, cache, run_dir, tracking)
+    for s in submitted:
+        console.print(f"{s.stage}: job {s.job_id}" + (" (already queued by another run)" if s.shared else "") +
+                      (f", after {', '.join(s.after)}" if s.after else ""), soft_wrap=True)
+    if not wait:
+        if submitted:
+            console.print(f"submitted; follow the jobs with: python -m orchestrator.follow {run_dir}", soft_wrap=True)
+        return Report(run_dir, parent_run_id=tracking.parent if tracking else None, submitted=True)
+    report = follow([run_dir])[0]
+    console.print(result_table(list(report.results.values()), time.perf_counter() - t0))
+    console.print(f"outputs: {run_dir}", soft_wrap=True)
     return report
 
 
@@ -121,22 +135,13 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
     with cache.lock(ps.name, ps.key):
         if cache.is_complete(ps.name, ps.key):  # cached before, or finished by a concurrent invocation
             if tracking:
-                run_id = tracking.start_stage(ps.name, ps.key, {}, {
-                    "orchestrator.status": "cached",
-                    "orchestrator.source_run_id": cache.record(ps.name, ps.key).get("mlflow_run_id", "")})
-                tracking.end_run(run_id, "FINISHED")
+                tracking.record_cached(ps.name, ps.key, cache.record(ps.name, ps.key).get("mlflow_run_id", ""))
             return StageResult(ps.name, ps.key, "cached", summary=_summary(ps, cache))
 
         attempt_path = cache.work(ps.name, ps.key) / ATTEMPT_FILE
         _close_stale_attempt(attempt_path, tracking)
         cache.begin(ps.name, ps.key)
-        run_id = None
-        if tracking:
-            run_id = tracking.start_stage(ps.name, ps.key, config_params(cfg, ps.stage.reads),
-                                          {"orchestrator.status": "running"})
-            launch.spec["tracking"] = {"uri": cfg.tracking.uri, "run_id": run_id,
-                                       "max_artifact_mb": cfg.tracking.max_artifact_mb}
-            launch.spec["entry_meta"]["mlflow_run_id"] = run_id
+        run_id = launch.open_run(tracking, cfg, "running")
         atomic_write_json(attempt_path, {"pid": os.getpid(), "host": os.uname().nodename,
                                          "runs": [r for r in (run_id, tracking and tracking.parent) if r]})
         write_spec(launch.spec_path, launch.spec)
@@ -172,14 +177,6 @@ def _summary(ps: PlannedStage, cache: Cache) -> str:
         return ps.stage.summary(cache.entry(ps.name, ps.key))
     except Exception as e:  # a summary is a nicety: never fail a run over it
         return f"(no summary: {e})"
-
-
-def _link_output(run_dir: Path, ps: PlannedStage, cache: Cache) -> None:
-    entry = cache.entry(ps.name, ps.key)
-    link = run_dir / "stages" / ps.name / "output"
-    if entry.exists() and not link.is_symlink():
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(entry, target_is_directory=True)
 
 
 def _write_plan(run_dir: Path, plan: list[PlannedStage], where: dict[str, str], commands: dict[str, str]) -> None:

@@ -9,7 +9,7 @@ YAML files under conf/ only pick values; every key they may set is declared here
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -144,13 +144,51 @@ class DataConfig:
 
 @dataclass
 class ClusterConfig:
-    name: str = key(MISSING, "where stages run: local (subprocesses) or debug (in this process)",
-                    choices=("local", "debug"))
+    name: str = key(MISSING, "where stages run: local (subprocesses), debug (in this process) or slurm (submitit jobs)",
+                    choices=("local", "debug", "slurm"))
     nprocs: Optional[int] = key(None, "processes of the train stage; default dp*hp*pp (must equal it if set)", min=1)
     threads_per_rank: Optional[int] = key(None, "torch threads per rank; default: all cores for one rank, 1 for several",
                                           content=False, min=1)
     pg_timeout_s: int = key(300, "process-group timeout: a rank that stops answering fails the job after this long",
                             content=False, min=1)
+
+
+STAGE_TIMES_MIN = {"export": 10, "transform": 10, "train": 60, "checkpoint": 10, "aggregate": 20}
+
+
+@dataclass
+class SlurmClusterConfig(ClusterConfig):
+    partition: Optional[str] = key(None, "SLURM partition (default: the cluster's default partition)", content=False)
+    account: Optional[str] = key(None, "SLURM account to charge", content=False)
+    qos: Optional[str] = key(None, "SLURM quality of service", content=False)
+    time_min: Dict[str, int] = key(STAGE_TIMES_MIN, "time limit of each stage's job, in minutes (train: the limit "
+                                                    "of one attempt; it is requeued from its checkpoint)",
+                                   content=False)
+    cpus_per_task: Optional[int] = key(None, "CPUs per task (rank); default: threads_per_rank, else 1", content=False,
+                                       min=1)
+    mem_per_task_gb: Optional[float] = key(None, "memory per task in GB (default: the partition's default)",
+                                           content=False, min=0.0)
+    gpus_per_task: int = key(0, "GPUs per task (rank)", content=False, min=0)
+    nodes: int = key(1, "nodes of the train job; its tasks are spread evenly over them", content=False, min=1)
+    setup: List[str] = key([], "shell lines run in each job before the stage (module load, source venv, ...)",
+                           content=False)
+    sbatch: Dict[str, Any] = key({}, "extra sbatch parameters, e.g. {constraint: a100, exclusive: true}",
+                                 content=False)
+    folder: Optional[str] = key(None, "submitit's folder (job scripts, logs, results); default: <run dir>/submitit",
+                                content=False)
+    wait: bool = key(True, "follow the jobs until they end; false: return after submission (follow later with "
+                           "python -m orchestrator.follow <run dir>)", content=False)
+    max_requeues: int = key(3, "times a preempted or timed-out train job is requeued from its checkpoint",
+                            content=False, min=0)
+    signal_delay_s: int = key(90, "SLURM signals the train job this long before its time limit (it checkpoints)",
+                              content=False, min=0)
+    poll_s: float = key(2.0, "how often the jobs' states are polled while following them", content=False, min=0.1)
+
+
+@dataclass
+class SweepConfig:
+    parallelism: int = key(1, "-m sweeps on local/debug clusters: points run at once (SLURM runs all points at "
+                              "once; its scheduler queues what does not fit)", content=False, min=1)
 
 
 @dataclass
@@ -206,6 +244,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
     dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)
     runs_dir: str = key("runs", "outputs: run folders, cache/, mlflow.db (relative to the working directory)",
                         content=False)
@@ -222,14 +261,17 @@ GROUP_SCHEMAS = {
     "triton": {"triton_schema": TritonConfig},
     "engine": {"torch_schema": TorchEngineConfig, "ort_schema": OrtEngineConfig},
     "data": {"data_schema": DataConfig},
-    "cluster": {"cluster_schema": ClusterConfig},
+    "cluster": {"cluster_schema": ClusterConfig, "slurm_schema": SlurmClusterConfig},
     "tracking": {"tracking_schema": TrackingConfig},
 }
 
 
 def register() -> None:
+    from orchestrator.sweep import LauncherConf
+
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
+    cs.store(group="hydra/launcher", name="orchestrator", node=LauncherConf, provider="orchestrator")
     for group, schemas in GROUP_SCHEMAS.items():
         for name, node in schemas.items():
             cs.store(group=group, name=name, node=node)

@@ -50,7 +50,7 @@ def _client(uri: str):
 class Invocation:
     """The orchestrator's side: the parent run and the stage runs of one `python -m orchestrator`."""
 
-    def __init__(self, cfg: DictConfig, run_name: str, tags: dict[str, str]):
+    def __init__(self, cfg: DictConfig, run_name: str, tags: dict[str, str], log_config: bool = True):
         tcfg = cfg.tracking
         self.uri = tcfg.uri
         if self.uri.startswith("sqlite:///"):
@@ -60,7 +60,8 @@ class Invocation:
         self.experiment_id = self._experiment(tcfg.experiment, Path(tcfg.artifact_root))
         self.parent = self.client.create_run(self.experiment_id, run_name=run_name, tags={
             "orchestrator.kind": "invocation", **tags}).info.run_id
-        self.log_params(self.parent, config_params(cfg))
+        if log_config:
+            self.log_params(self.parent, config_params(cfg))
 
     def _experiment(self, name: str, artifact_root: Path) -> str:
         found = self.client.get_experiment_by_name(name)
@@ -91,6 +92,12 @@ class Invocation:
         if params:
             self.log_params(run.info.run_id, params)
         return run.info.run_id
+
+    def record_cached(self, name: str, key: str, source_run_id: str) -> None:
+        """A stage found in the cache still gets a (finished) run here, pointing at the run that computed it."""
+        run_id = self.start_stage(name, key, {}, {"orchestrator.status": "cached",
+                                                  "orchestrator.source_run_id": source_run_id})
+        self.end_run(run_id, "FINISHED")
 
     def end_run(self, run_id: str, status: str, metrics: Optional[dict[str, float]] = None,
                 tags: Optional[dict[str, str]] = None) -> None:
@@ -149,6 +156,15 @@ class MlflowStageTracker(Tracker):
     def set_tags(self, tags: dict[str, Any]) -> None:
         for k, v in tags.items():
             self.client.set_tag(self.run_id, k, str(v))
+
+    def last_step(self, metric: str) -> Optional[int]:
+        history = self.client.get_metric_history(self.run_id, metric)
+        return max((m.step for m in history), default=None)
+
+    def end(self, status: str) -> None:
+        """Close this run (stages that run without the orchestrator watching, as SLURM jobs, close their own)."""
+        self.flush()
+        self.client.set_terminated(self.run_id, status)
 
     def flush(self) -> None:
         while self._pending:

@@ -140,6 +140,28 @@ def layout_problems(cfg: DictConfig) -> list[Problem]:
     if cfg.cluster.name == "debug" and world > 1:
         problems.append(Problem("cluster", "debug", f"the debug cluster runs stages inside this process (one rank); "
                                 f"the layout needs {world}", "cluster=local"))
+    if cfg.cluster.name == "slurm":
+        problems += _slurm_layout_problems(cfg.cluster, world)
+    return problems
+
+
+def _slurm_layout_problems(c: DictConfig, world: int) -> list[Problem]:
+    from orchestrator.schema import STAGE_TIMES_MIN
+
+    problems = []
+    if world % c.nodes:
+        fits = [n for n in range(1, world + 1) if world % n == 0]
+        problems.append(Problem("cluster.nodes", c.nodes, f"the train job's {world} tasks (dp*hp*pp) are spread evenly "
+                                f"over the nodes: {world} must be divisible by cluster.nodes",
+                                f"cluster.nodes= one of {fits}"))
+    unknown = sorted(set(c.time_min) - set(STAGE_TIMES_MIN))
+    if unknown:
+        problems.append(Problem(f"cluster.time_min.{unknown[0]}", c.time_min[unknown[0]], "time limits are given per "
+                                f"stage: {', '.join(STAGE_TIMES_MIN)}", "cluster.time_min.train=120"))
+    for stage, minutes in c.time_min.items():
+        if not isinstance(minutes, int) or minutes < 1:
+            problems.append(Problem(f"cluster.time_min.{stage}", minutes, "a job's time limit is a whole number of "
+                                    "minutes >= 1", f"cluster.time_min.{stage}={STAGE_TIMES_MIN.get(stage, 60)}"))
     return problems
 
 
@@ -223,6 +245,11 @@ def machine_problems(cfg: DictConfig) -> list[Problem]:
     if ort and importlib.util.find_spec("onnxruntime") is None:
         problems.append(Problem("engine", "ort", "engine=ort needs onnxruntime-training",
                                 "pip install -e . (it installs onnxruntime-training==1.19.2), or engine=torch"))
+    if cfg.cluster.name == "slurm" and not (shutil.which("sbatch") and shutil.which("sacct")):
+        problems.append(Problem("cluster", "slurm", "cluster=slurm submits with sbatch and follows jobs with sacct "
+                                "(SLURM accounting); they are not on this machine's PATH",
+                                "run on a SLURM login node, or start the bundled single-node cluster "
+                                "(sudo scripts/slurm_cluster.sh start), or cluster=local"))
     if triton and not _has_cuda() and not (shutil.which("g++") or shutil.which("c++")):
         problems.append(Problem("triton.enabled", True, "on CPU, torch.compile generates C++ and needs a C++ compiler; "
                                 "none found on PATH (g++ or c++)", "install g++, or triton=off"))

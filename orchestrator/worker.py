@@ -18,10 +18,12 @@ from omegaconf import OmegaConf
 
 from orchestrator.cache import Cache
 from orchestrator.tracking import stage_tracker
+from plugins.preemption import Preempted
 from stages import get_stage
 from stages.base import StageContext
 
 LOG_FORMAT = "%(asctime)s [%(name)s] %(levelname)s %(message)s"
+FAULT_ENV = "ORCHESTRATOR_FAIL_STAGE"  # a stage name: that stage fails at its start (to rehearse recovery)
 
 
 def stage_logger(name: str, log_dir: Path, rank: int, console: bool) -> logging.Logger:
@@ -58,19 +60,33 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
+    tracker = stage_tracker(spec, rank)
+    closes_run = bool((spec.get("tracking") or {}).get("end_run"))  # no orchestrator watches (SLURM): close it here
     try:
+        if os.environ.get(FAULT_ENV) == stage.name:
+            raise RuntimeError(f"injected failure: {FAULT_ENV}={stage.name} (a rehearsal of a crashed stage)")
         ctx = StageContext(cfg=OmegaConf.load(spec["config"]), inputs={k: Path(v) for k, v in spec["inputs"].items()},
                            out=Path(spec["out"]), scratch=Path(spec["scratch"]), key=spec["key"], rank=rank,
-                           world_size=world, tracker=stage_tracker(spec, rank), log=log,
-                           interactive=bool(spec.get("interactive")))
+                           world_size=world, tracker=tracker, log=log, interactive=bool(spec.get("interactive")))
         stage.run(ctx)
-        ctx.tracker.flush()
+        tracker.flush()
         if world > 1:
             dist.barrier()
         if rank == 0:
             Cache(Path(spec["cache_root"])).publish(stage.name, spec["key"], spec["entry_meta"])
+            if closes_run:
+                tracker.end("FINISHED")
+    except Preempted as e:
+        log.warning("stage %s: %s", stage.name, e)
+        tracker.flush()
+        raise
     except BaseException:
         log.exception("stage %s failed on rank %d", stage.name, rank)
+        if rank == 0 and closes_run:
+            try:
+                tracker.end("FAILED")
+            except Exception:  # the tracking store is unreachable: the failure itself matters more
+                log.exception("could not mark the MLflow run failed")
         raise
     finally:
         for h in list(log.handlers):

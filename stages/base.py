@@ -31,6 +31,12 @@ class Tracker:
 
     def flush(self) -> None: ...
 
+    def end(self, status: str) -> None: ...
+
+    def last_step(self, metric: str) -> Optional[int]:
+        """The last step at which `metric` was recorded in this run (None: never, or not tracked)."""
+        return None
+
 
 @dataclass
 class StageContext:

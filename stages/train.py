@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plugins import checkpoint as ckpt
+from plugins import preemption
 from plugins.data import build_batcher, data_fingerprint
 from plugins.fsio import atomic_write_json, link_tree, read_json, remove_tree
 from plugins.metrics import MemoryProbe, MetricsLog, plot_loss_curve, plot_pipeline_timeline
@@ -64,8 +65,12 @@ def train(ctx: StageContext) -> None:
     _barrier(layout)
     start = _restore(ctx, layout, parts, checkpoints, t.init_from)
     if ctx.is_rank0:
-        for row in history.truncate(after_step=start):  # an interrupted attempt's curve: this record is complete
-            ctx.tracker.log_metrics(_numeric(row), step=row["step"])
+        # an interrupted attempt's curve, so that this record is complete; a requeued job logs into the run its
+        # first attempt used, which already holds part of it
+        logged = ctx.tracker.last_step("loss") or 0
+        for row in history.truncate(after_step=start):
+            if row["step"] > logged:
+                ctx.tracker.log_metrics(_numeric(row), step=row["step"])
 
     meta = {"trainer": {"world_size": layout.coords.world_size, **{k: plan["layout"][k] for k in ("dp", "hp", "pp")},
                         "dp_mode": plan["layout"]["dp_mode"], "optimizer": cfg.optimizer.name, "seed": t.seed},
@@ -98,8 +103,16 @@ def train(ctx: StageContext) -> None:
                 progress.update(task, completed=done, loss=row["loss"])
                 if log_every and (done % log_every == 0 or done == steps):
                     progress.console.print(_line(row, steps), soft_wrap=True)
-            if done == steps or (checkpoint_every and done % checkpoint_every == 0):
+            saved = done == steps or (checkpoint_every and done % checkpoint_every == 0)
+            if saved:
                 save(done)
+            reason = preemption.stop_requested(bool(layout.world), device) if done < steps else None
+            if reason:
+                if not saved:
+                    save(done)
+                history.close()
+                ctx.tracker.set_tags({"preempted_at_step": done})
+                raise preemption.Preempted(done, reason)
     history.close()
     timeline = _gather_timeline(layout)
     if not ctx.is_rank0:
@@ -285,7 +298,7 @@ STAGE = Stage(
     after=("transform",),
     reads=("model", "parallel", "optimizer", "memory", "triton", "engine", "data", "train"),
     code=("plugins.models", "plugins.data", "plugins.optim", "plugins.checkpoint", "plugins.metrics",
-          "plugins.parallel", "plugins.engines"),
+          "plugins.parallel", "plugins.engines", "plugins.preemption"),
     resources=lambda cfg: Resources(tasks=cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp),
     fingerprint=_fingerprint,
     progress=_progress_hint,

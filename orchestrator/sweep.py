@@ -1,0 +1,225 @@
+"""`python -m orchestrator -m a=1,2 b=x,y`: a sweep, launched by this Hydra launcher (the default one).
+
+Unlike Hydra's submitit launcher, each point keeps its own resources (a ddp2 point gets 2 tasks, a
+megatron_hp4 point 4) and its own stage DAG. Every point is validated before anything starts. On SLURM all
+points are submitted at once and followed together; stages that several points share (same content key, e.g.
+one export for a sweep over optimizer settings) are submitted once and depended on. On local clusters the
+points run one after another, or `sweep.parallelism` at a time. The sweep ends with a summary table, and
+MLflow holds one sweep run with a run per point below it (stage runs below those).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, open_dict
+from rich.table import Table
+
+from orchestrator.errors import ConfigError
+from orchestrator.report import EXIT_CODES, Report, console, result_table
+from plugins.fsio import atomic_write_json, read_json
+
+
+@dataclass
+class LauncherConf:
+    _target_: str = "hydra_plugins.orchestrator_launcher.orchestrator_launcher.OrchestratorLauncher"
+
+
+@dataclass
+class Point:
+    index: int
+    overrides: list[str]
+    cfg: DictConfig              # the experiment (no hydra node)
+    hydra_cfg: DictConfig        # the whole composed config, as Hydra's JobReturn wants it
+    run_dir: Path
+    report: Optional[Report] = None
+    error: Optional[str] = None
+
+
+class SweepConfigError(ConfigError):
+    def __init__(self, failures: list[tuple[list[str], ConfigError]]):
+        self.failures = failures
+        super().__init__([p for _, e in failures for p in e.problems])
+
+    def __str__(self) -> str:
+        return "\n".join([f"invalid sweep, nothing was started ({len(self.failures)} point(s) have problems):"] +
+                         [f"point {' '.join(o) or '(no overrides)'}:\n" + "\n".join(str(e).splitlines()[1:])
+                          for o, e in self.failures])
+
+
+class SweepLauncher(Launcher):
+    def __init__(self) -> None:
+        self.config: Optional[DictConfig] = None
+        self.hydra_context: Optional[HydraContext] = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.hydra_context = config, hydra_context
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from orchestrator.validate import validate
+
+        setup_globals()
+        t0 = time.perf_counter()
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        points = [self._compose(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
+        failures = []
+        for p in points:
+            try:
+                validate(p.cfg, p.overrides)
+            except ConfigError as e:
+                failures.append((p.overrides, e))
+        if failures:
+            raise SweepConfigError(failures)
+        console.print(f"sweep of {len(points)} point(s) in {sweep_dir}", soft_wrap=True)
+        sweep_run = _start_sweep_run(points, sweep_dir)
+        try:
+            _run_points(points, sweep_run)
+        finally:
+            _finish(points, sweep_dir, sweep_run, time.perf_counter() - t0)
+        return [self._job_return(p) for p in points]
+
+    def _compose(self, index: int, overrides: list[str], sweep_dir: Path) -> Point:
+        hydra_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
+        with open_dict(hydra_cfg):
+            hydra_cfg.hydra.job.id = index
+            hydra_cfg.hydra.job.num = index
+        HydraConfig.instance().set_config(hydra_cfg)
+        run_dir = sweep_dir / str(hydra_cfg.hydra.sweep.subdir)
+        cfg = copy.deepcopy(hydra_cfg)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        return Point(index, list(filter_overrides(overrides)), cfg, hydra_cfg, run_dir)
+
+    def _job_return(self, p: Point) -> JobReturn:
+        ret = JobReturn(overrides=p.overrides, cfg=p.cfg, hydra_cfg=p.hydra_cfg, working_dir=str(p.run_dir),
+                        task_name=str(p.hydra_cfg.hydra.job.name), status=JobStatus.COMPLETED)
+        ret.return_value = p.report.exit_code if p.report else 1
+        return ret
+
+
+def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
+    from orchestrator.follow import follow
+    from orchestrator.run import orchestrate
+
+    def run(p: Point, follow_jobs: bool) -> None:
+        console.rule(f"point {p.index}: {' '.join(p.overrides) or '(no overrides)'}")
+        try:
+            p.report = orchestrate(p.cfg, p.run_dir, p.overrides, sweep_run, follow_jobs=follow_jobs)
+        except ConfigError as e:  # e.g. SLURM refused a job: that point is reported, the others go on
+            p.error = str(e)
+            console.print(f"error: {e}", soft_wrap=True)
+
+    on_slurm = [p for p in points if p.cfg.cluster.name == "slurm"]
+    here = [p for p in points if p.cfg.cluster.name != "slurm"]
+    for p in on_slurm:  # all submitted before any is waited for: SLURM runs them concurrently
+        run(p, follow_jobs=False)
+    parallelism = max((p.cfg.sweep.parallelism for p in here), default=1)
+    if parallelism > 1 and len(here) > 1:
+        with ThreadPoolExecutor(parallelism) as pool:
+            list(pool.map(lambda p: run(p, True), here))
+    else:
+        for p in here:
+            run(p, True)
+    submitted = [p for p in on_slurm if p.report and p.report.submitted and (p.run_dir / "slurm_jobs.json").is_file()]
+    waiting = [p for p in submitted if p.cfg.cluster.wait]
+    if waiting:
+        t0 = time.perf_counter()
+        for p, report in zip(waiting, follow([p.run_dir for p in waiting])):
+            p.report = report
+            console.print(result_table(list(report.results.values()), time.perf_counter() - t0,
+                                       f"point {p.index} ({p.run_dir})"))
+    elif submitted:
+        dirs = " ".join(str(p.run_dir) for p in submitted)
+        console.print(f"submitted; follow the jobs with: python -m orchestrator.follow {dirs}", soft_wrap=True)
+
+
+def _train_summary(p: Point) -> dict:
+    r = p.report.results.get("train") if p.report else None
+    if r is None or r.status not in ("ran", "cached"):
+        return {}
+    try:
+        return read_json(Path(p.cfg.cache_dir).resolve() / "train" / r.key / "summary.json")
+    except OSError:
+        return {}
+
+
+def _status(p: Point) -> str:
+    if p.error or p.report is None:
+        return "rejected" if p.error else "not run"
+    if p.report.submitted and not p.report.results:
+        return "submitted"
+    statuses = {r.status for r in p.report.results.values()}
+    if "failed" in statuses or "not run" in statuses:
+        return "failed"
+    return "cached" if statuses == {"cached"} else "ok"
+
+
+def summary_rows(points: list[Point]) -> list[dict]:
+    """One row per point; `overrides` shows what varies between points (all of a point's overrides if none do)."""
+    common = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
+    rows = []
+    for p in points:
+        s = _train_summary(p)
+        par = p.cfg.parallel
+        rows.append({"point": p.index, "overrides": " ".join(o for o in p.overrides if o not in common) or
+                     " ".join(p.overrides), "all_overrides": p.overrides, "layout": f"dp{par.dp} hp{par.hp} pp{par.pp}",
+                     "final_loss": s.get("final_loss"), "final_eval_loss": s.get("final_eval_loss"),
+                     "tokens_per_s": s.get("tokens_per_s"), "status": _status(p), "run_dir": str(p.run_dir),
+                     "mlflow_run_id": p.report.parent_run_id if p.report else None})
+    return rows
+
+
+def _table(rows: list[dict], seconds: float) -> Table:
+    table = Table(title=f"sweep: {len(rows)} point(s), {seconds:.1f} s", title_justify="left")
+    for col in ("#", "overrides", "layout", "final loss", "tokens/s", "status"):
+        table.add_column(col)
+    style = {"ok": "bold green", "cached": "green", "failed": "bold red", "rejected": "bold red"}
+    for r in rows:
+        table.add_row(str(r["point"]), r["overrides"], r["layout"],
+                      f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
+                      f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
+                      f"[{style.get(r['status'], 'yellow')}]{r['status']}[/]")
+    return table
+
+
+def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
+    tracked = [p for p in points if p.cfg.tracking.name == "mlflow"]
+    if not tracked:
+        return None
+    from orchestrator.tracking import Invocation
+
+    inv = Invocation(tracked[0].cfg, f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
+                     {"orchestrator.kind": "sweep", "orchestrator.sweep_dir": str(sweep_dir)}, log_config=False)
+    inv.log_params(inv.parent, {"sweep.points": str(len(points)),
+                                "sweep.overrides": "; ".join(" ".join(p.overrides) for p in points)})
+    return inv.parent
+
+
+def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seconds: float) -> None:
+    rows = summary_rows(points)
+    table = _table(rows, seconds)
+    console.print(table)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(sweep_dir / "sweep_summary.json", {"wall_s": seconds, "points": rows})
+    with console.capture() as cap:
+        console.print(table)
+    (sweep_dir / "sweep_summary.txt").write_text(cap.get())
+    failed = any(r["status"] in ("failed", "rejected", "not run") for r in rows)
+    if sweep_run:
+        from orchestrator.tracking import _client
+
+        client = _client(points[0].cfg.tracking.uri)
+        client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.json"))
+        client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.txt"))
+        client.log_metric(sweep_run, "wall_s", seconds)
+        client.set_tag(sweep_run, "orchestrator.status", "failed" if failed else "ok")
+        client.set_terminated(sweep_run, "FAILED" if failed else "FINISHED")
+    EXIT_CODES.append(2 if any(r["status"] == "rejected" for r in rows) else 1 if failed else 0)

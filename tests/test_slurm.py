@@ -1,0 +1,191 @@
+"""cluster=slurm against a real single-node SLURM cluster (scripts/slurm_cluster.sh; started here if needed).
+
+Five stages as jobs with the loss of a local run, a failing stage's dependants cancelled and the rerun resuming
+there, a 4-point sweep with per-point resources and one shared export, a preempted train job requeued from its
+checkpoint with the loss of an uninterrupted run, and requests the scheduler refuses reported with their key.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.slurm
+SCRIPT = ROOT / "scripts" / "slurm_cluster.sh"
+SMALL = ["model.n_layers=2", "train.batch_size=8", "train.seq_len=32", "train.log_every=1", "train.eval_every=0"]
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running cluster: the one already up, else one started here (and stopped again at the end)."""
+    if subprocess.run([SCRIPT, "status"], capture_output=True).returncode == 0:
+        yield
+        return
+    if os.geteuid() != 0:
+        pytest.fail("the SLURM tests need a SLURM cluster: start one with `sudo scripts/slurm_cluster.sh start` "
+                    "(root is needed to install and start munge, mariadb, slurmdbd, slurmctld, slurmd)")
+    started = subprocess.run([SCRIPT, "start"], capture_output=True, text=True, timeout=900)
+    assert started.returncode == 0, f"could not start SLURM:\n{started.stdout}\n{started.stderr}"
+    try:
+        yield
+    finally:
+        subprocess.run([SCRIPT, "stop"], capture_output=True, timeout=120)
+
+
+def jobs_of(run_dir: Path) -> list[dict]:
+    return json.loads((run_dir / "slurm_jobs.json").read_text())["stages"]
+
+
+def run_dirs(workdir: Path) -> list[Path]:
+    return sorted(p.parent for p in (workdir / "runs").rglob("slurm_jobs.json"))
+
+
+def losses(run_dir: Path) -> list[float]:
+    metrics = (run_dir / "stages" / "train" / "output" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in metrics]
+
+
+def sacct(job_ids: list[str]) -> dict[str, dict]:
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "-o", "JobIDRaw,State,Start,End"],
+                         capture_output=True, text=True).stdout
+    rows = [line.split("|") for line in out.splitlines()]
+    return {r[0]: {"state": r[1].split()[0], "start": r[2], "end": r[3]} for r in rows if len(r) == 4}
+
+
+def our_queued_jobs(job_names: set[str]) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%j"], capture_output=True, text=True).stdout
+    return [n for n in out.split() if n in job_names]
+
+
+def test_five_stages_as_jobs_with_the_loss_of_a_local_run(slurm, tmp_path):
+    args = ["parallel=megatron_hp4", "train.steps=6", *SMALL]
+    (tmp_path / "slurm").mkdir()
+    on_slurm = run_cli(["cluster=slurm", *args], tmp_path / "slurm", timeout=600)
+    assert on_slurm.returncode == 0, on_slurm.stdout + on_slurm.stderr
+    (run_dir,) = run_dirs(tmp_path / "slurm")
+    jobs = jobs_of(run_dir)
+    assert [j["stage"] for j in jobs] == ["export", "transform", "train", "checkpoint", "aggregate"]
+    train = next(j for j in jobs if j["stage"] == "train")
+    assert train["tasks"] == 4 and len(list(Path(train["folder"]).glob("*_log.out"))) == 4
+    assert all(s["state"] == "COMPLETED" for s in sacct([j["job_id"] for j in jobs]).values())
+
+    (tmp_path / "local").mkdir()
+    local = run_cli(["cluster=local", "tracking=none", *args], tmp_path / "local", timeout=600)
+    assert local.returncode == 0, local.stdout + local.stderr
+    (local_dir,) = [p.parent for p in (tmp_path / "local" / "runs").rglob("plan.json")]
+    assert losses(run_dir) == pytest.approx(losses(local_dir), rel=1e-6)
+
+
+def test_failed_stage_cancels_dependants_shows_traceback_and_rerun_resumes(slurm, workdir):
+    args = ["cluster=slurm", "train.steps=3", *SMALL]
+    failed = run_cli(args, workdir, env={"ORCHESTRATOR_FAIL_STAGE": "train"})
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    out = failed.stdout
+    assert "Traceback" in out and "injected failure: ORCHESTRATOR_FAIL_STAGE=train" in out
+    (run_dir,) = run_dirs(workdir)
+    jobs = {j["stage"]: j["job_id"] for j in jobs_of(run_dir)}
+    states = sacct(list(jobs.values()))
+    assert states[jobs["train"]]["state"] == "FAILED"
+    assert states[jobs["checkpoint"]]["state"] == "CANCELLED" and states[jobs["aggregate"]]["state"] == "CANCELLED"
+    assert "cancelled: needs train" in out
+
+    again = run_cli(args, workdir)
+    assert again.returncode == 0, again.stdout + again.stderr
+    rerun_dir = next(d for d in run_dirs(workdir) if d != run_dir)
+    assert [j["stage"] for j in jobs_of(rerun_dir)] == ["train", "checkpoint", "aggregate"]  # export, transform cached
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    exp = client.get_experiment_by_name("orchestrator")
+    stage_runs = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'stage'")
+    by = {(r.data.tags["orchestrator.stage"], r.info.status) for r in stage_runs}
+    assert ("train", "FAILED") in by and ("checkpoint", "KILLED") in by and ("train", "FINISHED") in by
+    assert not [r for r in stage_runs if r.info.status == "RUNNING"]
+
+
+def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(slurm, workdir):
+    result = run_cli(["-m", "cluster=slurm", "parallel=ddp2,megatron_hp4", "optimizer.lr=1e-3,3e-4",
+                      "train.steps=4", *SMALL], workdir, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    dirs = run_dirs(workdir)
+    assert len(dirs) == 4
+    jobs = [j for d in dirs for j in jobs_of(d)]
+    assert len({j["job_id"] for j in jobs if j["stage"] == "export"}) == 1          # submitted once, shared
+    assert sorted(j["tasks"] for j in jobs if j["stage"] == "train") == [2, 2, 4, 4]
+    trains = sacct([j["job_id"] for j in jobs if j["stage"] == "train"])
+    spans = sorted((t["start"], t["end"]) for t in trains.values())
+    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), f"no two train jobs overlapped: {spans}"
+
+    summary = json.loads(next((workdir / "runs" / "multirun").rglob("sweep_summary.json")).read_text())
+    rows = summary["points"]
+    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert {r["layout"] for r in rows} == {"dp2 hp1 pp1", "dp1 hp4 pp1"}
+    by_lr = {}
+    for r in rows:  # every layout gives the loss of the others at the same learning rate
+        by_lr.setdefault(r["overrides"].split("optimizer.lr=")[1], []).append(r["final_loss"])
+    for values in by_lr.values():
+        assert values[0] == pytest.approx(values[1], rel=1e-5)
+    assert "final loss" in result.stdout and "tokens/s" in result.stdout
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    exp = client.get_experiment_by_name("orchestrator")
+    (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
+    assert sweep.info.status == "FINISHED"
+    points = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{sweep.info.run_id}'")
+    assert len(points) == 4
+    for p in points:
+        stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{p.info.run_id}'")
+        assert sorted(s.data.tags["orchestrator.stage"] for s in stages) == \
+            ["aggregate", "checkpoint", "export", "train", "transform"]
+        assert all(s.info.status == "FINISHED" for s in stages)
+
+
+def test_preempted_train_job_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, tmp_path):
+    args = ["train.steps=40", "train.checkpoint_every=1000", *SMALL]
+    work = tmp_path / "slurm"
+    work.mkdir()
+    submitted = run_cli(["cluster=slurm", "cluster.wait=false", *args], work)
+    assert submitted.returncode == 0 and "python -m orchestrator.follow" in submitted.stdout, submitted.stdout
+    (run_dir,) = run_dirs(work)
+    train = next(j for j in jobs_of(run_dir) if j["stage"] == "train")
+    deadline = time.time() + 300
+    while time.time() < deadline:  # signal once training is under way (some steps logged, not all)
+        metrics = next((work / "runs" / "cache" / "train").glob("*.work/scratch/metrics.jsonl"), None)
+        if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR2", train["job_id"]], check=True)  # what SLURM sends before the limit
+    followed = subprocess.run([os.sys.executable, "-m", "orchestrator.follow", str(run_dir)], cwd=work,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+                              capture_output=True, text=True, timeout=600)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    log = (Path(train["folder"]) / f"{train['job_id']}_0_log.out").read_text()
+    assert "stopped at step" in log and "starting from the checkpoint of step" in log
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    uninterrupted = run_cli(["cluster=local", "tracking=none", *args], reference)
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+    (ref_dir,) = [p.parent for p in (reference / "runs").rglob("plan.json")]
+    assert len(losses(run_dir)) == 40
+    assert losses(run_dir) == pytest.approx(losses(ref_dir), rel=1e-6)
+
+    client = mlflow.MlflowClient(f"sqlite:///{work}/runs/mlflow.db")
+    run = client.get_run(train["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["slurm.requeues"] == "1"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 41))
+
+
+def test_oversized_request_is_refused_at_submission_and_nothing_stays_queued(slurm, workdir):
+    result = run_cli(["cluster=slurm", "parallel=megatron_hp4", "cluster.cpus_per_task=64", *SMALL], workdir)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "cluster.cpus_per_task=64" in result.stderr and "More processors requested than permitted" in result.stderr
+    assert "fix:  cluster.cpus_per_task=" in result.stderr
+    plan = json.loads(next((workdir / "runs").rglob("plan.json")).read_text())
+    assert not our_queued_jobs({f"{s['stage']}-{s['key'][:8]}" for s in plan})

@@ -1,0 +1,94 @@
+"""Sweeps on this machine, and the SLURM settings checked without a cluster: job parameters, refusals in
+config terms, validation."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import mlflow
+import pytest
+
+from orchestrator.dag import plan
+from orchestrator.cache import Cache
+from orchestrator.errors import ConfigError
+from orchestrator.slurm import _rejection, sbatch_parameters
+from orchestrator.validate import validate
+from stages import all_stages
+from tests.conftest import make_cfg, run_cli
+
+
+def planned(cfg, tmp_path, name):
+    return next(ps for ps in plan(cfg, all_stages(), Cache(tmp_path / "cache")) if ps.name == name)
+
+
+def test_train_job_has_one_task_per_rank_spread_over_nodes_and_waits_for_its_inputs(tmp_path):
+    cfg = make_cfg("cluster=slurm", "parallel=dp2_hp2_pp2", "cluster.nodes=2", "cluster.cpus_per_task=2",
+                   "cluster.mem_per_task_gb=1.5", "cluster.partition=big", "+cluster.sbatch.constraint=a100",
+                   "cluster.time_min.train=30", runs_dir=tmp_path)
+    params = sbatch_parameters(cfg, planned(cfg, tmp_path, "train"), ["11", "12"])
+    assert params["nodes"] == 2 and params["ntasks_per_node"] == 4 and params["cpus_per_task"] == 2
+    assert params["mem"] == f"{int(1.5 * 1024 * 4)}M" and params["partition"] == "big" and params["time"] == 30
+    assert params["dependency"] == "afterok:11:12"
+    assert params["additional_parameters"] == {"kill_on_invalid_dep": "yes", "constraint": "a100"}
+    export = sbatch_parameters(cfg, planned(cfg, tmp_path, "export"), [])
+    assert export["nodes"] == 1 and export["ntasks_per_node"] == 1 and "dependency" not in export
+
+
+@pytest.mark.parametrize("message, key", [
+    ("sbatch: error: Batch job submission failed: Invalid partition name specified", "cluster.partition"),
+    ("sbatch: error: Memory specification can not be satisfied\nsbatch: error: Batch job submission failed: "
+     "Requested node configuration is not available", "cluster.mem_per_task_gb"),
+    ("sbatch: error: Batch job submission failed: More processors requested than permitted", "parallel"),
+    ("sbatch: error: Batch job submission failed: Node count specification invalid", "cluster.nodes"),
+    ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
+     "cluster.account"),
+])
+def test_scheduler_refusals_name_the_key_to_change(tmp_path, message, key):
+    cfg = make_cfg("cluster=slurm", "parallel=megatron_hp4", runs_dir=tmp_path)
+    problem = _rejection(cfg, planned(cfg, tmp_path, "train"), message)
+    assert problem.key == key
+    assert message.splitlines()[-1].split("failed: ")[1] in problem.rule and problem.fix
+
+
+def test_slurm_layout_rules(tmp_path, monkeypatch):
+    cfg = make_cfg("cluster=slurm", "parallel=megatron_hp2", "cluster.nodes=3", "+cluster.time_min.eval=5",
+                   runs_dir=tmp_path)
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    keys = {p.key for p in e.value.problems}
+    assert keys == {"cluster.nodes", "cluster.time_min.eval"}
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("cluster=slurm", runs_dir=tmp_path))
+    assert any(p.key == "cluster" and "scripts/slurm_cluster.sh start" in p.fix for p in e.value.problems)
+
+
+def test_invalid_sweep_point_stops_the_whole_sweep_before_anything_runs(workdir):
+    result = run_cli(["-m", "parallel=single,megatron_hp2", "model.n_heads=3", "model.d_model=96"], workdir)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "invalid sweep, nothing was started" in result.stderr and "point parallel=megatron_hp2" in result.stderr
+    assert not (workdir / "runs" / "cache").exists()
+
+
+@pytest.mark.e2e
+def test_local_sweep_summary_table_shared_stages_and_mlflow_tree(workdir):
+    result = run_cli(["-m", "cluster=debug", "optimizer.lr=1e-3,3e-4", "train.steps=5", "model.n_layers=1",
+                      "train.batch_size=4", "train.seq_len=32"], workdir)
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(next(workdir.rglob("sweep_summary.json")).read_text())
+    rows = summary["points"]
+    assert [r["overrides"] for r in rows] == ["optimizer.lr=0.001", "optimizer.lr=0.0003"]
+    assert all(r["status"] == "ok" and r["final_loss"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert rows[0]["final_loss"] != rows[1]["final_loss"]
+    assert "sweep: 2 point(s)" in result.stdout
+
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    exp = client.get_experiment_by_name("orchestrator")
+    (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
+    points = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{sweep.info.run_id}'")
+    assert len(points) == 2 and sweep.info.status == "FINISHED"
+    second = max(points, key=lambda r: r.info.start_time)
+    stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{second.info.run_id}'")
+    status = {s.data.tags["orchestrator.stage"]: s.data.tags["orchestrator.status"] for s in stages}
+    assert status == {"export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran",
+                      "aggregate": "ran"}
