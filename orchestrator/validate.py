@@ -22,7 +22,7 @@ SCHEDULES = {
 
 def validate(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
     problems = schema_problems(cfg, list(overrides)) + layout_problems(cfg) + training_problems(cfg) \
-        + machine_problems(cfg) + unavailable_problems(cfg)
+        + machine_problems(cfg)
     if problems:
         raise ConfigError(problems)
 
@@ -232,9 +232,10 @@ def machine_problems(cfg: DictConfig) -> list[Problem]:
 
     problems = []
     ort, triton = cfg.engine.name == "ort", cfg.triton.enabled
-    if ort and triton and not _has_cuda():
+    if ort and triton and not (_has_cuda() and _ort_has_triton()):
+        missing = "no CUDA device" if not _has_cuda() else "an onnxruntime-training build without CUDA and Triton"
         problems.append(Problem("triton.enabled", True, "engine=ort with triton=on runs ONNX Runtime's Triton "
-                                "kernels, which need a CUDA GPU and ORT's Triton build; this machine has no CUDA device",
+                                f"kernels, which need a CUDA GPU and ORT's Triton build; this machine has {missing}",
                                 "triton=off (engine=ort runs ORT's CPU kernels), or engine=torch triton=on "
                                 "(torch.compile generates C++ on CPU)"))
     if ort and cfg.parallel.sequence_parallel:
@@ -264,10 +265,12 @@ def _has_cuda() -> bool:
         return False
 
 
-def unavailable_problems(cfg: DictConfig) -> list[Problem]:
-    """Features whose configs exist but whose execution is not in this version yet."""
-    problems = []
-    if cfg.triton.enabled:
-        problems.append(Problem("triton", "on", "compiled kernels (torch.compile) are not available in this version",
-                                "triton=off"))
-    return problems
+def _ort_has_triton() -> bool:
+    import importlib.util
+
+    try:
+        import onnxruntime
+        return "CUDAExecutionProvider" in onnxruntime.get_available_providers() and \
+            importlib.util.find_spec("triton") is not None
+    except ImportError:
+        return False

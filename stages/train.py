@@ -22,6 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from plugins import checkpoint as ckpt
 from plugins import preemption
 from plugins.data import build_batcher, data_fingerprint
+from plugins.kernels import KernelReport, apply_kernels
 from plugins.fsio import atomic_write_json, link_tree, read_json, remove_tree
 from plugins.metrics import MemoryProbe, MetricsLog, plot_loss_curve, plot_pipeline_timeline
 from plugins.models import get_model
@@ -53,6 +54,7 @@ def train(ctx: StageContext) -> None:
     spec = get_model(cfg.model.name)
     layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1)
     fallbacks = _apply_engine(ctx, layout, spec, device)
+    kernels = apply_kernels(layout.parts, spec, cfg.triton, ctx.log, cuda=device.type == "cuda")
     optimizers = [build_optimizer(cfg.optimizer, part) for part in layout.parts]
     parts = list(zip(layout.parts, optimizers))
     batcher = build_batcher(cfg)
@@ -91,6 +93,8 @@ def train(ctx: StageContext) -> None:
         for step in range(start, steps):
             row = train_step(layout, optimizers, batcher.train_batch(step), step, lrs[step], settings, probe)
             done = step + 1
+            if step == start and kernels.compiled:  # the first step of an attempt compiles (or loads the cache)
+                _report_kernels(ctx, kernels, row["step_time_s"])
             if step - start >= WARMUP_STEPS_EXCLUDED:
                 timed_tokens += row["tokens"]
                 timed_s += row["step_time_s"]
@@ -126,7 +130,8 @@ def train(ctx: StageContext) -> None:
     summary = {"steps": steps, "resumed_from_step": start, "final_loss": rows[-1]["loss"],
                "final_eval_loss": rows[-1]["eval_loss"], "tokens_per_s": timed_tokens / timed_s if timed_s else None,
                "n_parameters": plan["n_parameters"], "layout": plan["layout"], "engine": cfg.engine.name,
-               "engine_fallbacks": fallbacks}
+               "engine_fallbacks": fallbacks, "compiled": {"blocks": len(kernels.compiled),
+                                                           "eager_fallbacks": kernels.fallbacks}}
     atomic_write_json(ctx.out / "summary.json", summary)
     title = f"{cfg.model.name} {plan['n_parameters']:,} params, dp{layout.coords.dp_size} hp{layout.coords.hp_size} " \
             f"pp{layout.coords.pp_size}"
@@ -141,6 +146,18 @@ def train(ctx: StageContext) -> None:
     for artifact in artifacts:
         if artifact:
             ctx.tracker.log_artifact(artifact)
+
+
+def _report_kernels(ctx: StageContext, kernels: KernelReport, first_step_s: float) -> None:
+    metrics = {**kernels.metrics(), "compile/first_step_s": first_step_s}
+    ctx.log.info("triton: first step %.1f s (compiled forwards %.1f s); Inductor cache hits %d, misses %d%s",
+                 first_step_s, metrics["compile/first_forward_s"], metrics["compile/fx_graph_cache_hits"],
+                 metrics["compile/fx_graph_cache_misses"],
+                 f"; uncompiled: {', '.join(kernels.fallbacks)}" if kernels.fallbacks else "")
+    ctx.tracker.log_metrics(metrics)
+    if kernels.fallbacks:
+        ctx.tracker.set_tags({f"triton.eager.{name.replace(' ', '_')}": why[:4000]
+                              for name, why in kernels.fallbacks.items()})
 
 
 def _apply_engine(ctx: StageContext, layout: Layout, spec, device) -> dict[str, str]:
@@ -298,7 +315,7 @@ STAGE = Stage(
     after=("transform",),
     reads=("model", "parallel", "optimizer", "memory", "triton", "engine", "data", "train"),
     code=("plugins.models", "plugins.data", "plugins.optim", "plugins.checkpoint", "plugins.metrics",
-          "plugins.parallel", "plugins.engines", "plugins.preemption"),
+          "plugins.parallel", "plugins.engines", "plugins.preemption", "plugins.kernels"),
     resources=lambda cfg: Resources(tasks=cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp),
     fingerprint=_fingerprint,
     progress=_progress_hint,

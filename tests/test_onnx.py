@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from plugins.models import get_model
-from plugins.onnx.exporter import export_model, export_module, export_unit, max_abs_diff
+from plugins.onnx.exporter import export_model, export_module, max_abs_diff
 from plugins.onnx.io_schema import IOSchema, Node, flatten, unflatten
 from plugins.onnx.passes import PASSES, apply_passes
 from tests.conftest import make_cfg

@@ -8,7 +8,6 @@ from pathlib import Path
 import onnx
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from orchestrator.run import orchestrate

@@ -58,6 +58,8 @@ class ModelSpec:
     input_names: tuple[str, ...]
     output_names: tuple[str, ...]
     dynamic_axes: dict[str, dict[int, str]]
+    set_attention: Optional[Callable[[nn.Module, str], None]] = None
+    """(module, "sdpa" | "math") -> None: the attention kernel (fused scaled-dot-product, or the reference math)."""
 
 
 _REGISTRY: dict[str, ModelSpec] = {}

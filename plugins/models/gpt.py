@@ -31,6 +31,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.kernel = "sdpa"  # sdpa | math, set by set_attention (triton.attention)
 
     def mix(self, x):
         """q/k/v projections and causal attention, heads concatenated: the input of the output projection."""
@@ -38,7 +39,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.kernel == "math":  # the reference computation, written out (what SDPA's math backend does)
+            scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).reshape(B, T, -1)
 
     def forward(self, x):
@@ -147,6 +153,11 @@ def apply_memory(model: nn.Module, level: int) -> nn.Module:
     for layer in model.layers.values():
         layer.recompute = mode
     return model
+
+
+def set_attention(model: nn.Module, kernel: str) -> None:
+    for layer in model.layers.values():
+        layer.attn.kernel = kernel
 
 
 def split(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
@@ -284,4 +295,5 @@ register_model("gpt", ModelSpec(
     input_names=("input_ids",),
     output_names=("logits",),
     dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}},
+    set_attention=set_attention,
 ))

@@ -17,7 +17,7 @@ from plugins.engines.ort.graphs import OrtGraphError
 SEVERITY = {"VERBOSE": 0, "DEVINFO": 1, "INFO": 2, "WARNING": 3}
 
 
-def _to_ort(tensors) -> "C.OrtValueVector":
+def _to_ort(tensors):  # -> onnxruntime.capi._pybind_state.OrtValueVector
     from onnxruntime.capi import _pybind_state as C
 
     vec = C.OrtValueVector()
