@@ -25,6 +25,7 @@ from plugins.fsio import read_json
 
 FAILED_STATES = {"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 TRACEBACK_LINES = 40
+LOST_AFTER_S = 300.0
 
 
 @dataclass
@@ -123,6 +124,7 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
     errors: dict[str, str] = {}           # job id -> remote traceback
     outcome: dict[tuple, str] = {}
     last_seen: dict[str, str] = {}
+    unknown_since: dict[str, float] = {}
     live = Live(console=console, refresh_per_second=2, transient=False) if interactive else None
     if live:
         live.start()
@@ -141,6 +143,12 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
                     console.print(f"job {job_id} ({names}): {state}", soft_wrap=True)
             if live:
                 live.update(_status_table(followed, states, outcome))
+            for j in jobs:  # neither squeue nor sacct knows it: a moment after sbatch, or lost with the controller
+                if j in states:
+                    unknown_since.pop(j, None)
+                elif time.monotonic() - unknown_since.setdefault(j, time.monotonic()) > LOST_AFTER_S:
+                    states[j] = ("LOST", "unknown to squeue and sacct", "")
+                    errors.setdefault(j, f"SLURM no longer knows job {j} (squeue and sacct); run the command again")
             if all(states.get(j, ("UNKNOWN",))[0] not in ACTIVE_STATES | {"UNKNOWN"} for j in jobs):
                 break
             time.sleep(poll_s)

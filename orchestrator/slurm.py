@@ -55,12 +55,17 @@ class SlurmView:
         return f"slurm job{where}, {tasks} task{'s' if tasks > 1 else ''}" + (f", {nodes} nodes" if nodes > 1 else "")
 
     def command(self, launch: Launch) -> str:
-        from omegaconf import OmegaConf
+        """The sbatch script submitit would submit (dependencies are known only at submission)."""
+        import sys
 
-        fake = OmegaConf.create({"cluster": self.cluster})
-        params = sbatch_parameters(fake, launch.planned, [])
-        return "sbatch " + " ".join(f"--{k}={v}" for k, v in params.items()
-                                    if k not in ("setup", "additional_parameters", "stderr_to_stdout"))
+        from omegaconf import OmegaConf
+        from submitit.slurm.slurm import _make_sbatch_string
+
+        folder = Path(self.cluster.folder or launch.log_dir.parents[1] / "submitit") / "%j"
+        params = sbatch_parameters(OmegaConf.create({"cluster": self.cluster}), launch.planned, [])
+        script = _make_sbatch_string(command=f"{sys.executable} -u -m submitit.core._submit {folder}",
+                                     folder=folder, **params)
+        return "\n" + script
 
 
 def sbatch_parameters(cfg: DictConfig, ps: PlannedStage, after: list[str]) -> dict:
