@@ -7,10 +7,9 @@ this module serves both, and sweeps follow all their points' run folders togethe
 """
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -20,7 +19,7 @@ from rich.table import Table
 
 from orchestrator.cache import Cache, link_output
 from orchestrator.report import Report, StageResult, console, result_table
-from orchestrator.slurm import JOBS_FILE, ACTIVE_STATES, SubmittedStage, cancel
+from orchestrator.slurm import ACTIVE_STATES, JOBS_FILE, SubmittedStage, cancel, job_states, release
 from plugins.fsio import read_json
 
 FAILED_STATES = {"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -39,35 +38,12 @@ class Followed:
     cache: Cache
     tracking: Optional[dict]
     poll_s: float
-    started: float = field(default_factory=time.time)
 
     @staticmethod
     def load(run_dir: Path) -> "Followed":
         d = read_json(Path(run_dir) / JOBS_FILE)
         return Followed(Path(run_dir), [SubmittedStage(**s) for s in d["stages"]], d["cached"], d["keys"], d["order"],
                         Cache(Path(d["cache_root"])), d["tracking"], d["poll_s"])
-
-
-def job_states(job_ids: list[str]) -> dict[str, tuple[str, str, str]]:
-    """job id -> (state, reason, time used): squeue for the jobs SLURM still holds, sacct for older ones."""
-    found: dict[str, tuple[str, str, str]] = {}
-    if not job_ids:
-        return found
-    q = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%M"],
-                       capture_output=True, text=True, timeout=60)
-    for line in q.stdout.splitlines():
-        parts = line.split("|")
-        if len(parts) == 4:
-            found[parts[0]] = (parts[1], parts[2], parts[3])
-    missing = [j for j in job_ids if j not in found]
-    if missing:
-        a = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobIDRaw,State,Elapsed"],
-                           capture_output=True, text=True, timeout=60)
-        for line in a.stdout.splitlines():
-            parts = line.split("|")
-            if len(parts) == 3 and parts[0] in missing:
-                found[parts[0]] = (parts[1].split()[0], "", parts[2])  # "CANCELLED by 0" -> CANCELLED
-    return found
 
 
 def remote_error(s: SubmittedStage) -> str:
@@ -92,13 +68,7 @@ def remote_error(s: SubmittedStage) -> str:
     return "the job left neither a result nor a log (see sacct -j " + s.job_id + ")"
 
 
-def _release_if_held(job_id: str, reason: str) -> None:
-    """A requeued job waits ~2 min for its begin time: nothing is gained by waiting."""
-    if reason == "BeginTime":
-        subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
-
-
-def _status_table(followed: list[Followed], states: dict, outcome: dict) -> Table:
+def _status_table(followed: list[Followed], states: dict) -> Table:
     table = Table(title="SLURM jobs", title_justify="left")
     for col in ("run", "stage", "job", "tasks", "state", "time", "note"):
         table.add_column(col)
@@ -109,7 +79,7 @@ def _status_table(followed: list[Followed], states: dict, outcome: dict) -> Tabl
             state, reason, used = states.get(s.job_id, ("UNKNOWN", "", ""))
             style = "green" if state == "COMPLETED" else "red" if state in FAILED_STATES else \
                 "yellow" if state == "CANCELLED" else "cyan"
-            note = outcome.get((f.run_dir, s.stage), "") or (reason if reason not in ("None", "") else "")
+            note = reason if reason not in ("None", "") else ""
             table.add_row(f.run_dir.name, s.stage, s.job_id + (" (shared)" if s.shared else ""), str(s.tasks),
                           f"[{style}]{state}[/]", used, note)
     return table
@@ -122,7 +92,6 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
     poll_s = min((f.poll_s for f in followed), default=2.0)
     interactive = console.is_terminal if interactive is None else interactive
     errors: dict[str, str] = {}           # job id -> remote traceback
-    outcome: dict[tuple, str] = {}
     last_seen: dict[str, str] = {}
     unknown_since: dict[str, float] = {}
     live = Live(console=console, refresh_per_second=2, transient=False) if interactive else None
@@ -132,8 +101,8 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
         while True:
             states = job_states(jobs)
             for job_id, (state, reason, _) in states.items():
-                if state == "PENDING":
-                    _release_if_held(job_id, reason)
+                if state == "PENDING" and reason == "BeginTime":  # a requeued job, held for ~2 min
+                    release(job_id)
                 if state in FAILED_STATES and job_id not in errors:
                     errors[job_id] = _failed(followed, job_id, state)
                 if not live and last_seen.get(job_id) != state:
@@ -142,7 +111,7 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
                                       if s.job_id == job_id)
                     console.print(f"job {job_id} ({names}): {state}", soft_wrap=True)
             if live:
-                live.update(_status_table(followed, states, outcome))
+                live.update(_status_table(followed, states))
             for j in jobs:  # neither squeue nor sacct knows it: a moment after sbatch, or lost with the controller
                 if j in states:
                     unknown_since.pop(j, None)

@@ -58,23 +58,26 @@ class SlurmView:
         """The sbatch script submitit would submit (dependencies are known only at submission)."""
         import sys
 
-        from omegaconf import OmegaConf
         from submitit.slurm.slurm import _make_sbatch_string
 
         folder = Path(self.cluster.folder or launch.log_dir.parents[1] / "submitit") / "%j"
-        params = sbatch_parameters(OmegaConf.create({"cluster": self.cluster}), launch.planned, [])
+        params = sbatch_parameters(self.cluster, launch.planned, [])
         script = _make_sbatch_string(command=f"{sys.executable} -u -m submitit.core._submit {folder}",
                                      folder=folder, **params)
         return "\n" + script
 
 
-def sbatch_parameters(cfg: DictConfig, ps: PlannedStage, after: list[str]) -> dict:
-    """submitit SlurmExecutor parameters of one stage's job."""
-    c = cfg.cluster
+def cpus_per_task(c: DictConfig) -> int:
+    """CPUs SLURM gives each task (rank), which is also the rank's torch threads."""
+    return c.cpus_per_task or c.threads_per_rank or 1
+
+
+def sbatch_parameters(c: DictConfig, ps: PlannedStage, after: list[str]) -> dict:
+    """submitit SlurmExecutor parameters of one stage's job (c: the cluster section)."""
     tasks = ps.resources.tasks
     nodes = c.nodes if tasks > 1 else 1
     per_node = tasks // nodes
-    cpus = c.cpus_per_task or c.threads_per_rank or 1
+    cpus = cpus_per_task(c)
     params = {"job_name": f"{ps.name}-{ps.key[:8]}", "time": int(c.time_min.get(ps.name, 60)), "nodes": nodes,
               "ntasks_per_node": per_node, "cpus_per_task": cpus, "signal_delay_s": c.signal_delay_s,
               "stderr_to_stdout": True, "setup": list(c.setup),
@@ -91,14 +94,36 @@ def sbatch_parameters(cfg: DictConfig, ps: PlannedStage, after: list[str]) -> di
     return params
 
 
-def active_states(job_ids: list[str]) -> dict[str, str]:
-    """job id -> state, for the jobs SLURM still has queued or running (one squeue call)."""
+def job_states(job_ids: list[str]) -> dict[str, tuple[str, str, str]]:
+    """job id -> (state, reason, time used): squeue for the jobs SLURM still holds, sacct for older ones."""
+    found: dict[str, tuple[str, str, str]] = {}
     if not job_ids:
-        return {}
-    out = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-o", "%i|%T"],
-                         capture_output=True, text=True, timeout=60).stdout
-    states = dict(line.split("|", 1) for line in out.splitlines() if "|" in line)
-    return {j: s for j, s in states.items() if s in ACTIVE_STATES}
+        return found
+    q = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%M"],
+                       capture_output=True, text=True, timeout=60)
+    for line in q.stdout.splitlines():
+        parts = line.split("|")
+        if len(parts) == 4:
+            found[parts[0]] = (parts[1], parts[2], parts[3])
+    missing = [j for j in job_ids if j not in found]
+    if missing:
+        a = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobIDRaw,State,Elapsed"],
+                           capture_output=True, text=True, timeout=60)
+        for line in a.stdout.splitlines():
+            parts = line.split("|")
+            if len(parts) == 3 and parts[0] in missing:
+                found[parts[0]] = (parts[1].split()[0], "", parts[2])  # "CANCELLED by 0" -> CANCELLED
+    return found
+
+
+def is_active(job_id: str) -> bool:
+    """SLURM still has the job queued or running."""
+    return job_states([job_id]).get(job_id, ("UNKNOWN",))[0] in ACTIVE_STATES
+
+
+def release(job_id: str) -> None:
+    """A requeued job is held until its begin time (~2 min later): nothing is gained by waiting."""
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
 
 
 def cancel(job_ids: list[str]) -> None:
@@ -116,19 +141,19 @@ def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, L
     folder = Path(cfg.cluster.folder or run_dir / "submitit").resolve()
     job_of: dict[str, str] = {}
     submitted: list[SubmittedStage] = []
+    cached: list[str] = []
     try:
         for ps in plan:
-            if ps.cached:
+            if cache.is_complete(ps.name, ps.key):  # cached when planned, or finished since
                 if tracking:
                     tracking.record_cached(ps.name, ps.key, cache.record(ps.name, ps.key).get("mlflow_run_id", ""))
+                cached.append(ps.name)
                 continue
             after = [job_of[u] for u in ps.stage.after if u in job_of]
             with cache.lock(ps.name, ps.key):
-                if cache.is_complete(ps.name, ps.key):  # finished since planning
-                    continue
                 record_path = cache.work(ps.name, ps.key) / JOB_RECORD
                 queued = read_json(record_path) if record_path.is_file() else None
-                if queued and active_states([queued["job_id"]]):
+                if queued and is_active(queued["job_id"]):
                     run_id = tracking.start_stage(ps.name, ps.key, config_params(cfg, ps.stage.reads), {
                         "orchestrator.status": "shared", "slurm.job_id": queued["job_id"]}) if tracking else None
                     s = SubmittedStage(ps.name, ps.key, queued["job_id"], queued["folder"], ps.resources.tasks,
@@ -149,7 +174,7 @@ def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, L
             raise ConfigError([_rejection(cfg, ps, str(e))]) from None
         raise
     atomic_write_json(run_dir / JOBS_FILE, {
-        "stages": [asdict(s) for s in submitted], "cached": [ps.name for ps in plan if ps.cached],
+        "stages": [asdict(s) for s in submitted], "cached": cached,
         "keys": {ps.name: ps.key for ps in plan}, "order": [ps.name for ps in plan], "cache_root": str(cache.root),
         "tracking": {"uri": cfg.tracking.uri, "parent": tracking.parent} if tracking else None,
         "poll_s": cfg.cluster.poll_s})
@@ -160,11 +185,11 @@ def _submit_stage(cfg, ps: PlannedStage, launch: Launch, cache: Cache, folder: P
                   tracking: Optional[Invocation], submitit, StageJob) -> SubmittedStage:
     cache.begin(ps.name, ps.key)
     run_id = launch.open_run(tracking, cfg, "submitted", closes_itself=True)
-    launch.spec["threads"] = cfg.cluster.cpus_per_task or cfg.cluster.threads_per_rank or 1
+    launch.spec["threads"] = cpus_per_task(cfg.cluster)
     launch.spec["interactive"] = False
     write_spec(launch.spec_path, launch.spec)
     executor = submitit.SlurmExecutor(folder=folder / "%j", max_num_timeout=cfg.cluster.max_requeues)
-    executor.update_parameters(**sbatch_parameters(cfg, ps, after))
+    executor.update_parameters(**sbatch_parameters(cfg.cluster, ps, after))
     try:
         job = executor.submit(StageJob(str(launch.spec_path), cfg.cluster.max_requeues))
     except BaseException:
@@ -183,8 +208,8 @@ def _rejection(cfg: DictConfig, ps: PlannedStage, message: str) -> Problem:
     low = text.lower()
     c = cfg.cluster
     tasks = ps.resources.tasks
-    nodes = c.nodes if tasks > 1 else 1
-    per_node, cpus = tasks // nodes, c.cpus_per_task or c.threads_per_rank or 1
+    job = sbatch_parameters(c, ps, [])
+    per_node, cpus = job["ntasks_per_node"], job["cpus_per_task"]
     capacity = _node_capacity()
     if "account" in low:
         return Problem("cluster.account", c.account, f"SLURM refused the {ps.name} job: {text}",

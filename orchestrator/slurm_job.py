@@ -15,6 +15,7 @@ from pathlib import Path
 import submitit
 from submitit.helpers import TorchDistributedEnvironment
 
+from orchestrator.slurm import release
 from orchestrator.worker import execute
 from plugins import preemption
 
@@ -62,8 +63,7 @@ def requeue(job_id: str) -> None:
     """Put the job back in the queue now (its next attempt resumes from the checkpoint just saved).
     A requeued job is held until its begin time (~2 min later): release it at once."""
     subprocess.run(["scontrol", "requeue", job_id], check=True, timeout=60)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], check=False, timeout=60,
-                   capture_output=True)
+    release(job_id)
 
 
 def _record_requeue(spec: dict, restarts: int) -> None:

@@ -23,6 +23,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, open_dict
 from rich.table import Table
 
+from orchestrator.cache import Cache
 from orchestrator.errors import ConfigError
 from orchestrator.report import EXIT_CODES, Report, console, result_table
 from plugins.fsio import atomic_write_json, read_json
@@ -146,7 +147,7 @@ def _train_summary(p: Point) -> dict:
     if r is None or r.status not in ("ran", "cached"):
         return {}
     try:
-        return read_json(Path(p.cfg.cache_dir).resolve() / "train" / r.key / "summary.json")
+        return read_json(Cache(Path(p.cfg.cache_dir).resolve()).entry("train", r.key) / "summary.json")
     except OSError:
         return {}
 

@@ -25,12 +25,12 @@ def test_train_job_has_one_task_per_rank_spread_over_nodes_and_waits_for_its_inp
     cfg = make_cfg("cluster=slurm", "parallel=dp2_hp2_pp2", "cluster.nodes=2", "cluster.cpus_per_task=2",
                    "cluster.mem_per_task_gb=1.5", "cluster.partition=big", "+cluster.sbatch.constraint=a100",
                    "cluster.time_min.train=30", runs_dir=tmp_path)
-    params = sbatch_parameters(cfg, planned(cfg, tmp_path, "train"), ["11", "12"])
+    params = sbatch_parameters(cfg.cluster, planned(cfg, tmp_path, "train"), ["11", "12"])
     assert params["nodes"] == 2 and params["ntasks_per_node"] == 4 and params["cpus_per_task"] == 2
     assert params["mem"] == f"{int(1.5 * 1024 * 4)}M" and params["partition"] == "big" and params["time"] == 30
     assert params["dependency"] == "afterok:11:12"
     assert params["additional_parameters"] == {"kill_on_invalid_dep": "yes", "constraint": "a100"}
-    export = sbatch_parameters(cfg, planned(cfg, tmp_path, "export"), [])
+    export = sbatch_parameters(cfg.cluster, planned(cfg, tmp_path, "export"), [])
     assert export["nodes"] == 1 and export["ntasks_per_node"] == 1 and "dependency" not in export
 
 
