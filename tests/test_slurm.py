@@ -147,7 +147,8 @@ def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(
 
 
 def test_preempted_train_job_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, tmp_path):
-    args = ["train.steps=40", "train.checkpoint_every=1000", *SMALL]
+    # full-size gpt_tiny steps (~0.1 s each under SLURM): the signal lands mid-training, not after the last step
+    args = ["train.steps=40", "train.checkpoint_every=1000", "train.log_every=1", "train.eval_every=0"]
     work = tmp_path / "slurm"
     work.mkdir()
     submitted = run_cli(["cluster=slurm", "cluster.wait=false", *args], work)
