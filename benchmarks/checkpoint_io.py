@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.support.cli import arguments  # noqa: E402
 
 
 def _fsync(path: Path) -> None:
@@ -41,7 +44,7 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
     from plugins import checkpoint as ckpt
     from plugins import consolidate
     from plugins.data import build_batcher
-    from plugins.fsio import remove_tree
+    from plugins.fsio import read_json, remove_tree, verify_file_table
     from plugins.models import get_model
     from plugins.optim import build_optimizer
     from plugins.parallel.layout import build_layout
@@ -123,10 +126,19 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
                   f"({med[k] / med['torch.load']:.2f}x torch.load's time)")
         print(f"  aggregate        {aggregate_s:7.3f} s  {aggregated / 1e6:7.1f} MB  {aggregated / aggregate_s / 1e6:7.1f} MB/s"
               f"  (DCP shards -> plain model + optimizer -> safetensors)")
+        # what reusing it costs: a cache hit is checked against its file table (cache_verify=hash|size)
+        folder = workdir / f"ours{repeats - 1}"
+        table = read_json(folder / ckpt.MANIFEST)["files"]
+        for mode, checksums in (("hash", True), ("size", False)):
+            t0 = time.perf_counter()
+            assert verify_file_table(folder, table, checksums=checksums) == []
+            seconds = time.perf_counter() - t0
+            print(f"  verify ({mode})    {seconds:7.3f} s  {written['ours'] / 1e6:7.1f} MB  "
+                  f"{written['ours'] / seconds / 1e6:9.1f} MB/s  (cache_verify={mode}: what a cache hit costs)")
 
 
 def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv)
+    args = arguments(argv, __doc__)
     model, layout, repeats = args.get("model", "gpt_small"), args.get("layout", "single"), int(args.get("repeats", 3))
     world = {"single": 1, "ddp2": 2, "megatron_hp2": 2, "megatron_hp4": 4, "pipeline_pp2": 2,
              "pipeline_pp4_interleaved": 4, "dp2_hp2_pp2": 8}[layout]

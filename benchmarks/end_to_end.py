@@ -25,6 +25,9 @@ def run(args: list[str], cwd: Path) -> float:
 
 
 def main(extra: list[str]) -> None:
+    if any(a in ("-h", "--help") for a in extra):
+        print(__doc__)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         cwd = Path(tmp)
         first = run(extra, cwd)

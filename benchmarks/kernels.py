@@ -25,6 +25,8 @@ import torch
 from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.support.cli import arguments  # noqa: E402
 from plugins.kernels import apply_kernels  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
@@ -87,7 +89,7 @@ def main(argv: list[str]) -> None:
         model, cache_dir, *nums = argv[1:]
         print(json.dumps(child(model, cache_dir, *map(int, nums))))
         return
-    args = dict(a.split("=", 1) for a in argv)
+    args = arguments(argv, __doc__)
     models = args.get("models", "gpt_tiny,gpt_small").split(",")
     rounds, steps, batch, seq, threads = (int(args.get(k, d)) for k, d in (
         ("rounds", 5), ("steps", 5), ("batch", 16), ("seq", 128), ("threads", os.cpu_count() or 1)))

@@ -20,6 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.support.cli import arguments  # noqa: E402
+
 LAYOUTS = [("single", []), ("ddp2", ["parallel=ddp2"]), ("ddp2 shard", ["parallel=ddp2", "parallel.dp_mode=shard"]),
            ("megatron_hp2", ["parallel=megatron_hp2"]), ("megatron_hp4", ["parallel=megatron_hp4"]),
            ("pipeline_pp2", ["parallel=pipeline_pp2"]), ("pipeline_pp4_interleaved", ["parallel=pipeline_pp4_interleaved"]),
@@ -38,6 +41,7 @@ def run(args: list[str]) -> tuple[float, list[dict]]:
 
 
 def main(argv: list[str]) -> None:
+    arguments(argv, __doc__)  # -h / --help
     steps = next((int(a.split("=")[1]) for a in argv if a.startswith("steps=")), 30)
     extra = [a for a in argv if not a.startswith("steps=")]
     common = [f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "tracking=none",

@@ -19,8 +19,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.support.cli import arguments  # noqa: E402
+
 
 def main(argv: list[str]) -> None:
+    arguments(argv, __doc__)  # -h / --help
     args = dict(a.split("=", 1) for a in argv if a.split("=", 1)[0] in ("model", "steps"))
     extra = [a for a in argv if a.split("=", 1)[0] not in ("model", "steps")]
     model, steps = args.get("model", "gpt_small"), int(args.get("steps", 15))

@@ -21,6 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.support.cli import arguments  # noqa: E402
+
 from orchestrator.run import orchestrate  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
 from plugins.engines.ort.engine import install  # noqa: E402
@@ -53,7 +55,7 @@ def measure(cfg, layout, spec, batcher, steps: int, first_step: int) -> float:
 
 
 def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv)
+    args = arguments(argv, __doc__)
     models = args.get("models", "gpt_tiny,gpt_small").split(",")
     thread_counts = [int(t) for t in args.get("threads", "1,2").split(",")]
     steps, rounds = int(args.get("steps", 8)), int(args.get("rounds", 5))

@@ -18,6 +18,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.support.cli import arguments  # noqa: E402
+
 SMALL = ["train.eval_every=0", "train.checkpoint_every=0", "train.progress=false", "tracking=none"]
 
 
@@ -54,6 +57,7 @@ def wall(args: list[str]) -> float:
 
 
 def main(argv: list[str]) -> None:
+    arguments(argv, __doc__)  # -h / --help
     steps = next((int(a.split("=")[1]) for a in argv if a.startswith("steps=")), 20)
     common = [f"train.steps={steps}", *SMALL]
 

@@ -25,6 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.support.cli import arguments  # noqa: E402
+
 from orchestrator.tracking import Invocation, MlflowStageTracker  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
 from plugins.fsio import atomic_write_json  # noqa: E402
@@ -78,7 +80,7 @@ def handwritten_round(cfg) -> tuple[float, float]:
 
 
 def main(argv: list[str]) -> None:
-    args = dict(a.split("=", 1) for a in argv)
+    args = arguments(argv, __doc__)
     model, steps = args.get("model", "gpt_tiny"), int(args.get("steps", 30))
     rounds, threads = int(args.get("rounds", 12)), int(args.get("threads", 2))
     torch.set_num_threads(threads)

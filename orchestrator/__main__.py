@@ -13,9 +13,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from orchestrator.errors import ConfigError, from_hydra
-from orchestrator.report import EXIT_CODES
-from orchestrator.schema import register
+from orchestrator.config.errors import ConfigError, from_hydra
+from orchestrator.report import EXIT_CODES, INTERRUPTED
+from orchestrator.config.schema import register
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -24,6 +24,11 @@ def _experiment(cfg: DictConfig) -> None:
 
     hc = HydraConfig.get()
     try:
+        if cfg.tune.name == "layout":
+            from orchestrator.tune import tune
+
+            EXIT_CODES.append(tune(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)))
+            return
         EXIT_CODES.append(orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)).exit_code)
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line
         print(f"error: {e}", file=sys.stderr)
@@ -31,6 +36,11 @@ def _experiment(cfg: DictConfig) -> None:
 
 
 def main() -> int:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        from orchestrator.config.help import help_text
+
+        print(help_text())
+        return 0
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us: we explain them in config terms
     register()
     try:
@@ -38,6 +48,10 @@ def main() -> int:
     except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C, or one before any stage started
+        print("interrupted: finished stages are cached and checkpoints kept; run the same command to continue",
+              file=sys.stderr)
+        return INTERRUPTED
     except Exception as e:
         translated = from_hydra(e, tuple(sys.argv[1:]))
         if translated is None:

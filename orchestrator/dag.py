@@ -32,6 +32,7 @@ class PlannedStage:
     resources: Resources
     material: dict = field(repr=False)
     note: Optional[str] = None          # e.g. "resumes from step 200"
+    damage: list[str] = field(default_factory=list)   # why the cached entry was not reused
 
     @property
     def name(self) -> str:
@@ -103,9 +104,9 @@ def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStag
     for s in ordered:
         key, material = stage_key(cfg, s, keys)
         keys[s.name] = key
-        cached = cache.is_complete(s.name, key)
-        note = None
+        cached, damage = cache.hit(s.name, key, checksums=cfg.cache_verify == "hash", set_aside=not cfg.dry_run)
+        note = ("damaged entry set aside" if not cfg.dry_run else "damaged entry will be set aside") if damage else None
         if not cached and s.progress and cache.scratch(s.name, key).is_dir():
-            note = s.progress(cache.scratch(s.name, key))
-        planned.append(PlannedStage(s, key, cached, s.resources(cfg), material, note))
+            note = "; ".join(n for n in (note, s.progress(cache.scratch(s.name, key))) if n)
+        planned.append(PlannedStage(s, key, cached, s.resources(cfg), material, note, damage))
     return planned

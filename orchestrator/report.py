@@ -1,26 +1,39 @@
 """What the user sees: the plan before anything runs and the stage table at the end."""
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from orchestrator.dag import PlannedStage
 
-console = Console(highlight=False)
+# markup off: everything printed may hold text from users, paths or other processes ("[/tmp/x]", gloo's
+# "[/__w/pytorch/...]"), which rich would read as tags; styles are given as Text objects instead
+# a pipe or a CI log is not 80 columns wide: wide enough that tables keep paths and notes on one line
+console = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() or os.environ.get("COLUMNS")
+                  else 160)
+
+
+def styled(text: str, style: str) -> Text:
+    return Text(text, style=style)
 EXIT_CODES: list[int] = []  # of each invocation (or sweep) in this process; the command exits with the worst
 
-STYLE = {"cached": "green", "ran": "bold green", "failed": "bold red", "not run": "yellow", "will run": "cyan"}
+STYLE = {"cached": "green", "ran": "bold green", "failed": "bold red", "not run": "yellow", "will run": "cyan",
+         "interrupted": "yellow"}
+INTERRUPTED = 130  # exit status of an invocation stopped by Ctrl-C
 
 
 @dataclass
 class StageResult:
     name: str
     key: str
-    status: str                    # cached | ran | failed | not run
+    status: str                    # cached | ran | failed | not run | interrupted
     seconds: float = 0.0
     summary: str = ""
     error: Optional[str] = None
@@ -36,7 +49,8 @@ class Report:
 
     @property
     def exit_code(self) -> int:
-        return 1 if any(r.status in ("failed", "not run") for r in self.results.values()) else 0
+        statuses = {r.status for r in self.results.values()}
+        return INTERRUPTED if "interrupted" in statuses else 1 if statuses & {"failed", "not run"} else 0
 
 
 def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
@@ -45,7 +59,8 @@ def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
     for col in ("stage", "key", "cache", "tasks", "runs"):
         table.add_column(col)
     for ps in plan:
-        cache = "[green]hit[/]" if ps.cached else "[cyan]miss[/]" + (f" ({ps.note})" if ps.note else "")
+        cache = styled("hit", "green") if ps.cached else \
+            Text.assemble(("miss", "cyan"), f" ({ps.note})" if ps.note else "")
         table.add_row(ps.name, ps.key[:12], cache, str(ps.resources.tasks),
                       "-" if ps.cached else where.get(ps.name, ""))
     return table
@@ -54,10 +69,10 @@ def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
 def result_table(results: list[StageResult], total_s: float, title: str = "stages") -> Table:
     table = Table(title=f"{title} ({total_s:.1f} s in all)", title_justify="left")
     for col in ("stage", "status", "time", "result"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # a long path folds onto the next line, never cut
     for r in results:
-        table.add_row(r.name, f"[{STYLE.get(r.status, '')}]{r.status}[/]",
-                      f"{r.seconds:.1f} s" if r.status == "ran" or r.status == "failed" else "-", r.summary)
+        table.add_row(r.name, styled(r.status, STYLE.get(r.status, "")),
+                      f"{r.seconds:.1f} s" if r.status in ("ran", "failed", "interrupted") else "-", r.summary)
     return table
 
 

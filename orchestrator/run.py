@@ -6,52 +6,69 @@ from its latest complete checkpoint).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from filelock import Timeout
 from omegaconf import DictConfig, OmegaConf
 from rich.panel import Panel
+from rich.text import Text
 
 from orchestrator.cache import Cache, link_output
 from orchestrator.dag import PlannedStage, plan as make_plan
-from orchestrator.executors import Launch, make_executor, write_spec
+from orchestrator.cluster.launch import Launch, write_spec
+from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
 from orchestrator.tracking import Invocation, process_alive
-from orchestrator.validate import validate
-from plugins.fsio import atomic_write_json, read_json
+from orchestrator.config.resolve import resolve_auto
+from orchestrator.config.validate import memory_line, time_line, validate, warnings
+from plugins.fsio import atomic_write_json, disk_space, read_json
 from stages import all_stages
 
 ATTEMPT_FILE = "attempt.json"
 
 
 def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
-                follow_jobs: bool = True) -> Report:
+                follow_jobs: bool = True, until: Optional[str] = None) -> Report:
     """Run the experiment described by cfg (a dry run only plans it).
 
-    sweep_run_id: the MLflow run of the sweep this is a point of (its parent). follow_jobs=False (SLURM):
-    return once the jobs are submitted (a sweep follows all its points' jobs together)."""
+    sweep_run_id: the MLflow run of the sweep (or tune) this is a point of (its parent). follow_jobs=False (SLURM):
+    return once the jobs are submitted (a sweep follows all its points' jobs together). until: run that stage and
+    the stages it needs only (a layout trial stops after train)."""
     t0 = time.perf_counter()
     validate(cfg, overrides)
+    choices = resolve_auto(cfg)
     cache = Cache(Path(cfg.cache_dir).resolve())
-    plan = make_plan(cfg, all_stages(), cache)
+    plan = make_plan(cfg, all_stages(until), cache)
 
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     config_path = run_dir / "config.yaml"
     config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    executor = make_executor(cfg.cluster)
+    executor = _executor(cfg.cluster)
     launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
     to_run = [ps.name for ps in plan if not ps.cached]
     where = {name: executor.describe(launches[name]) for name in to_run}
     commands = {name: executor.command(launches[name]) for name in to_run}
     _write_plan(run_dir, plan, where, commands)
     console.print(plan_table(plan, where))
+    for line in [*choices, memory_line(cfg), time_line(cfg), *warnings(cfg)]:
+        console.print(line, soft_wrap=True)
+    for ps in plan:
+        if ps.damage:
+            console.print(f"warning: the cached {ps.name} output {cache.entry(ps.name, ps.key)} is damaged "
+                          f"({'; '.join(ps.damage)}): the stage runs again", soft_wrap=True)
     if cfg.dry_run:
         for name, command in commands.items():
-            console.print(f"{name}: {command}", soft_wrap=True)
+            write_spec(launches[name].spec_path, launches[name].spec)  # the printed commands work when pasted
+            after = [u for u in launches[name].planned.stage.after if u in commands]
+            chain = f" (submitted with --dependency=afterok on the jobs of {', '.join(after)})" \
+                if cfg.cluster.name == "slurm" and after else ""
+            console.print(f"{name}{chain}: {command}", soft_wrap=True)
         console.print(f"dry run: nothing was started (plan written to {run_dir / 'plan.json'})", soft_wrap=True)
         return Report(run_dir)
     if not to_run:
@@ -70,7 +87,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     results = report.results
     try:
         for ps in plan:
-            blocked = [u for u in ps.stage.after if results[u].status in ("failed", "not run")]
+            blocked = [u for u in ps.stage.after if results[u].status in ("failed", "not run", "interrupted")]
             if blocked:
                 results[ps.name] = StageResult(ps.name, ps.key, "not run", summary=f"needs {', '.join(blocked)}")
                 if tracking:
@@ -85,12 +102,19 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         raise
 
     failed = report.exit_code != 0
+    interrupted = any(r.status == "interrupted" for r in results.values())
     total = time.perf_counter() - t0
     console.print(result_table(list(results.values()), total))
     console.print(f"outputs: {run_dir}", soft_wrap=True)
+    if results.get("aggregate") and results["aggregate"].status in ("ran", "cached"):
+        console.print(f"the trained model: {run_dir / 'stages/aggregate/output'} (in Python: "
+                      f"orchestrator.load('{run_dir}'); for transformers: its hf/ folder)", soft_wrap=True)
+    if interrupted:
+        console.print("interrupted: nothing is lost; run the same command to continue", soft_wrap=True)
     if tracking:
-        tracking.end_run(tracking.parent, "FAILED" if failed else "FINISHED", {"wall_s": total},
-                         {"orchestrator.status": "failed" if failed else "ok"})
+        tracking.end_run(tracking.parent, "KILLED" if interrupted else "FAILED" if failed else "FINISHED",
+                         {"wall_s": total},
+                         {"orchestrator.status": "interrupted" if interrupted else "failed" if failed else "ok"})
         console.print(f"MLflow: mlflow ui --backend-store-uri {cfg.tracking.uri}  (run {tracking.parent})",
                       soft_wrap=True)
     return report
@@ -99,8 +123,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
 def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launch], cache: Cache, run_dir: Path,
             tracking: Optional[Invocation], wait: bool, t0: float) -> Report:
     """cluster=slurm: every stage to run becomes a job, submitted now; then follow them (or return)."""
-    from orchestrator.follow import follow
-    from orchestrator.slurm import submit_plan
+    from orchestrator.cluster.follow import follow
+    from orchestrator.cluster.slurm_submit import submit_plan
 
     submitted = submit_plan(cfg, plan, launches, cache, run_dir, tracking)
     for s in submitted:
@@ -116,6 +140,17 @@ def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launc
     return report
 
 
+def _executor(cluster: DictConfig):
+    """Who runs the stages (for slurm: a view that describes the jobs; slurm_submit submits them)."""
+    if cluster.name == "debug":
+        return DebugExecutor()
+    if cluster.name == "local":
+        return LocalExecutor()
+    from orchestrator.cluster.slurm_submit import SlurmView
+
+    return SlurmView(cluster)
+
+
 def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, config_path: Path) -> Launch:
     log_dir = run_dir / "stages" / ps.name
     spec = {
@@ -125,6 +160,7 @@ def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, conf
         "cache_root": str(cache.root), "log_dir": str(log_dir),
         "entry_meta": {"material": ps.material, "run_dir": str(run_dir)},
         "threads": cfg.cluster.threads_per_rank, "pg_timeout_s": cfg.cluster.pg_timeout_s,
+        "heartbeat": cfg.cluster.name == "local", "heartbeat_timeout_s": cfg.cluster.heartbeat_timeout_s,
         "interactive": sys.stdout.isatty(), "tracking": None,
     }
     return Launch(ps, spec, log_dir / "spec.json", log_dir)
@@ -132,7 +168,7 @@ def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, conf
 
 def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, executor,
                tracking: Optional[Invocation]) -> StageResult:
-    with cache.lock(ps.name, ps.key):
+    with _stage_lock(cache, ps):
         if cache.is_complete(ps.name, ps.key):  # cached before, or finished by a concurrent invocation
             if tracking:
                 tracking.record_cached(ps.name, ps.key, cache.record(ps.name, ps.key).get("mlflow_run_id", ""))
@@ -140,31 +176,70 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
 
         attempt_path = cache.work(ps.name, ps.key) / ATTEMPT_FILE
         _close_stale_attempt(attempt_path, tracking)
-        cache.begin(ps.name, ps.key)
-        run_id = launch.open_run(tracking, cfg, "running")
-        atomic_write_json(attempt_path, {"pid": os.getpid(), "host": os.uname().nodename,
-                                         "runs": [r for r in (run_id, tracking and tracking.parent) if r]})
-        write_spec(launch.spec_path, launch.spec)
-        console.print(f"[bold]>> {ps.name}[/] ({executor.describe(launch)})")
+        run_id = None
+        try:
+            cache.begin(ps.name, ps.key)
+            run_id = launch.open_run(tracking, cfg, "running")
+            atomic_write_json(attempt_path, {"pid": os.getpid(), "host": os.uname().nodename, "since": time.time(),
+                                             "runs": [r for r in (run_id, tracking and tracking.parent) if r]})
+            write_spec(launch.spec_path, launch.spec)
+        except OSError as e:  # a full disk, a read-only cache: say where, and leave no run RUNNING
+            if tracking:
+                tracking.end_run(run_id, "FAILED", tags={"orchestrator.status": "failed"})
+            error = f"could not prepare the stage's folders in {cache.work(ps.name, ps.key)}: {e}" + disk_space(cache.root)
+            console.print(Panel(error, title=Text(f"stage {ps.name} failed"), style="red"))
+            return StageResult(ps.name, ps.key, "failed", 0.0, "see the error above", error)
+        console.print(Text.assemble((f">> {ps.name}", "bold"), f" ({executor.describe(launch)})"))
         outcome = executor.run(launch)
 
     ok = outcome.ok and cache.is_complete(ps.name, ps.key)
     if outcome.ok and not ok:
         outcome.error = "the stage ended without publishing its output (see its log)"
+    if outcome.interrupted:
+        if tracking:
+            tracking.end_run(run_id, "KILLED", {"duration_s": outcome.seconds}, {"orchestrator.status": "interrupted"})
+        hint = ps.stage.progress(cache.scratch(ps.name, ps.key)) if ps.stage.progress else None
+        return StageResult(ps.name, ps.key, "interrupted", outcome.seconds,
+                           f"run the same command to continue{f' (it {hint})' if hint else ''}", outcome.error)
     if tracking:
         tracking.end_run(run_id, "FINISHED" if ok else "FAILED", {"duration_s": outcome.seconds},
                          {"orchestrator.status": "ran" if ok else "failed"})
     if not ok:
-        console.print(Panel(outcome.error or "unknown error", title=f"stage {ps.name} failed", style="red"))
+        console.print(Panel(outcome.error or "unknown error", title=Text(f"stage {ps.name} failed"), style="red"))
         return StageResult(ps.name, ps.key, "failed", outcome.seconds, f"logs: {launch.log_dir}", outcome.error)
     return StageResult(ps.name, ps.key, "ran", outcome.seconds, _summary(ps, cache))
+
+
+@contextlib.contextmanager
+def _stage_lock(cache: Cache, ps: PlannedStage):
+    """One writer per stage key. When another invocation holds it, say who and since when while waiting."""
+    lock = cache.lock(ps.name, ps.key)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        holder = _read_attempt(cache.work(ps.name, ps.key) / ATTEMPT_FILE)
+        since = time.strftime("%H:%M:%S", time.localtime(holder["since"])) if holder.get("since") else "?"
+        console.print(f"waiting for another run of {ps.name} (pid {holder.get('pid', '?')} on "
+                      f"{holder.get('host', '?')}, since {since}) to finish: its result will be used", soft_wrap=True)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _read_attempt(path: Path) -> dict:
+    try:
+        return read_json(path)
+    except (OSError, ValueError):
+        return {}
 
 
 def _close_stale_attempt(attempt_path: Path, tracking: Optional[Invocation]) -> None:
     """An earlier attempt whose orchestrator died leaves its MLflow runs RUNNING: mark them KILLED."""
     if not attempt_path.is_file() or tracking is None:
         return
-    attempt = read_json(attempt_path)
+    attempt = _read_attempt(attempt_path)
     if attempt.get("host") == os.uname().nodename and process_alive(attempt.get("pid", -1)):
         return
     tracking.close_stale(attempt.get("runs", []), f"superseded by run {tracking.parent}")
@@ -181,7 +256,8 @@ def _summary(ps: PlannedStage, cache: Cache) -> str:
 
 def _write_plan(run_dir: Path, plan: list[PlannedStage], where: dict[str, str], commands: dict[str, str]) -> None:
     atomic_write_json(run_dir / "plan.json", [
-        {"stage": ps.name, "key": ps.key, "cached": ps.cached, "note": ps.note, "after": list(ps.stage.after),
+        {"stage": ps.name, "key": ps.key, "cached": ps.cached, "note": ps.note, "damage": ps.damage,
+         "after": list(ps.stage.after),
          "resources": vars(ps.resources), "where": where.get(ps.name, "cached"),
          "command": commands.get(ps.name), "material": ps.material}
         for ps in plan])

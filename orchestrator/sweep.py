@@ -24,14 +24,9 @@ from omegaconf import DictConfig, open_dict
 from rich.table import Table
 
 from orchestrator.cache import Cache
-from orchestrator.errors import ConfigError
-from orchestrator.report import EXIT_CODES, Report, console, result_table
+from orchestrator.config.errors import ConfigError
+from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
 from plugins.fsio import atomic_write_json, read_json
-
-
-@dataclass
-class LauncherConf:
-    _target_: str = "hydra_plugins.orchestrator_launcher.orchestrator_launcher.OrchestratorLauncher"
 
 
 @dataclass
@@ -65,7 +60,7 @@ class SweepLauncher(Launcher):
         self.config, self.hydra_context = config, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from orchestrator.validate import validate
+        from orchestrator.config.validate import validate
 
         setup_globals()
         t0 = time.perf_counter()
@@ -107,7 +102,7 @@ class SweepLauncher(Launcher):
 
 
 def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
-    from orchestrator.follow import follow
+    from orchestrator.cluster.follow import follow
     from orchestrator.run import orchestrate
 
     def run(p: Point, follow_jobs: bool) -> None:
@@ -187,7 +182,7 @@ def _table(rows: list[dict], seconds: float) -> Table:
         table.add_row(str(r["point"]), r["overrides"], r["layout"],
                       f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-                      f"[{style.get(r['status'], 'yellow')}]{r['status']}[/]")
+                      styled(r["status"], style.get(r["status"], "yellow")))
     return table
 
 

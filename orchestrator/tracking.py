@@ -6,6 +6,7 @@ its own child run by id. `tracking=none` makes no MLflow call at all (MLflow is 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,17 +48,48 @@ def _client(uri: str):
     return mlflow.MlflowClient(tracking_uri=uri)
 
 
-class Invocation:
-    """The orchestrator's side: the parent run and the stage runs of one `python -m orchestrator`."""
+def store_lock(uri: str):
+    """A file lock beside a sqlite store: two processes creating a fresh store at once break MLflow's schema
+    migration ("Online migration expected to match one row")."""
+    if not uri.startswith("sqlite:///"):
+        return contextlib.nullcontext()
+    from filelock import FileLock
+
+    db = Path(uri[len("sqlite:///"):])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(db) + ".lock")
+
+
+class Degradable:
+    """Calls into the store that must never stop the work they record: the first failure warns once, and the
+    calls after it do nothing (what was to be recorded stays in the run's files)."""
+
+    degraded: Optional[str] = None
+
+    def _safely(self, call, *args, **kwargs):
+        if self.degraded:
+            return None
+        try:
+            return call(*args, **kwargs)
+        except Exception as e:  # the store's failure, not the work's
+            self.degraded = f"{type(e).__name__}: {e}"[:500]
+            logging.getLogger("orchestrator.tracking").warning(
+                "MLflow tracking failed (%s); the work goes on without it (the run folder and metrics.jsonl keep "
+                "everything)", self.degraded)
+            return None
+
+
+class Invocation(Degradable):
+    """The orchestrator's side: the parent run and the stage runs of one `python -m orchestrator`. Creating it
+    fails loudly (the store is checked before launch); after that, tracking failures only degrade it."""
 
     def __init__(self, cfg: DictConfig, run_name: str, tags: dict[str, str], log_config: bool = True):
         tcfg = cfg.tracking
         self.uri = tcfg.uri
-        if self.uri.startswith("sqlite:///"):
-            Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-        self.client = _client(self.uri)
         self.max_artifact_bytes = tcfg.max_artifact_mb * 2**20
-        self.experiment_id = self._experiment(tcfg.experiment, Path(tcfg.artifact_root))
+        with store_lock(self.uri):  # opening a new store creates (migrates) it: one process at a time
+            self.client = _client(self.uri)
+            self.experiment_id = self._experiment(tcfg.experiment, Path(tcfg.artifact_root))
         self.parent = self.client.create_run(self.experiment_id, run_name=run_name, tags={
             "orchestrator.kind": "invocation", **tags}).info.run_id
         if log_config:
@@ -75,20 +107,25 @@ class Invocation:
                 raise
             return found.experiment_id
 
-    def log_params(self, run_id: str, params: dict[str, str]) -> None:
+    def log_params(self, run_id: Optional[str], params: dict[str, str]) -> None:
         from mlflow.entities import Param
 
         items = [Param(k, v[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(run_id, params=items[i:i + 100])
+            if run_id:
+                self._safely(self.client.log_batch, run_id, params=items[i:i + 100])
 
-    def log_artifact(self, run_id: str, path: Path, artifact_path: Optional[str] = None) -> None:
-        log_artifact(self.client, run_id, path, artifact_path, self.max_artifact_bytes)
+    def log_artifact(self, run_id: Optional[str], path: Path, artifact_path: Optional[str] = None) -> None:
+        if run_id:
+            self._safely(log_artifact, self.client, run_id, path, artifact_path, self.max_artifact_bytes)
 
-    def start_stage(self, name: str, key: str, params: dict[str, str], tags: dict[str, str]) -> str:
-        run = self.client.create_run(self.experiment_id, run_name=name, tags={
+    def start_stage(self, name: str, key: str, params: dict[str, str], tags: dict[str, str]) -> Optional[str]:
+        """The stage's run id (None once tracking is degraded)."""
+        run = self._safely(self.client.create_run, self.experiment_id, run_name=name, tags={
             "mlflow.parentRunId": self.parent, "orchestrator.kind": "stage", "orchestrator.stage": name,
             "orchestrator.key": key, **tags})
+        if run is None:
+            return None
         if params:
             self.log_params(run.info.run_id, params)
         return run.info.run_id
@@ -99,14 +136,17 @@ class Invocation:
                                                   "orchestrator.source_run_id": source_run_id})
         self.end_run(run_id, "FINISHED")
 
-    def end_run(self, run_id: str, status: str, metrics: Optional[dict[str, float]] = None,
+    def end_run(self, run_id: Optional[str], status: str, metrics: Optional[dict[str, float]] = None,
                 tags: Optional[dict[str, str]] = None) -> None:
         from mlflow.entities import Metric, RunTag
 
+        if not run_id:
+            return
         now = int(time.time() * 1000)
-        self.client.log_batch(run_id, metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
-                              tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
-        self.client.set_terminated(run_id, status)
+        self._safely(self.client.log_batch, run_id,
+                     metrics=[Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()],
+                     tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()])
+        self._safely(self.client.set_terminated, run_id, status)
 
     def close_stale(self, run_ids: list[str], reason: str) -> None:
         """Runs left RUNNING by a killed earlier attempt are marked KILLED."""
@@ -127,8 +167,11 @@ def log_artifact(client, run_id: str, path: Path, artifact_path: Optional[str], 
         client.log_artifact(run_id, str(path), artifact_path)
 
 
-class MlflowStageTracker(Tracker):
-    """A stage's rank 0 logging into its child run; metrics are batched (one write every few seconds)."""
+class MlflowStageTracker(Degradable, Tracker):
+    """A stage's rank 0 logging into its child run; metrics are batched (one write every few seconds).
+
+    Tracking never stops a stage: when the store fails (a server gone, a file damaged), one warning says so and
+    the tracker records nothing more (the train stage's metrics.jsonl keeps every step)."""
 
     def __init__(self, uri: str, run_id: str, max_artifact_mb: int):
         self.client = _client(uri)
@@ -140,36 +183,39 @@ class MlflowStageTracker(Tracker):
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
 
-        self.client.log_batch(self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        self._safely(self.client.log_batch, self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
     def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         from mlflow.entities import Metric
 
+        if self.degraded:
+            return
         now = int(time.time() * 1000)
         self._pending.extend(Metric(k, float(v), now, step or 0) for k, v in metrics.items())
         if len(self._pending) >= MAX_BATCH or time.monotonic() - self._last_flush > FLUSH_EVERY_S:
             self.flush()
 
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
-        log_artifact(self.client, self.run_id, path, artifact_path, self.max_bytes)
+        self._safely(log_artifact, self.client, self.run_id, path, artifact_path, self.max_bytes)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         for k, v in tags.items():
-            self.client.set_tag(self.run_id, k, str(v))
+            self._safely(self.client.set_tag, self.run_id, k, str(v))
 
     def last_step(self, metric: str) -> Optional[int]:
-        history = self.client.get_metric_history(self.run_id, metric)
+        history = self._safely(self.client.get_metric_history, self.run_id, metric) or []
         return max((m.step for m in history), default=None)
 
     def end(self, status: str) -> None:
         """Close this run (stages that run without the orchestrator watching, as SLURM jobs, close their own)."""
         self.flush()
-        self.client.set_terminated(self.run_id, status)
+        self._safely(self.client.set_terminated, self.run_id, status)
 
     def flush(self) -> None:
-        while self._pending:
+        while self._pending and not self.degraded:
             batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            self.client.log_batch(self.run_id, metrics=batch)
+            self._safely(self.client.log_batch, self.run_id, metrics=batch)
+        self._pending = [] if self.degraded else self._pending
         self._last_flush = time.monotonic()
 
 

@@ -11,18 +11,23 @@ import datetime
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from orchestrator.cache import Cache
 from orchestrator.tracking import stage_tracker
+from plugins import preemption
 from plugins.preemption import Preempted
 from stages import get_stage
 from stages.base import StageContext
 
 LOG_FORMAT = "%(asctime)s [%(name)s] %(levelname)s %(message)s"
+INTERRUPTED = 130  # the exit status of a stage stopped by Ctrl-C (as a shell reports SIGINT)
 FAULT_ENV = "ORCHESTRATOR_FAIL_STAGE"  # a stage name: that stage fails at its start (to rehearse recovery)
 
 
@@ -34,7 +39,7 @@ def stage_logger(name: str, log_dir: Path, rank: int, console: bool) -> logging.
         log.removeHandler(h)
         h.close()
     log_dir.mkdir(parents=True, exist_ok=True)
-    fh = logging.FileHandler(log_dir / f"rank{rank}.log")
+    fh = logging.FileHandler(log_dir / f"rank{rank}.log", delay=True)  # no empty log for a quiet stage
     fh.setFormatter(logging.Formatter(LOG_FORMAT))
     log.addHandler(fh)
     if console:
@@ -50,12 +55,32 @@ def _threads(spec: dict, world: int) -> int:
     return (os.cpu_count() or 1) if world == 1 else 1
 
 
+HEARTBEAT_S = 2.0  # a rank touches log_dir/rank<N>.heartbeat this often, from a thread of its own
+
+
+def heartbeat_path(log_dir: Path, rank: int) -> Path:
+    return Path(log_dir) / f"rank{rank}.heartbeat"
+
+
+def _beat(path: Path) -> None:
+    """Touch the heartbeat file for as long as the process lives: a rank blocked in a collective still beats; a
+    frozen, stopped or dead one does not (the local executor names it)."""
+    while True:
+        try:
+            path.touch()
+        except OSError:
+            pass
+        time.sleep(HEARTBEAT_S)
+
+
 def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
     import torch
     import torch.distributed as dist
 
     stage = get_stage(spec["stage"])
     log = stage_logger(stage.name, Path(spec["log_dir"]), rank, console=rank == 0)
+    if spec.get("heartbeat"):
+        threading.Thread(target=_beat, args=(heartbeat_path(spec["log_dir"], rank),), daemon=True).start()
     torch.set_num_threads(_threads(spec, world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -80,6 +105,9 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
         log.warning("stage %s: %s", stage.name, e)
         tracker.flush()
         raise
+    except KeyboardInterrupt:
+        log.warning("stage %s interrupted on rank %d", stage.name, rank)
+        raise
     except BaseException:
         log.exception("stage %s failed on rank %d", stage.name, rank)
         if rank == 0 and closes_run:
@@ -101,8 +129,12 @@ def main(argv: list[str]) -> int:
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if spec["stage"] == "train":  # Ctrl-C (passed on by the orchestrator): save at the next step boundary
+        preemption.watch((signal.SIGINT,))
     try:
         execute(spec, rank, world)
+    except (Preempted, KeyboardInterrupt):
+        return INTERRUPTED
     except Exception:
         return 1
     return 0

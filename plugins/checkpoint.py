@@ -101,8 +101,13 @@ def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]]
         if path.exists():  # a complete checkpoint of this step exists already: keep it, it is identical
             raise FileExistsError(f"checkpoint {path} exists")
     _barrier()
-    with _quiet_single_process():
-        dcp.save(training_state(parts, aliases), checkpoint_id=str(partial))
+    state = training_state(parts, aliases)
+    try:
+        with _quiet_single_process():
+            dcp.save(state, checkpoint_id=str(partial))
+    except (OSError, RuntimeError) as e:
+        remove_tree(partial)  # never leave a half-written folder (or a full disk) behind
+        raise _explained(e, path, state) from e
     _barrier()
     if _is_rank0():
         manifest = {"format": FORMAT, **meta, "files": file_table(partial, exclude=(MANIFEST,))}
@@ -110,6 +115,45 @@ def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]]
         publish_dir(partial, path)
     _barrier()
     return path
+
+
+def state_bytes(state: dict) -> int:
+    """Bytes of the tensors in a (nested) state: roughly what a checkpoint of it takes on disk."""
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        return local.numel() * local.element_size()
+    return 0
+
+
+def _explained(error: Exception, path: Path, state: dict) -> Exception:
+    """DCP reports a full disk as `[enforce fail at inline_container.cc:...] . unexpected pos ...`: say so."""
+    import errno
+    import shutil
+
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    needed = state_bytes(state)
+    if getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error) or free < needed:
+        said = (str(error).splitlines() or [""])[0][:200]
+        return OSError(errno.ENOSPC, f"no space left on the device to write the checkpoint {path}: {free / 2**20:,.1f} "
+                                     f"MB free, about {needed / 2**20:,.1f} MB needed by this rank (DCP said: {said}); "
+                                     "the partial folder was removed. Free space or move cache_dir, then run the same "
+                                     "command to continue")
+    return error
+
+
+def load_full_weights(parts: Parts, state: dict[str, torch.Tensor], aliases: Optional[dict[str, str]] = None) -> None:
+    """Load a full (unsharded) state dict, keyed by our parameter names, into this rank's modules in whatever
+    layout they are: each keeps what it holds (its pipeline stage; its tensor- and data-parallel shards)."""
+    aliases = aliases or {}
+    full = StateDictOptions(full_state_dict=True)
+    for module, _ in parts:
+        own = get_model_state_dict(module, options=_OPTIONS)
+        missing = [k for k in own if aliases.get(k, k) not in state]
+        if missing:
+            raise KeyError(f"the weights lack {len(missing)} parameter(s) of this model, e.g. {missing[0]}")
+        set_model_state_dict(module, {k: state[aliases.get(k, k)] for k in own}, options=full)
 
 
 def load(path: Path, parts: Parts, aliases: Optional[dict[str, str]] = None) -> dict:
@@ -144,24 +188,48 @@ def verify(path: Path, checksums: bool = True) -> list[str]:
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint under root, oldest first (partial folders are ignored)."""
+    return [(step, p) for step, p in _step_dirs(root) if (p / MANIFEST).is_file()]
+
+
+def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     found = []
     if Path(root).is_dir():
         for p in Path(root).iterdir():
             m = _STEP_DIR.match(p.name)
-            if m and p.is_dir() and (p / MANIFEST).is_file():
+            if m and p.is_dir():
                 found.append((int(m.group(1)), p))
     return sorted(found)
 
 
-def latest(root: Path, checksums: bool = True) -> Optional[tuple[int, Path, list[str]]]:
-    """The newest checkpoint under root that verifies, with the problems of newer ones that did not."""
+def latest(root: Path, checksums: bool = True, set_aside: bool = False) -> Optional[tuple[int, Path, list[str]]]:
+    """The newest checkpoint under root that verifies, with the problems of newer ones that did not (a step folder
+    without a manifest included: a save that never finished). set_aside: move those to root/.damaged/ (named in
+    the problems), so that the run that resumes from an older checkpoint can save their steps again."""
     rejected = []
-    for step, path in reversed(complete_checkpoints(root)):
+    for step, path in reversed(_step_dirs(root)):
         problems = verify(path, checksums=checksums)
         if not problems:
             return step, path, rejected
-        rejected.append(f"{path.name}: {'; '.join(problems)}")
-    return None
+        where = f" (set aside as {_set_aside(path)})" if set_aside else ""
+        rejected.append(f"{path.name}: {'; '.join(problems)}{where}")
+    return None if not rejected else (0, None, rejected)
+
+
+def _set_aside(path: Path) -> Path:
+    """Keep a damaged checkpoint for inspection, out of the way of new saves."""
+    import time
+
+    target = path.parent / ".damaged" / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(target)
+    return target
+
+
+def sweep_partials(root: Path) -> None:
+    """Remove the half-written folders a crash mid-save left (rank 0 only)."""
+    if _is_rank0():
+        for p in Path(root).glob(".step_*.partial"):
+            remove_tree(p)
 
 
 def prune(root: Path, keep: int) -> None:

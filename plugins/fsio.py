@@ -14,6 +14,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -42,6 +46,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600: give the file the mode any other file gets
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -105,6 +110,19 @@ def publish_dir(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     os.rename(src, dst)  # fails if dst exists and is not empty: a complete entry is never replaced
     fsync_dir(dst.parent)
+
+
+def disk_space(path: Path, needed: int = 0) -> str:
+    """A sentence on the free space where path lives (for messages about failed writes)."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return ""
+    text = f" ({free / 2**20:,.1f} MB free on that disk"
+    return text + (f", {needed / 2**20:,.1f} MB needed)" if needed else ")")
 
 
 def remove_tree(path: Path) -> None:

@@ -21,6 +21,13 @@ class MemoryProbe:
         self.device = device
         self._process = psutil.Process(os.getpid())
         self.values: dict[str, float] = {}
+        self.peak_mb = 0.0         # the largest sample of the run (CUDA: allocator peak; CPU: RSS)
+        # what the process held before the model existed: peak_mb - baseline_mb is what training added
+        self.baseline_mb = 0.0 if self.cuda else self._process.memory_info().rss / 2**20
+
+    @property
+    def kind(self) -> str:
+        return "cuda" if self.cuda else "rss"
 
     def start_step(self) -> None:
         self.values = {}
@@ -32,6 +39,7 @@ class MemoryProbe:
         else:
             mb = self._process.memory_info().rss / 2**20
         self.values[phase] = max(mb, self.values.get(phase, 0.0))
+        self.peak_mb = max(self.peak_mb, mb)
 
     def metrics(self) -> dict[str, float]:
         kind = "cuda_peak" if self.cuda else "rss"
@@ -133,7 +141,9 @@ def plot_pipeline_timeline(timeline: dict, path: Path, title: str = "") -> Optio
     ax.set_xlabel("ms since the step started")
     ax.set_title(title)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    ax.legend(handles, ["forward", "backward (input grad)", "backward (weight grad)"], loc="lower right", fontsize=7)
+    ax.set_xlim(0, max(r["step_seconds"] for r in ranks) * 1e3 * 1.15)  # room for the idle labels
+    ax.legend(handles, ["forward", "backward (input grad)", "backward (weight grad)"], loc="upper center",
+              bbox_to_anchor=(0.5, -0.18 - 0.05 / len(ranks)), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -22,13 +22,17 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return groups
 
 
-def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
-    """fused/foreach where torch offers it: fused kernels need plain dense float tensors on one device."""
+def _impl_kwargs(impl: str, params: list[torch.Tensor], device: torch.device) -> dict:
+    """fused/foreach where torch offers it. On CUDA, torch's fused Adam/SGD kernels take DTensors too (DTensor
+    shards them like any pointwise op); on CPU fused kernels are used for plain dense tensors only."""
     if impl == "for_loop":
         return {"foreach": False}
     if impl == "foreach":
         return {"foreach": True}
-    fusable = all(type(p) is nn.Parameter or type(p) is torch.Tensor for p in params) and all(
+    from torch.distributed.tensor import DTensor
+
+    kinds = (nn.Parameter, torch.Tensor, DTensor) if device.type == "cuda" else (nn.Parameter, torch.Tensor)
+    fusable = all(type(p) in kinds for p in params) and all(
         p.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64) for p in params)
     if impl == "fused" and not fusable:
         raise ValueError("optimizer.impl=fused: these parameters (e.g. sharded DTensors) have no fused kernel; "
@@ -36,14 +40,20 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor]) -> dict:
     return {"fused": True} if fusable else {"foreach": True}
 
 
-def build_optimizer(cfg, model: nn.Module) -> torch.optim.Optimizer:
+def build_optimizer(cfg, model: nn.Module, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     groups = _param_groups(model, cfg.weight_decay)
-    kwargs = _impl_kwargs(cfg.impl, [p for g in groups for p in g["params"]])
+    kwargs = _impl_kwargs(cfg.impl, [p for g in groups for p in g["params"]], device)
     if cfg.name == "adamw":
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kwargs)
     raise ValueError(f"optimizer.name={cfg.name!r}: known optimizers are adamw, sgd")
+
+
+def describe_impl(optimizer: torch.optim.Optimizer) -> str:
+    """Which kernel the optimizer runs: fused, foreach or for_loop."""
+    d = optimizer.defaults
+    return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for_loop"
 
 
 def lr_factor(cfg, step: int, total_steps: int) -> float:

@@ -3,7 +3,9 @@ limit or when it is preempted. The signal only sets a flag; the train loop looks
 ranks agree on it (one tiny all-reduce), save a checkpoint together, and raise `Preempted`. Whoever runs the
 stage (the SLURM job wrapper) then requeues the job, which resumes from that checkpoint.
 
-Nothing is installed unless a launcher calls `watch()`: local runs take no signal and pay no collective.
+Nothing is installed unless a launcher calls `watch()`: SLURM jobs watch SIGUSR2; local train ranks watch SIGINT
+(Ctrl-C, passed on by the orchestrator): the first stops at the next step boundary with a checkpoint, a second
+raises KeyboardInterrupt at once.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ def watch(signals: tuple[int, ...] = (signal.SIGUSR2,)) -> None:
 
 def _on_signal(signum, frame) -> None:
     global _requested
+    if signum == signal.SIGINT and _requested:
+        raise KeyboardInterrupt  # a second Ctrl-C: stop now
     _requested = signal.Signals(signum).name
 
 
@@ -41,16 +45,17 @@ def request(reason: str) -> None:
     _requested = reason
 
 
-def stop_requested(distributed: bool, device=None) -> Optional[str]:
+def stop_requested(distributed: bool, group=None) -> Optional[str]:
     """The reason to stop now, if any rank was asked to; a collective when several ranks run (all must call).
-    `device`: where the collective's tensor lives (nccl reduces CUDA tensors only)."""
+    `group`: a CPU (gloo) process group for the flag (None: the default group, when that is gloo), so that
+    asking never waits for a GPU's queue."""
     if not _watching:
         return None
     if distributed:
         import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if _requested else 0.0], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        flag = torch.tensor([1.0 if _requested else 0.0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return (_requested or "a signal to another rank") if flag.item() > 0 else None
     return _requested

@@ -1,4 +1,4 @@
-"""export: the model from its registry entry -> ONNX (TorchScript exporter), checked in ONNX Runtime.
+"""export: the model from its registry entry -> ONNX (TorchScript exporter), checked in an ONNX runtime.
 
 Writes the training graph of the whole model (parameters as graph inputs), and one graph per unit of a
 block (attention, MLP: what the ONNX Runtime engine trains; every layer has the same structure, so one
@@ -35,8 +35,8 @@ def export(ctx: StageContext) -> None:
     atomic_write_json(ctx.out / "export.json", records)
     for name, r in records.items():
         ctx.tracker.log_metrics({f"{name}/export_s": r["export_s"], f"{name}/check_max_abs_diff": r["check"]["max_abs_diff"]})
-        ctx.log.info("exported %s: %d nodes (opset %d) in %.2fs; onnxruntime vs torch max|diff| %.2e",
-                     name, r["nodes"], opset, r["export_s"], r["check"]["max_abs_diff"])
+        ctx.log.info("exported %s: %d nodes (opset %d) in %.2fs; %s vs torch max|diff| %.2e",
+                     name, r["nodes"], opset, r["export_s"], r["check"]["runtime"], r["check"]["max_abs_diff"])
     ctx.tracker.log_artifact(ctx.out / "model.onnx")
     ctx.tracker.log_artifact(ctx.out / "io_schema.json")
 
@@ -44,7 +44,8 @@ def export(ctx: StageContext) -> None:
 def _summary(out) -> str:
     records = read_json(out / "export.json")
     worst = max(r["check"]["max_abs_diff"] for r in records.values())
-    return f"{records['model']['nodes']} nodes + {len(records) - 1} unit graphs, ORT check {worst:.1e}"
+    runtime = records["model"]["check"].get("runtime", "onnxruntime").split()[0]
+    return f"{records['model']['nodes']} nodes + {len(records) - 1} unit graphs, {runtime} check {worst:.1e}"
 
 
 STAGE = Stage(

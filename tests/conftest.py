@@ -1,6 +1,7 @@
 """Shared helpers: compose configs like the CLI does, and run the CLI in a scratch working directory."""
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from orchestrator.schema import register
+from orchestrator.config.schema import register
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -21,6 +22,21 @@ QUICK = ["train.steps=12", "train.eval_every=6", "train.checkpoint_every=6", "tr
          "train.batch_size=8", "train.seq_len=64"]
 
 torch.set_num_threads(1)
+
+
+def _no_ort_training_reason() -> str | None:
+    """Why engine=ort cannot run here, where that is expected: Python 3.12+ has no onnxruntime-training wheel.
+    On Python <= 3.11 `.[dev]` installs it, so the engine=ort tests run (and fail if it is missing), as in CI."""
+    if sys.version_info[:2] <= (3, 11):
+        return None
+    from plugins.engines.ort.install import ort_install
+
+    return None if ort_install().can_train else \
+        f"engine=ort needs onnxruntime-training, which has no wheel for Python {sys.version_info[0]}.{sys.version_info[1]}"
+
+
+requires_ort_training = pytest.mark.skipif(_no_ort_training_reason() is not None,
+                                           reason=_no_ort_training_reason() or "")
 
 
 def make_cfg(*overrides: str, runs_dir: Path | None = None):
@@ -37,6 +53,42 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None =
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})}
     return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+DEBUG = ["cluster=debug", "tracking=none", *QUICK]
+
+
+def run_debug(tmp_path: Path, *overrides: str, name: str = "run"):
+    """The whole DAG in this process (cluster=debug), files under tmp_path/runs, the run folder tmp_path/name."""
+    from orchestrator.run import orchestrate
+
+    cfg = make_cfg(*DEBUG, *overrides, runs_dir=tmp_path / "runs")
+    return orchestrate(cfg, tmp_path / name, [*DEBUG, *overrides])
+
+
+def cache_entry(tmp_path: Path, report, stage: str) -> Path:
+    return tmp_path / "runs" / "cache" / stage / report.results[stage].key
+
+
+@contextlib.contextmanager
+def killed_after(steps: int):
+    """Within the block, the train stage's step raises KeyboardInterrupt after `steps` steps: it stands in for a
+    kill (nothing after that point runs; the checkpoints written before it stay)."""
+    import stages.train
+
+    real, calls = stages.train.train_step, {"n": 0}
+
+    def dies(*args, **kwargs):
+        if calls["n"] == steps:
+            raise KeyboardInterrupt
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    stages.train.train_step = dies
+    try:
+        yield
+    finally:
+        stages.train.train_step = real
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import QUICK, ROOT, run_cli
 
 pytestmark = pytest.mark.e2e
-STAGES = ["export", "transform", "train", "checkpoint", "aggregate"]
+STAGES = ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
 
 
 def mlflow_runs(workdir: Path):
@@ -151,3 +151,81 @@ def _metrics(workdir: Path) -> dict:
     train = next(p for p in (workdir / "runs" / "cache" / "train").iterdir() if (p / "summary.json").exists())
     rows = [json.loads(line) for line in (train / "metrics.jsonl").read_text().splitlines()]
     return {"rows": rows, **json.loads((train / "summary.json").read_text())}
+
+
+def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
+    """SIGINT to the orchestrator's process group, as a terminal's Ctrl-C sends it, during a 2-rank train stage."""
+    args = ["parallel=ddp2", "train.steps=150", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
+            "train.checkpoint_every=0", "train.eval_every=0", "tracking=mlflow"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        history = tmp_path / "runs" / "cache" / "train"
+        _wait_for(lambda: any(len(p.read_text().splitlines()) >= 10 for p in history.glob("*.work/scratch/metrics.jsonl")),
+                  300, "10 training steps")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, out[-3000:]
+    assert "interrupted: nothing is lost; run the same command to continue" in out
+    assert "Traceback" not in out
+    (checkpoint,) = history.glob("*.work/scratch/checkpoints/step_*/manifest.json")
+    step = json.loads(checkpoint.read_text())["step"]
+    assert 10 <= step < 150
+    assert f"resumes from step {step}" in out
+    _, runs = mlflow_runs(tmp_path)
+    status = {r.info.run_name: r.info.status for r in runs if r.data.tags.get("orchestrator.stage")}
+    assert status["train"] == "KILLED" and all(r.info.status != "RUNNING" for r in runs)
+
+    result = run_cli(args, tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert _metrics(tmp_path)["resumed_from_step"] == step
+
+
+def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
+    """kill -STOP one rank of two: the other waits in a collective (still beating); the stopped one is named."""
+    args = ["parallel=ddp2", "train.steps=400", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
+            "train.checkpoint_every=0", "cluster.heartbeat_timeout_s=10", "tracking=mlflow"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        history = tmp_path / "runs" / "cache" / "train"
+        _wait_for(lambda: any(len(p.read_text().splitlines()) >= 5 for p in history.glob("*.work/scratch/metrics.jsonl")),
+                  300, "5 training steps")
+        rank1 = next(c for c in psutil.Process(proc.pid).children() if "orchestrator.worker" in " ".join(c.cmdline())
+                     and c.environ().get("RANK") == "1")
+        t0 = time.monotonic()
+        rank1.suspend()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 1, out[-3000:]
+    assert "rank 1 of 2: stopped responding: no heartbeat for" in out and "process state: stopped" in out
+    assert took < 60, took  # far below cluster.pg_timeout_s (300 s)
+    assert not psutil.pid_exists(rank1.pid) or psutil.Process(rank1.pid).status() == psutil.STATUS_ZOMBIE
+    _, runs = mlflow_runs(tmp_path)
+    assert all(r.info.status != "RUNNING" for r in runs)
+
+
+def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
+    """The store is created under a file lock (MLflow's migration races otherwise); the second invocation says
+    whom it waits for, then takes the first one's results from the cache."""
+    args = [*QUICK, "tracking=mlflow"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert not any("alembic" in o or "Traceback" in o for o in outs)
+    assert any("waiting for another run of" in o and "to finish: its result will be used" in o for o in outs)
+    _, runs = mlflow_runs(tmp_path)
+    assert len([r for r in runs if r.data.tags.get("orchestrator.kind") == "invocation"]) == 2

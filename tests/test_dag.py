@@ -20,9 +20,9 @@ def keys(*overrides: str, cache_root: Path) -> dict[str, str]:
 
 def test_plan_is_in_dependency_order_with_resources(tmp_path):
     planned = plan(make_cfg(), all_stages(), Cache(tmp_path))
-    assert [ps.name for ps in planned] == ["export", "transform", "train", "checkpoint", "aggregate"]
+    assert [ps.name for ps in planned] == ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
     assert all(not ps.cached for ps in planned)
-    assert [ps.resources.tasks for ps in planned] == [1, 1, 1, 1, 1]
+    assert [ps.resources.tasks for ps in planned] == [1, 1, 1, 1, 1, 1]
 
 
 def test_keys_are_stable(tmp_path):
@@ -47,16 +47,20 @@ def test_execution_only_keys_do_not_change_keys(override, tmp_path):
     assert keys(override, cache_root=tmp_path) == keys(cache_root=tmp_path)
 
 
-@pytest.mark.parametrize("override,first_changed", [("model.d_model=128", "export"), ("engine.opset=16", "export"),
-                                                     ("train.seed=1", "train"), ("data=synthetic", "train"),
-                                                     ("memory=level1", "train")])
-def test_content_keys_change_from_the_first_stage_that_reads_them(override, first_changed, tmp_path):
+DOWNSTREAM_OF_TRAIN = {"train", "checkpoint", "aggregate"}
+
+
+@pytest.mark.parametrize("override,changed", [
+    ("model.d_model=128", {"export", "transform"} | DOWNSTREAM_OF_TRAIN),
+    ("engine.opset=16", {"export", "transform"} | DOWNSTREAM_OF_TRAIN),
+    ("train.seed=1", DOWNSTREAM_OF_TRAIN),
+    ("data=synthetic", {"tokenize"} | DOWNSTREAM_OF_TRAIN),
+    ("data.tokenizer=bpe", {"tokenize"} | DOWNSTREAM_OF_TRAIN),
+    ("memory=level1", DOWNSTREAM_OF_TRAIN),
+])
+def test_content_keys_change_in_the_stages_that_read_them_and_downstream(override, changed, tmp_path):
     a, b = keys(cache_root=tmp_path), keys(override, cache_root=tmp_path)
-    order = list(a)
-    for name in order[order.index(first_changed):]:
-        assert a[name] != b[name], name
-    for name in order[:order.index(first_changed)]:
-        assert a[name] == b[name], name
+    assert {name for name in a if a[name] != b[name]} == changed
 
 
 def test_data_files_enter_the_key(tmp_path):
@@ -68,7 +72,8 @@ def test_data_files_enter_the_key(tmp_path):
     before = keys(*args, cache_root=tmp_path / "c")
     (corpus / "doc0.txt").write_text("changed text " * 80)
     after = keys(*args, cache_root=tmp_path / "c")
-    assert before["transform"] == after["transform"] and before["train"] != after["train"]
+    assert before["transform"] == after["transform"] and before["tokenize"] != after["tokenize"]
+    assert before["train"] != after["train"]
 
 
 def test_code_enters_the_key(tmp_path, monkeypatch):
@@ -92,10 +97,14 @@ def test_cycles_and_unknown_upstreams_are_rejected(tmp_path):
         plan(make_cfg(), [replace(s[0], after=("nope",))], Cache(tmp_path))
 
 
+def _export(planned):
+    return next(ps for ps in planned if ps.name == "export")
+
+
 def test_published_entry_is_a_hit_and_verifiable(tmp_path):
     cache = Cache(tmp_path)
     cfg = make_cfg()
-    first = plan(cfg, all_stages(), cache)[0]
+    first = _export(plan(cfg, all_stages(), cache))
     out, scratch = cache.begin(first.name, first.key)
     (out / "model.onnx").write_bytes(b"graph")
     assert not cache.is_complete(first.name, first.key)  # being written: never a hit
@@ -104,9 +113,12 @@ def test_published_entry_is_a_hit_and_verifiable(tmp_path):
     assert not cache.work(first.name, first.key).exists()
     record = cache.record(first.name, first.key)
     assert verify_file_table(entry, record["files"]) == []
-    (entry / "model.onnx").write_bytes(b"grapH")
+    assert _export(plan(cfg, all_stages(), cache)).cached
+    (entry / "model.onnx").write_bytes(b"grapH")  # same size: only the hash sees it
     assert verify_file_table(entry, record["files"]) == ["model.onnx: sha256 differs from the manifest"]
-    assert plan(cfg, all_stages(), cache)[0].cached
+    damaged = _export(plan(cfg, all_stages(), cache))
+    assert not damaged.cached and damaged.damage[0] == "model.onnx: sha256 differs from the manifest"
+    assert not entry.exists() and len(list((tmp_path / "export" / ".damaged").iterdir())) == 1
 
 
 def test_a_new_attempt_clears_output_but_keeps_scratch(tmp_path):
@@ -123,7 +135,8 @@ def test_stage_progress_hint_shows_in_the_plan(tmp_path):
     cfg = make_cfg()
     train = next(ps for ps in plan(cfg, all_stages(), cache) if ps.name == "train")
     (cache.scratch("train", train.key) / "checkpoints" / "step_0000100").mkdir(parents=True)
-    (cache.scratch("train", train.key) / "checkpoints" / "step_0000100" / "manifest.json").write_text("{}")
+    (cache.scratch("train", train.key) / "checkpoints" / "step_0000100" / "manifest.json").write_text(
+        '{"format": "orchestrator-dcp-v1", "files": {}}')
     again = next(ps for ps in plan(cfg, all_stages(), cache) if ps.name == "train")
     assert again.note == "resumes from step 100"
 

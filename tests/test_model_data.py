@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from plugins.data import Batcher, Corpus, build_batcher, corpus_from_documents
-from plugins.data.tokenizer import EOS, PAD, decode, encode
+from plugins.data import Batcher, Corpus, build_batcher
+from plugins.data.registry import split_named
+from plugins.data.tokenizer import EOS, PAD, decode, encode, encode_documents
 from plugins.models import get_model, model_names
 from plugins.optim import build_optimizer, lr_factor
 from plugins.partition import build_plan, pipeline_stages
@@ -118,7 +119,9 @@ def test_batches_depend_only_on_step_and_seed():
 def test_unpacked_short_documents_are_padded_and_masked():
     cfg = make_cfg("data.packing=false", "data.val_fraction=0.5")
     docs = [(f"d{i}", b"x" * (5 + i)) for i in range(8)]
-    batcher = Batcher(corpus_from_documents(docs, cfg.data), batch_size=4, seq_len=32, seed=0)
+    train, val = split_named(docs, cfg.data)
+    corpus = Corpus(encode_documents(train), encode_documents(val), 258, packed=False)
+    batcher = Batcher(corpus, batch_size=4, seq_len=32, seed=0)
     batch = batcher.train_batch(0)
     assert (batch.inputs == PAD).any() and (batch.labels == -100).any()
     assert 0 < batch.input_density < 1 and 0 < batch.label_density < 1

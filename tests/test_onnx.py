@@ -12,7 +12,7 @@ from plugins.models import get_model
 from plugins.onnx.exporter import export_model, export_module, max_abs_diff
 from plugins.onnx.io_schema import IOSchema, Node, flatten, unflatten
 from plugins.onnx.passes import PASSES, apply_passes
-from tests.conftest import make_cfg
+from tests.conftest import make_cfg, requires_ort_training
 
 
 # -- schema -----------------------------------------------------------------------------------------
@@ -55,13 +55,15 @@ class NestedModule(nn.Module):
 
 
 def test_nested_module_exports_through_the_schema():
+    torch.manual_seed(0)
     m = NestedModule()
     args = ({"x": torch.randn(2, 4), "scale": torch.tensor(2.0)},)
     graph, schema = export_module(m, args, ["batch"], ["out"], {"batch.x": {0: "n"}}, 17, params_as_inputs=True)
     assert schema.input_names == ["batch.x", "batch.scale"]
     assert schema.output_names == ["out.0", "out.1.sum"]
     assert [i.name for i in graph.graph.input] == ["batch.x", "batch.scale", "lin.weight", "lin.bias"]
-    assert max_abs_diff(graph, schema, m, ({"x": torch.randn(5, 4), "scale": torch.tensor(3.0)},)) < 1e-6
+    # outputs reach ~10: 1e-5 is fp32 rounding of ONNX Runtime's GEMM (MLAS) against torch's (MKL)
+    assert max_abs_diff(graph, schema, m, ({"x": torch.randn(5, 4), "scale": torch.tensor(3.0)},)) < 1e-5
     assert IOSchema.from_json(schema.to_json()).output_names == schema.output_names
 
 
@@ -103,6 +105,7 @@ def test_export_check_fails_loudly():
         export_model(model, spec, cfg.model, cfg.export, cfg.engine.opset, params_as_inputs=True)
 
 
+@requires_ort_training
 def test_layernorm_pass_lets_ort_build_the_gradient_graph(gpt_export):
     """Without the pass ORT's gradient builder fails (FINDINGS); with it the fw+bw graph builds."""
     from onnxruntime.capi import _pybind_state as C

@@ -15,7 +15,9 @@ from plugins.engines.ort.engine import install
 from plugins.engines.ort.graphs import OrtGraphError, partition_for_hp
 from plugins.models import get_model
 from plugins.onnx.exporter import export_module
-from tests.conftest import QUICK, make_cfg
+from tests.conftest import QUICK, make_cfg, requires_ort_training
+
+pytestmark = requires_ort_training
 
 ARGS = ["cluster=debug", "tracking=none", "engine=ort", *QUICK, "train.steps=2"]
 
@@ -122,3 +124,22 @@ def test_head_inferring_graph_partitions(ort_dir):
     shards = {"attn.wq.weight": [32, 64], "attn.wq.bias": [32], "attn.wk.weight": [32, 64], "attn.wk.bias": [32],
               "attn.wv.weight": [32, 64], "attn.wv.bias": [32], "attn.wo.weight": [64, 32]}
     assert partition_for_hp(graph, shards, ["x"], {"x": [2, 8, 64]}, "attention") == 7
+
+
+def test_a_split_backward_runs_ort_once_and_gives_the_gradients_of_one_call(ort_dir):
+    """Zero-bubble schedules ask a node for the input gradient, then for the weight gradients (two backward calls)."""
+    cfg, spec, reference, ort_model = models()
+    install([ort_model], spec, ort_dir, cfg.engine, None, torch.device("cpu"), 0)
+    block = spec.blocks(ort_model)[0]
+    unit = block.engine.units["attention"]
+    params = [p for _, p in sorted(block.named_parameters()) if p.requires_grad]
+    x = torch.randn(2, 16, cfg.model.d_model, requires_grad=True)
+    unit.runs.update(forward=0, backward=0)
+    y = block.engine("attention", block, x)
+    (gx,) = torch.autograd.grad(y.sum(), [x], retain_graph=True)   # the input gradient first
+    gw = torch.autograd.grad(y.sum(), params, allow_unused=True)    # then the weights'
+    assert unit.runs == {"forward": 1, "backward": 1}
+    y = block.engine("attention", block, x)
+    together = torch.autograd.grad(y.sum(), [x, *params], allow_unused=True)
+    assert torch.allclose(gx, together[0]) and all(
+        (a is None and b is None) or torch.allclose(a, b) for a, b in zip(gw, together[1:]))

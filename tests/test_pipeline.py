@@ -2,34 +2,21 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-from orchestrator.run import orchestrate
 from plugins import consolidate
 from plugins.fsio import read_json
 from plugins.models import get_model
-from tests.conftest import QUICK, make_cfg
-
-DEBUG = ["cluster=debug", "tracking=none", *QUICK]
-
-
-def run(tmp_path: Path, *overrides: str, name: str = "run"):
-    cfg = make_cfg(*DEBUG, *overrides, runs_dir=tmp_path / "runs")
-    return orchestrate(cfg, tmp_path / name, [*DEBUG, *overrides])
-
-
-def entry(tmp_path: Path, report, stage: str) -> Path:
-    return tmp_path / "runs" / "cache" / stage / report.results[stage].key
+from tests.conftest import DEBUG, cache_entry as entry, killed_after, make_cfg, run_debug as run
 
 
 def test_every_stage_writes_its_outputs(tmp_path):
     report = run(tmp_path)
     assert report.exit_code == 0
     assert {n: r.status for n, r in report.results.items()} == dict.fromkeys(
-        ["export", "transform", "train", "checkpoint", "aggregate"], "ran")
+        ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"], "ran")
     assert (entry(tmp_path, report, "export") / "model.onnx").is_file()
     assert read_json(entry(tmp_path, report, "export") / "io_schema.json")["input_names"] == ["input_ids"]
     assert "layers.0.attn.wq.weight" in read_json(entry(tmp_path, report, "transform") / "partition_plan.json")[
@@ -65,7 +52,7 @@ def test_rerun_is_cached_and_lr_change_reuses_export_and_transform(tmp_path):
     assert {r.status for r in again.results.values()} == {"cached"}
     other = run(tmp_path, "optimizer.lr=3e-4", name="lr")
     assert {n: r.status for n, r in other.results.items()} == {
-        "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran", "aggregate": "ran"}
+        "tokenize": "cached", "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran", "aggregate": "ran"}
 
 
 def test_dry_run_starts_nothing(tmp_path):
@@ -73,21 +60,21 @@ def test_dry_run_starts_nothing(tmp_path):
     assert report.results == {}
     assert not (tmp_path / "runs" / "cache").exists()
     plan = read_json(tmp_path / "run" / "plan.json")
-    assert [p["stage"] for p in plan] == ["export", "transform", "train", "checkpoint", "aggregate"]
+    assert [p["stage"] for p in plan] == ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
     assert all(not p["cached"] and p["command"] for p in plan)
 
 
 def test_failed_stage_stops_dependants_and_rerun_resumes_there(tmp_path, monkeypatch):
     import stages.train
 
-    def broken(cfg):
+    def broken(cfg, tokens=None):
         raise RuntimeError("injected data failure")
 
     monkeypatch.setattr(stages.train, "build_batcher", broken)
     first = run(tmp_path, name="first")
     assert first.exit_code == 1
     assert {n: r.status for n, r in first.results.items()} == {
-        "export": "ran", "transform": "ran", "train": "failed", "checkpoint": "not run", "aggregate": "not run"}
+        "tokenize": "ran", "export": "ran", "transform": "ran", "train": "failed", "checkpoint": "not run", "aggregate": "not run"}
     assert "injected data failure" in first.results["train"].error
     assert not (tmp_path / "runs" / "cache" / "checkpoint").exists()
     monkeypatch.undo()
@@ -95,7 +82,7 @@ def test_failed_stage_stops_dependants_and_rerun_resumes_there(tmp_path, monkeyp
     second = run(tmp_path, name="second")
     assert second.exit_code == 0
     assert {n: r.status for n, r in second.results.items()} == {
-        "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran", "aggregate": "ran"}
+        "tokenize": "cached", "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran", "aggregate": "ran"}
 
 
 def test_failed_aggregate_verification_publishes_nothing(tmp_path, monkeypatch):
@@ -116,23 +103,8 @@ def test_resume_continues_exactly(tmp_path):
     reference = run(tmp_path / "a", "train.steps=12")
     ref_rows = (entry(tmp_path / "a", reference, "train") / "metrics.jsonl").read_text().splitlines()
 
-    import stages.train
-
-    real = stages.train.train_step
-    calls = {"n": 0}
-
-    def dies_after_six(*args, **kwargs):
-        if calls["n"] == 7:
-            raise KeyboardInterrupt  # stands in for a kill: nothing after this point runs
-        calls["n"] += 1
-        return real(*args, **kwargs)
-
-    stages.train.train_step = dies_after_six
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            run(tmp_path / "b", "train.steps=12", name="killed")
-    finally:
-        stages.train.train_step = real
+    with killed_after(7), pytest.raises(KeyboardInterrupt):
+        run(tmp_path / "b", "train.steps=12", name="killed")
     resumed = run(tmp_path / "b", "train.steps=12", name="resumed")
     train = entry(tmp_path / "b", resumed, "train")
     assert read_json(train / "summary.json")["resumed_from_step"] == 6

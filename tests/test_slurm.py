@@ -1,8 +1,9 @@
 """cluster=slurm against a real single-node SLURM cluster (scripts/slurm_cluster.sh; started here if needed).
 
 Five stages as jobs with the loss of a local run, a failing stage's dependants cancelled and the rerun resuming
-there, a 4-point sweep with per-point resources and one shared export, a preempted train job requeued from its
-checkpoint with the loss of an uninterrupted run, and requests the scheduler refuses reported with their key.
+there, a 4-point sweep with per-point resources and one shared export, a layout tune whose trials are jobs submitted
+together, a preempted train job requeued from its checkpoint with the loss of an uninterrupted run, and requests the
+scheduler refuses reported with their key.
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def slurm():
         return
     if os.geteuid() != 0:
         pytest.fail("the SLURM tests need a SLURM cluster: start one with `sudo scripts/slurm_cluster.sh start` "
-                    "(root is needed to install and start munge, mariadb, slurmdbd, slurmctld, slurmd)")
+                    "(root is needed to install and start munge, mariadb, slurmdbd, slurmctld, slurmd), or leave "
+                    "them out: pytest -m 'not slurm'")
     started = subprocess.run([SCRIPT, "start"], capture_output=True, text=True, timeout=900)
     assert started.returncode == 0, f"could not start SLURM:\n{started.stdout}\n{started.stderr}"
     try:
@@ -71,7 +73,7 @@ def test_five_stages_as_jobs_with_the_loss_of_a_local_run(slurm, tmp_path):
     assert on_slurm.returncode == 0, on_slurm.stdout + on_slurm.stderr
     (run_dir,) = run_dirs(tmp_path / "slurm")
     jobs = jobs_of(run_dir)
-    assert [j["stage"] for j in jobs] == ["export", "transform", "train", "checkpoint", "aggregate"]
+    assert [j["stage"] for j in jobs] == ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
     train = next(j for j in jobs if j["stage"] == "train")
     assert train["tasks"] == 4 and len(list(Path(train["folder"]).glob("*_log.out"))) == 4
     assert all(s["state"] == "COMPLETED" for s in sacct([j["job_id"] for j in jobs]).values())
@@ -142,8 +144,20 @@ def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(
     for p in points:
         stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{p.info.run_id}'")
         assert sorted(s.data.tags["orchestrator.stage"] for s in stages) == \
-            ["aggregate", "checkpoint", "export", "train", "transform"]
+            ["aggregate", "checkpoint", "export", "tokenize", "train", "transform"]
         assert all(s.info.status == "FINISHED" for s in stages)
+
+
+def test_tune_submits_every_trial_at_once_and_ranks_them(slurm, workdir):
+    result = run_cli(["cluster=slurm", "tune=layout", "tune.world_size=2", "tune.steps=4", "tracking=none", *SMALL],
+                     workdir, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(next((workdir / "runs").rglob("tune.json")).read_text())
+    assert len(record["ranking"]) == 4 and all(t["status"] == "ran" for t in record["trials"])
+    trains = [j["job_id"] for d in run_dirs(workdir) for j in jobs_of(d) if j["stage"] == "train"]
+    spans = sorted((t["start"], t["end"]) for t in sacct(trains).values())
+    assert len(spans) == 4 and any(b[0] < a[1] for a, b in zip(spans, spans[1:])), f"no two trials overlapped: {spans}"
+    assert "cluster=slurm" in record["command"] and "tune" not in record["command"]
 
 
 def test_preempted_train_job_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, tmp_path):

@@ -10,9 +10,9 @@ import pytest
 
 from orchestrator.dag import plan
 from orchestrator.cache import Cache
-from orchestrator.errors import ConfigError
-from orchestrator.slurm import _rejection, sbatch_parameters
-from orchestrator.validate import validate
+from orchestrator.config.errors import ConfigError
+from orchestrator.cluster.slurm_submit import _rejection, sbatch_parameters
+from orchestrator.config.validate import validate
 from stages import all_stages
 from tests.conftest import make_cfg, run_cli
 
@@ -51,6 +51,7 @@ def test_scheduler_refusals_name_the_key_to_change(tmp_path, message, key):
 
 
 def test_slurm_layout_rules(tmp_path, monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # as on a login node
     cfg = make_cfg("cluster=slurm", "parallel=megatron_hp2", "cluster.nodes=3", "+cluster.time_min.eval=5",
                    runs_dir=tmp_path)
     with pytest.raises(ConfigError) as e:
@@ -90,5 +91,17 @@ def test_local_sweep_summary_table_shared_stages_and_mlflow_tree(workdir):
     second = max(points, key=lambda r: r.info.start_time)
     stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{second.info.run_id}'")
     status = {s.data.tags["orchestrator.stage"]: s.data.tags["orchestrator.status"] for s in stages}
-    assert status == {"export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran",
+    assert status == {"tokenize": "cached", "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran",
                       "aggregate": "ran"}
+
+
+def test_slurm_dry_run_needs_no_slurm(workdir, tmp_path):
+    """From a laptop or a CI box: the sbatch scripts and the afterok chain, from the config alone."""
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    result = run_cli(["cluster=slurm", "parallel=megatron_hp2", "dry_run=true", "tracking=none"], workdir,
+                     env={"PATH": str(empty)})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert result.stdout.count("#SBATCH --job-name=") == 6 and "#SBATCH --ntasks-per-node=2" in result.stdout
+    assert "train (submitted with --dependency=afterok on the jobs of transform, tokenize)" in result.stdout
+    assert not (workdir / "runs" / "cache").exists()

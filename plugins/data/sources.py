@@ -1,7 +1,13 @@
-"""Built-in data sources: the Python standard library's source (default), user text files, random tokens."""
+"""Built-in data sources: the Python standard library's source (default), the user's files, random tokens.
+
+`text` reads files and folders (globs too): text files are one document each; JSON Lines and Parquet files hold one
+document per record, in the column `data.text_field`.
+"""
 from __future__ import annotations
 
+import glob
 import hashlib
+import json
 import os
 import sys
 import sysconfig
@@ -9,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from plugins.data import Corpus, DataSource, corpus_from_documents, register_source
+from plugins.data.registry import Corpus, DataSource, register_source, split_sizes
+from plugins.fsio import sha256_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet")
+_RECORDS = (".jsonl", ".parquet")  # one document per record
 
 
 def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -> list[Path]:
@@ -23,22 +31,84 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -
     return found
 
 
-def _read(files: list[tuple[str, Path]], max_bytes: int) -> list[tuple[str, bytes]]:
-    docs, total = [], 0
+def _budget(files: list[tuple[str, Path]], max_bytes: int) -> list[tuple[str, Path]]:
+    """The files read under data.max_bytes: in order, up to the first that would exceed it."""
+    chosen, total = [], 0
     for name, path in files:
-        data = path.read_bytes()
-        if max_bytes and total + len(data) > max_bytes:
+        size = path.stat().st_size
+        if max_bytes and total + size > max_bytes:
             break
-        docs.append((name, data))
-        total += len(data)
+        chosen.append((name, path))
+        total += size
+    return chosen
+
+
+def _read(files: list[tuple[str, Path]], max_bytes: int, text_field: str = "text") -> list[tuple[str, bytes]]:
+    docs = []
+    for name, path in _budget(files, max_bytes):
+        docs.extend(_records(name, path, text_field) if path.suffix in _RECORDS else [(name, path.read_bytes())])
     return docs
 
 
+def _records(name: str, path: Path, field: str) -> list[tuple[str, bytes]]:
+    """The documents of a JSON Lines or Parquet file: one per record, its `field` column."""
+    if path.suffix == ".jsonl":
+        with open(path, encoding="utf-8") as f:
+            texts = [json.loads(line)[field] for line in f if line.strip()]
+    else:
+        import pyarrow.parquet as pq
+
+        texts = pq.read_table(path, columns=[field]).column(field).to_pylist()
+    return [(f"{name}#{i}", str(t).encode("utf-8")) for i, t in enumerate(texts) if t]
+
+
+def _field_missing(path: Path, field: str) -> str:
+    """Why a records file has no `field` ('' when it has)."""
+    try:
+        if path.suffix == ".jsonl":
+            with open(path, encoding="utf-8") as f:
+                first = next((line for line in f if line.strip()), "")
+            keys = list(json.loads(first)) if first else []
+        else:
+            import pyarrow.parquet as pq
+
+            keys = pq.read_schema(path).names
+    except (OSError, ValueError) as e:
+        return f"cannot be read ({e})"
+    return "" if field in keys else f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
+
+
+def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
+    """Enough text, after data.max_bytes and the held-out split, for one sequence in each split (packed), or one
+    document in each (unpacked)."""
+    d, seq = cfg.data, cfg.train.seq_len
+    chosen = _budget(files, d.max_bytes)
+    if not chosen:
+        first = files[0][1].stat().st_size if files else 0
+        return [("data.max_bytes", d.max_bytes, f"data.max_bytes admits none of the {len(files)} file(s) (the first "
+                 f"holds {first:,} bytes)", f"data.max_bytes={max(first, 1_000_000)} or 0 (no limit)")] if files else \
+            [("data.paths", list(d.paths), "no text files found", "files or folders with *.txt, *.md or *.py files")]
+    train, val = split_sizes([(n, p.stat().st_size) for n, p in chosen], d.val_fraction)
+    tokens = (sum(train) + len(train), sum(val) + len(val))  # one <eos> per document
+    if d.packing and min(tokens) < seq + 1:
+        which = "training" if tokens[0] < seq + 1 else "held-out"
+        return [("data.max_bytes" if d.max_bytes and len(chosen) < len(files) else "data.paths",
+                 d.max_bytes if d.max_bytes and len(chosen) < len(files) else list(d.paths),
+                 f"the {which} split holds {min(tokens)} tokens (of {sum(tokens)} read, data.val_fraction="
+                 f"{d.val_fraction}); one sequence needs train.seq_len+1 = {seq + 1}",
+                 (f"data.val_fraction={min(0.5, round(2 * (seq + 1) / sum(tokens), 4))}, " if which == "held-out" else "")
+                 + f"more text, a larger data.max_bytes, or train.seq_len={max(1, min(tokens) - 1)}")]
+    if not d.packing and (not train or not val):
+        return [("data.paths", list(d.paths), f"{len(chosen)} document(s): each split needs one",
+                 "more files, or data.packing=true")]
+    return []
+
+
 def _fingerprint_files(files: list[tuple[str, Path]], max_bytes: int) -> str:
+    """The content of the files read under data.max_bytes (a changed file, same size and time included)."""
     h = hashlib.sha256(str(max_bytes).encode())
-    for name, path in files:
-        st = path.stat()
-        h.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    for name, path in _budget(files, max_bytes):
+        h.update(f"{name}\0{sha256_file(path)}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -53,8 +123,12 @@ def _stdlib_files() -> list[tuple[str, Path]]:
     return [(p.relative_to(root).as_posix(), p) for p in _walk(root, (".py",), _SKIP_DIRS)]
 
 
-def _load_stdlib(cfg, model_vocab: int) -> Corpus:
-    return corpus_from_documents(_read(_stdlib_files(), cfg.max_bytes), cfg)
+def _check_stdlib(cfg) -> list[tuple]:
+    return _check_amount(_stdlib_files(), cfg)
+
+
+def _stdlib_documents(cfg) -> list[tuple[str, bytes]]:
+    return _read(_stdlib_files(), cfg.max_bytes)
 
 
 def _fingerprint_stdlib(cfg) -> str:
@@ -67,7 +141,9 @@ def _text_files(cfg) -> list[tuple[str, Path]]:
     files = []
     for entry in cfg.paths:
         p = Path(entry).expanduser()
-        if p.is_dir():
+        if _is_glob(entry):
+            files.extend((m.as_posix(), m) for m in _glob(entry))
+        elif p.is_dir():
             files.extend((f.as_posix(), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"}))
         elif p.is_file():
             files.append((p.as_posix(), p))
@@ -76,8 +152,77 @@ def _text_files(cfg) -> list[tuple[str, Path]]:
     return files
 
 
-def _load_text(cfg, model_vocab: int) -> Corpus:
-    return corpus_from_documents(_read(_text_files(cfg), cfg.max_bytes), cfg)
+SNIFF_BYTES = 1 << 20  # how much of each file is checked for binary content and UTF-8 before launch
+
+
+def _check_text(cfg) -> list[tuple]:
+    """Every path exists and holds readable UTF-8 text; enough of it for a batch and the held-out split."""
+    d = cfg.data
+    problems: list[tuple] = []
+    files: list[tuple[str, Path]] = []
+    if not d.paths:
+        return [("data.paths", "[]", "data=text needs files or folders to read", "data.paths='[/path/to/corpus]'")]
+    for entry in d.paths:
+        p = Path(entry).expanduser()
+        if _is_glob(entry):
+            matched = _glob(entry)
+            files.extend((m.as_posix(), m) for m in matched)
+            if not matched:
+                problems.append(("data.paths", entry, "the pattern matches no file", "a pattern that matches files"))
+            continue
+        if not p.exists():
+            problems.append(("data.paths", entry, "this path does not exist", "an existing file or folder of text"))
+        elif p.is_dir():
+            found = [(f.as_posix(), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"})]
+            if not found:
+                problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
+                                 "(folders are searched for those)", "a folder with text files, or the files"))
+            files.extend(found)
+        else:
+            files.append((p.as_posix(), p))
+    bad = []
+    for name, path in files:
+        why = _field_missing(path, d.text_field) if path.suffix in _RECORDS else _not_text(path)
+        if why:
+            bad.append(f"{name}: {why}")
+    if bad:
+        key = "data.text_field" if any("has no field" in b for b in bad) else "data.paths"
+        problems.append((key, d.text_field if key == "data.text_field" else list(d.paths), f"{len(bad)} file(s) cannot "
+                         "be read as text: " + "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else ""),
+                         "data.text_field= the column that holds the text" if key == "data.text_field" else
+                         "remove them from data.paths (or convert them to UTF-8)"))
+    return problems or _check_amount(files, cfg)
+
+
+def _not_text(path: Path) -> str:
+    """Why a file cannot be a text document ('' when it can), from its first SNIFF_BYTES."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError as e:
+        return f"not readable ({e.strerror})"
+    if not head:
+        return "empty"
+    if b"\0" in head[:8192]:
+        return "binary (NUL bytes)"
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if e.start < len(head) - 3:  # not merely a character cut at the end of the sample
+            return f"not UTF-8 (byte {e.start}: 0x{head[e.start]:02x})"
+    return ""
+
+
+def _text_documents(cfg) -> list[tuple[str, bytes]]:
+    return _read(_text_files(cfg), cfg.max_bytes, cfg.text_field)
+
+
+def _is_glob(entry: str) -> bool:
+    return any(c in entry for c in "*?[")
+
+
+def _glob(entry: str) -> list[Path]:
+    return sorted(Path(p) for p in glob.glob(os.path.expanduser(entry), recursive=True) if Path(p).is_file())
 
 
 def _fingerprint_text(cfg) -> str:
@@ -86,7 +231,7 @@ def _fingerprint_text(cfg) -> str:
 
 # -- synthetic: uniform random tokens over the model's vocabulary --------------------------------------------
 
-def _load_synthetic(cfg, model_vocab: int) -> Corpus:
+def _synthetic_tokens(cfg, model_vocab: int) -> Corpus:
     rng = np.random.default_rng(0)
     n = cfg.synthetic_tokens
     n_val = max(int(n * cfg.val_fraction), 1)
@@ -94,6 +239,6 @@ def _load_synthetic(cfg, model_vocab: int) -> Corpus:
     return Corpus([stream[n_val:]], [stream[:n_val]], model_vocab, packed=True)
 
 
-register_source("stdlib", DataSource(_load_stdlib, _fingerprint_stdlib, vocab_size=258))
-register_source("text", DataSource(_load_text, _fingerprint_text, vocab_size=258))
-register_source("synthetic", DataSource(_load_synthetic, lambda cfg: "synthetic-v1", vocab_size=None))
+register_source("stdlib", DataSource(_fingerprint_stdlib, documents=_stdlib_documents, check=_check_stdlib))
+register_source("text", DataSource(_fingerprint_text, documents=_text_documents, check=_check_text))
+register_source("synthetic", DataSource(lambda cfg: "synthetic-v1", tokens=_synthetic_tokens))

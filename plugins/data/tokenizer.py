@@ -1,11 +1,24 @@
-"""Byte-level tokenizer: one token per byte (0..255), then <eos> and <pad>. Lossless for any text."""
+"""Tokenizers (data.tokenizer): `bytes` (one token per byte, then <eos> and <pad>: lossless for any text),
+`bpe` (a byte-level BPE of data.vocab_size trained on the corpus's training split with the `tokenizers` library),
+or `hf:<folder>` (a Hugging Face tokenizer.json / save_pretrained folder).
+
+Every tokenizer is saved as a `tokenizers` tokenizer.json (the bytes one as a byte-level BPE without merges, whose
+ids are the byte values), so the aggregate's hf/ folder carries one `transformers` can load.
+"""
 from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
 
 import numpy as np
 
 EOS = 256
 PAD = 257
 VOCAB_SIZE = 258
+EOS_TOKEN, PAD_TOKEN = "<eos>", "<pad>"
+HF_PREFIX = "hf:"
 
 
 def encode(text: bytes) -> np.ndarray:
@@ -19,3 +32,126 @@ def encode_documents(docs: list[bytes]) -> list[np.ndarray]:
 
 def decode(tokens) -> bytes:
     return bytes(int(t) for t in tokens if int(t) < 256)
+
+
+@dataclass
+class Tokenizer:
+    kind: str                  # bytes | bpe | hf
+    vocab_size: int            # ids are < vocab_size
+    eos: int
+    pad: int
+    backend: object = None     # a tokenizers.Tokenizer (bpe, hf); None: bytes, encoded with numpy
+
+    def encode_documents(self, docs: Iterable[bytes]) -> list[np.ndarray]:
+        """Each document's tokens followed by <eos>."""
+        docs = list(docs)
+        if self.backend is None:
+            return encode_documents(docs)
+        texts = [d.decode("utf-8", errors="replace") for d in docs]
+        return [np.append(np.asarray(e.ids, dtype=np.int64), self.eos)
+                for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+
+    def save(self, folder: Path) -> None:
+        """tokenizer.json and the tokenizer_config.json transformers reads beside it."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        backend = self.backend if self.backend is not None else _bytes_backend()
+        backend.save(str(folder / "tokenizer.json"))
+        eos, pad = backend.id_to_token(self.eos), backend.id_to_token(self.pad)
+        (folder / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": pad,
+             "model_max_length": 1_000_000, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+        (folder / "orchestrator_tokenizer.json").write_text(json.dumps(
+            {"kind": self.kind, "vocab_size": self.vocab_size, "eos": self.eos, "pad": self.pad}) + "\n")
+
+
+def _bytes_backend():
+    """The bytes tokenizer as a tokenizers byte-level BPE with no merges: token id = byte value, then <eos>, <pad>."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable characters byte-level BPE writes bytes as
+    by_byte = _byte_to_char()
+    assert set(by_byte.values()) == set(alphabet)
+    vocab = {by_byte[b]: b for b in range(256)} | {EOS_TOKEN: EOS, PAD_TOKEN: PAD}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([EOS_TOKEN, PAD_TOKEN])
+    return backend
+
+
+def _byte_to_char() -> dict[int, str]:
+    """GPT-2's bytes_to_unicode: the printable character that stands for each byte in byte-level BPE."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
+
+
+def train_bpe(train_docs: list[bytes], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of vocab_size tokens (the 256 bytes, <eos>, <pad>, then merges) learned on train_docs."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    backend = HFTokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator((d.decode("utf-8", errors="replace") for d in train_docs), trainer=trainer)
+    return Tokenizer("bpe", backend.get_vocab_size(), backend.token_to_id(EOS_TOKEN), backend.token_to_id(PAD_TOKEN),
+                     backend)
+
+
+def hf_folder(spec: str) -> Optional[Path]:
+    return Path(spec[len(HF_PREFIX):]).expanduser() if spec.startswith(HF_PREFIX) else None
+
+
+def load_hf(folder: Path) -> Tokenizer:
+    """A Hugging Face tokenizer folder (tokenizer.json). <eos> is its eos_token (tokenizer_config.json), else a
+    known end-of-text token; padding reuses it when the tokenizer has no pad token (labels there are ignored)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    folder = Path(folder)
+    file = folder / "tokenizer.json" if folder.is_dir() else folder
+    backend = HFTokenizer.from_file(str(file))
+    config_path = file.parent / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+
+    def token(name):
+        value = config.get(name)
+        return value.get("content") if isinstance(value, dict) else value
+
+    candidates = [token("eos_token"), "<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>"]
+    eos = next((backend.token_to_id(t) for t in candidates if t and backend.token_to_id(t) is not None), None)
+    if eos is None:
+        raise ValueError(f"{file}: no end-of-text token (eos_token in tokenizer_config.json, or <|endoftext|>, </s>)")
+    pad = backend.token_to_id(token("pad_token")) if token("pad_token") else None
+    return Tokenizer("hf", backend.get_vocab_size(), eos, eos if pad is None else pad, backend)
+
+
+def vocab_needed(data_cfg) -> Optional[int]:
+    """The vocabulary the model needs for this data config, known before launch (None: adapts to the model)."""
+    spec = data_cfg.tokenizer
+    if spec == "bytes":
+        return VOCAB_SIZE
+    if spec == "bpe":
+        return data_cfg.vocab_size
+    folder = hf_folder(spec)
+    return load_hf(folder).vocab_size if folder is not None else None
+
+
+def make(data_cfg, train_docs: list[bytes]) -> Tokenizer:
+    spec = data_cfg.tokenizer
+    if spec == "bytes":
+        return Tokenizer("bytes", VOCAB_SIZE, EOS, PAD)
+    if spec == "bpe":
+        return train_bpe(train_docs, data_cfg.vocab_size)
+    return load_hf(hf_folder(spec))

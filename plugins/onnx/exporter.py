@@ -1,4 +1,6 @@
-"""PyTorch -> ONNX with the TorchScript exporter, and a numerical check of the result in ONNX Runtime.
+"""PyTorch -> ONNX with the TorchScript exporter, and a numerical check of the result in an ONNX runtime:
+ONNX Runtime when it is installed (either build), else onnx's own reference evaluator (numpy; slower, same
+numbers), so that the core install needs no ONNX Runtime at all.
 
 Two kinds of graph:
 - training graphs (`params_as_inputs=True`): parameters are graph inputs named by their module names,
@@ -93,9 +95,25 @@ def parameter_feeds(module: nn.Module, model: onnx.ModelProto) -> dict[str, torc
     return {i.name: named[i.name] for i in model.graph.input if i.name in named}
 
 
-def run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], threads: int = 1) -> list[np.ndarray]:
-    import onnxruntime as ort
+def check_runtime() -> str:
+    """What runs graphs for the export check: 'onnxruntime <version>' or 'onnx.reference'."""
+    try:
+        import onnxruntime
+    except ImportError:
+        return "onnx.reference"
+    return f"onnxruntime {onnxruntime.__version__}"
 
+
+def run_graph(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], threads: int = 1) -> list[np.ndarray]:
+    """The graph's outputs for these inputs, in ONNX Runtime if installed, else in onnx's reference evaluator."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        from onnx.reference import ReferenceEvaluator
+
+        session = ReferenceEvaluator(model)
+        wanted = set(session.input_names)
+        return session.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in wanted})
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
@@ -105,7 +123,7 @@ def run_onnxruntime(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], thre
 
 
 def max_abs_diff(model: onnx.ModelProto, schema: IOSchema, module: nn.Module, args: tuple) -> float:
-    """Run the graph in ONNX Runtime and the module in torch (eval mode) on args; max |difference| of outputs.
+    """Run the graph (run_graph) and the module in torch (eval mode) on args; max |difference| of outputs.
 
     A training graph is checked through its inference view (dropout off), fed the module's parameters."""
     if any(n.op_type == "Dropout" for n in model.graph.node):
@@ -114,7 +132,7 @@ def max_abs_diff(model: onnx.ModelProto, schema: IOSchema, module: nn.Module, ar
     flat_args, _ = flatten(tuple(args), "input")
     feeds = dict(zip(schema.input_names, flat_args))
     feeds.update(parameter_feeds(module, model))
-    got = run_onnxruntime(model, feeds)
+    got = run_graph(model, feeds)
     was_training = module.training
     module.eval()
     try:
@@ -130,7 +148,7 @@ def max_abs_diff(model: onnx.ModelProto, schema: IOSchema, module: nn.Module, ar
 def export_checked(module: nn.Module, make_inputs, input_names: Sequence[str], output_names: Sequence[str],
                    dynamic_axes: dict[str, dict[int, str]], export_cfg, opset: int, max_seq: int,
                    params_as_inputs: bool, verbose: bool = False) -> tuple[onnx.ModelProto, IOSchema, dict]:
-    """Export a module traced on make_inputs(batch, seq) and check the graph in ONNX Runtime on other shapes
+    """Export a module traced on make_inputs(batch, seq) and check the graph (run_graph) on other shapes
     than the traced ones (which proves the dynamic axes as well as the numbers). Raises when the check fails."""
     import time
 
@@ -143,11 +161,12 @@ def export_checked(module: nn.Module, make_inputs, input_names: Sequence[str], o
     t0 = time.perf_counter()
     diff = max_abs_diff(graph, schema, module, make_inputs(batch, seq))
     if not diff <= export_cfg.verify_atol:
-        raise RuntimeError(f"ONNX check failed: max |outputs(onnxruntime) - outputs(torch)| = {diff:.3g} exceeds "
+        raise RuntimeError(f"ONNX check failed: max |outputs({check_runtime()}) - outputs(torch)| = {diff:.3g} exceeds "
                            f"export.verify_atol={export_cfg.verify_atol} (batch {batch}, sequence {seq})")
     record = {"opset": opset, "ir_version": graph.ir_version, "nodes": len(graph.graph.node),
               "graph_inputs": len(graph.graph.input), "export_s": export_s, "check_s": time.perf_counter() - t0,
-              "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq}}
+              "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq,
+                        "runtime": check_runtime()}}
     return graph, schema, record
 
 

@@ -38,11 +38,13 @@ def _copies(g: torch.Tensor, ranks_per_stage: int) -> int:
 
 
 def clip_grad_norm(named_params: list[tuple[str, torch.nn.Parameter]], max_norm: float, skip: set[str],
-                   ranks_per_stage: int, world: bool) -> torch.Tensor:
+                   ranks_per_stage: int, world: bool, loss_scale: float = 1.0) -> torch.Tensor:
     """Clip all gradients by their global norm; returns the norm (before clipping), the same on every rank.
 
     skip: names of parameters that are extra copies of another (a tied head on the last pipeline stage):
-    they are scaled but counted once. world: all-reduce over every rank (False for one process)."""
+    they are scaled but counted once. world: all-reduce over every rank (False for one process).
+    loss_scale: the gradients are those of the loss times this (fp16): the norm is divided by it, and the
+    gradients are unscaled and clipped by one multiplication. A norm of inf/nan means a gradient overflowed."""
     reduce_partial_grads([p for _, p in named_params])
     grads = [p.grad for _, p in named_params if p.grad is not None]
     counted = [_local(p.grad) for n, p in named_params if p.grad is not None and n not in skip]
@@ -54,9 +56,9 @@ def clip_grad_norm(named_params: list[tuple[str, torch.nn.Parameter]], max_norm:
         sq = torch.zeros((), device=grads[0].device if grads else "cpu")
     if world:
         dist.all_reduce(sq)
-    norm = sq.sqrt()
-    if math.isfinite(max_norm) and grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    norm = sq.sqrt() / loss_scale if loss_scale != 1 else sq.sqrt()
+    if (math.isfinite(max_norm) or loss_scale != 1) and grads:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) / loss_scale
         torch._foreach_mul_([_local(g) for g in grads], coef)
     return norm
 
@@ -72,6 +74,11 @@ class TiedGradients:
         self.copies, self.group = copies, group
 
     def sync(self) -> None:
+        for c in self.copies:
+            # a vocab-parallel embedding's backward leaves a Replicate gradient on a Shard(0) weight (no data
+            # parallelism reshards it): take this rank's shard, as the copy on the other stage holds one
+            if isinstance(c.grad, DTensor) and isinstance(c, DTensor) and c.grad.placements != c.placements:
+                c.grad = c.grad.redistribute(c.device_mesh, c.placements)
         grads = [c.grad for c in self.copies if c.grad is not None]
         if not self.copies or (len(self.copies) == 1 and self.group is None):
             return

@@ -20,6 +20,7 @@ from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
 from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
 from plugins.partition import aliases as plan_aliases
+from plugins.precision import Precision
 
 
 @dataclass
@@ -53,13 +54,14 @@ class Layout:
         rows = tensor.shape[0] // self.coords.dp_size
         return tensor[self.coords.dp * rows:(self.coords.dp + 1) * rows].to(self.device)
 
-    def sync_and_clip(self, max_norm: float) -> torch.Tensor:
-        """Make tied copies' gradients equal, then clip by the global norm (returned). A tied copy is not
-        counted in the norm: the weight it copies lives on the first stage and is counted there."""
+    def sync_and_clip(self, max_norm: float, loss_scale: float = 1.0) -> torch.Tensor:
+        """Make tied copies' gradients equal, then unscale them (fp16's loss scale) and clip by the global norm
+        (returned, unscaled; inf or nan when a gradient overflowed). A tied copy is not counted in the norm: the
+        weight it copies lives on the first stage and is counted there."""
         if self.tied is not None:
             self.tied.sync()
         return clip_grad_norm(self.params, max_norm, set(self.aliases),
-                              self.coords.dp_size * self.coords.hp_size, self.world)
+                              self.coords.dp_size * self.coords.hp_size, self.world, loss_scale)
 
     def train(self, mode: bool = True) -> None:
         for part in self.parts:
@@ -74,8 +76,10 @@ class Layout:
         return on_device.cpu()
 
 
-def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False) -> Layout:
+def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False,
+                 precision: Optional[Precision] = None) -> Layout:
     p = cfg.parallel
+    precision = precision or Precision("fp32", device.type)
     mesh, coords = build_mesh(p, device)
     local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
     parts = []
@@ -90,7 +94,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
             spec.parallelize(module, mesh["hp"], p)
         if p.dp > 1:  # ONNX Runtime keeps pointers to the parameters from forward to backward
             apply_dp(module, mesh["dp"], p.dp_mode, spec.blocks(module),
-                     reshard_after_forward=cfg.engine.name != "ort")
+                     reshard_after_forward=cfg.engine.name != "ort", mp_policy=precision.fsdp_policy())
         parts.append(module)
     check_against_plan(parts, plan)
 
@@ -101,10 +105,11 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         runner = PipelineRunner(parts, [s["stage"] for s in local_stages], [s["rank"] for s in plan["pipeline"]],
                                 p.pp_schedule,
                                 p.microbatches, spec.loss, mesh.get_group("pp"), device, loss_rank,
-                                p.loss_parallel, p.dp, tl, probe)
+                                p.loss_parallel, p.dp, tl, probe, precision.autocast)
     else:
         tl = None
-        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe)
+        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe,
+                                  precision.autocast)
     layout = Layout(parts, runner, coords, aliases, device, mesh, None, tl, loss_rank,
                     [s["stage"] for s in local_stages])
     if p.pp > 1 and aliases:

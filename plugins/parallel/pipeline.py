@@ -2,8 +2,9 @@
 
 Both runners take the rank's share of the global batch and return the rank's contribution to the step's
 loss (already divided by the global label count, detached). The loss they differentiate is that share times
-`grad_scale` (the dp degree): data parallelism averages gradients over dp ranks, the global mean needs
-their sum. Ranks whose contribution would repeat another
+`grad_scale` (the dp degree: data parallelism averages gradients over dp ranks, the global mean needs their
+sum) times the step's `loss_scale` (fp16's loss scaling; 1 otherwise). Forward passes run in the precision's
+autocast context (a no-op in fp32, and where FSDP2 casts the parameters). Ranks whose contribution would repeat another
 rank's (tensor-parallel peers, stages without the loss) contribute zero, so one SUM all-reduce over the
 world gives the global loss.
 """
@@ -42,21 +43,25 @@ class MicrobatchRunner:
     """One stage holds the whole model (dp and/or hp only): accumulate gradients over microbatches."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, microbatches: int, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, probe=None):
+                 loss_parallel: bool, grad_scale: float = 1.0, probe=None, autocast: Callable = contextlib.nullcontext):
         self.module, self.loss_fn, self.microbatches = module, loss_fn, microbatches
         self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
-        self.grad_scale = grad_scale
+        self.grad_scale, self.autocast = grad_scale, autocast
 
-    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int) -> torch.Tensor:
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
+                   loss_scale: float = 1.0) -> torch.Tensor:
         total = torch.zeros((), device=inputs.device)
         chunks = list(zip(inputs.chunk(self.microbatches), labels.chunk(self.microbatches)))
+        backward_scale = self.grad_scale * loss_scale
         for i, (x, y) in enumerate(chunks):
             set_gradient_sync([self.module], i == len(chunks) - 1)
             self._sample("pre_forward")
             with loss_context(self.loss_parallel):
-                loss = self.loss_fn(self.module(x), y) / n_labels
+                with self.autocast():
+                    logits = self.module(x)
+                loss = self.loss_fn(logits, y) / n_labels
                 self._sample("post_forward")
-                (loss * self.grad_scale if self.grad_scale != 1 else loss).backward()
+                (loss * backward_scale if backward_scale != 1 else loss).backward()
             self._sample("post_backward")
             total += _value(loss.detach())
         return total if self.counts_loss else torch.zeros_like(total)
@@ -64,7 +69,9 @@ class MicrobatchRunner:
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with loss_context(self.loss_parallel):
-            total = _value(self.loss_fn(self.module(inputs), labels))
+            with self.autocast():
+                logits = self.module(inputs)
+            total = _value(self.loss_fn(logits, labels))
         return total if self.counts_loss else torch.zeros_like(total)
 
     def _sample(self, phase: str) -> None:
@@ -81,7 +88,8 @@ class PipelineRunner:
 
     def __init__(self, modules: list[nn.Module], stage_ids: list[int], stage_ranks: list[int], schedule: str,
                  microbatches: int, loss_fn: Callable, group, device: torch.device, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None):
+                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None,
+                 autocast: Callable = contextlib.nullcontext):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         n_stages = len(stage_ranks)
@@ -91,7 +99,7 @@ class PipelineRunner:
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.counts_loss, self.loss_parallel = loss_fn, counts_loss, loss_parallel
-        self.grad_scale = grad_scale
+        self.grad_scale, self.autocast = grad_scale, autocast
         self.scale = 1.0  # what the schedule's loss is multiplied by (its returned losses too)
         if schedule in SINGLE_STAGE:
             cls = getattr(schedules, SINGLE_STAGE[schedule])
@@ -106,10 +114,11 @@ class PipelineRunner:
     def _loss(self, output, target):
         return self.loss_fn(output, target) * self.scale
 
-    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int) -> torch.Tensor:
+    def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
+                   loss_scale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every microbatch, as the schedule orders them (memory is sampled
         around the whole schedule: its phases interleave)."""
-        self.scale = self.grad_scale / n_labels
+        self.scale = self.grad_scale * loss_scale / n_labels
         if self.probe is not None:
             self.probe.sample("pre_forward")
         if self.timeline is not None:
@@ -117,13 +126,14 @@ class PipelineRunner:
         losses: list = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        with loss_context(self.loss_parallel):
+        with loss_context(self.loss_parallel), self.autocast():
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.timeline is not None:
             self.timeline.stop_step()
         if self.probe is not None:
             self.probe.sample("post_backward")
-        total = sum((_value(l.detach()) for l in losses), torch.zeros((), device=inputs.device)) / self.grad_scale
+        total = sum((_value(l.detach()) for l in losses), torch.zeros((), device=inputs.device)) / \
+            (self.grad_scale * loss_scale)
         return total if self.counts_loss and self.has_last else torch.zeros_like(total)
 
     @torch.no_grad()
@@ -145,7 +155,7 @@ class PipelineRunner:
                     continue
                 if s > 0 and self.stage_ranks[s - 1] != me:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
-                with loss_context(self.loss_parallel):
+                with loss_context(self.loss_parallel), self.autocast():
                     h = self.modules[s](h)
                     if s == last:
                         total += _value(self.loss_fn(h, y))
@@ -154,12 +164,17 @@ class PipelineRunner:
         return total if self.counts_loss and self.has_last else torch.zeros_like(total)
 
 
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # activations between stages
+
+
 def _send(t: torch.Tensor, peer: int, group) -> None:
+    """Send an activation with a header (rank, shape, dtype: bf16/fp16 runs pass low-precision activations)."""
     import torch.distributed as dist
 
     header = torch.zeros(8, dtype=torch.int64, device=t.device)
     header[0] = t.dim()
     header[1:1 + t.dim()] = torch.tensor(t.shape)
+    header[7] = _WIRE_DTYPES.index(t.dtype)
     dist.send(header, group_dst=peer, group=group)
     dist.send(t.contiguous(), group_dst=peer, group=group)
 
@@ -169,7 +184,8 @@ def _recv(peer: int, group, device: torch.device) -> torch.Tensor:
 
     header = torch.zeros(8, dtype=torch.int64, device=device)
     dist.recv(header, group_src=peer, group=group)
-    t = torch.empty(header[1:1 + int(header[0])].tolist(), device=device)
+    shape, dtype = header[1:1 + int(header[0])].tolist(), _WIRE_DTYPES[int(header[7])]
+    t = torch.empty(shape, device=device, dtype=dtype)
     dist.recv(t, group_src=peer, group=group)
     return t
 

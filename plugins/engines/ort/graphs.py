@@ -41,6 +41,9 @@ def partition_for_hp(model: onnx.ModelProto, shard_shapes: dict[str, list[int]],
                 _set_shape(value, shard_shapes[value.name])
                 changed += 1
     if changed:
+        # the exporter annotated intermediate tensors with the full model's shapes (e.g. the heads grouped-query
+        # attention repeats): stale now, and ORT would plan buffers by them. Let it infer them from the inputs.
+        del model.graph.value_info[:]
         _run_once(model, user_inputs, example_shapes, unit, shard_shapes)
     return changed
 

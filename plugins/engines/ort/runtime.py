@@ -5,6 +5,11 @@ used, still in onnxruntime-training 1.19.2). `apply(*inputs)` runs the forward; 
 backward with the output gradients. Tensors cross by DLPack without copies (made contiguous first). The
 inputs are saved for backward, so an in-place change of a parameter between forward and backward is caught
 by torch's version check instead of silently using other values.
+
+Zero-bubble pipeline schedules (zbv, interleaved_zb) split a backward in two: torch calls a node's backward once
+for the input gradient and again, later, for the weight gradients. ORT's backward yields both at once, so the
+first call runs it and keeps the gradients; the second returns them (one ORT backward per forward: counted in
+`runs`).
 """
 from __future__ import annotations
 
@@ -23,6 +28,10 @@ def _to_ort(tensors):  # -> onnxruntime.capi._pybind_state.OrtValueVector
     vec = C.OrtValueVector()
     vec.reserve(len(tensors))
     for t in tensors:
+        if type(t) is not torch.Tensor and callable(getattr(t, "wait", None)):
+            # an AsyncCollectiveTensor (e.g. a tensor-parallel embedding's all-reduced output that no torch op has
+            # touched yet): its memory is valid only once waited for; DLPack would hand ORT a dangling pointer
+            t = t.wait()
         t = t.detach()
         if not t.is_contiguous():
             t = t.contiguous()
@@ -76,6 +85,7 @@ class OrtUnit:
             order.append(k if name in trainable else -1)
             k += name in trainable
         self.gradient_index = order
+        self.runs = {"forward": 0, "backward": 0}
         self.function = self._make_function()
 
     def apply(self, *inputs: torch.Tensor):
@@ -85,7 +95,7 @@ class OrtUnit:
     def _make_function(self):
         from onnxruntime.capi import _pybind_state as C
 
-        agent, record, gradient_index = self.agent, self.record, self.gradient_index
+        agent, record, gradient_index, runs = self.agent, self.record, self.gradient_index, self.runs
         non_differentiable = set(record["non_differentiable_outputs"])
         full_shape = set(record["full_shape_output_grads"])
 
@@ -95,6 +105,7 @@ class OrtUnit:
                 state = C.PartialGraphExecutionState()
                 outputs = C.OrtValueVector()
                 agent.run_forward(_to_ort(inputs), outputs, state, None)
+                runs["forward"] += 1
                 results = _from_ort(outputs)
                 ctx.state = state
                 ctx.meta = [(r.shape, r.dtype, r.device) for r in results]
@@ -107,6 +118,9 @@ class OrtUnit:
             @staticmethod
             def backward(ctx, *grads):
                 ctx.saved_tensors  # noqa: B018  (raises if an input was modified in place since forward)
+                if getattr(ctx, "gradients", None) is not None:  # a split backward's second call (weights)
+                    gradients, ctx.gradients = ctx.gradients, None
+                    return gradients
                 feeds = []
                 for i, g in enumerate(grads):
                     if i in non_differentiable:
@@ -118,8 +132,11 @@ class OrtUnit:
                     feeds.append(g)
                 outputs = C.OrtValueVector()
                 agent.run_backward(_to_ort(feeds), outputs, ctx.state)
+                runs["backward"] += 1
                 del ctx.state
                 results = _from_ort(outputs)
-                return tuple(results[k] if k >= 0 else None for k in gradient_index)
+                gradients = tuple(results[k] if k >= 0 else None for k in gradient_index)
+                ctx.gradients = gradients  # for a second call; freed with the graph when none comes
+                return gradients
 
         return OrtFunction

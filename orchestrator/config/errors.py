@@ -56,9 +56,23 @@ def unknown_key_problem(full_key: str, schema: Optional[type], value: Any = "?",
     close = difflib.get_close_matches(name, known, n=1)
     fix = f"did you mean {full_key.rsplit('.', 1)[0] + '.' if '.' in full_key else ''}{close[0]}? " if close else ""
     fix += f"keys of {section}: {', '.join(known)}" if known else "remove it"
+    elsewhere = _option_with_key(section, name)
+    if elsewhere:
+        fix = f"{full_key} is a key of {elsewhere}: add {elsewhere} to the command (or remove the key); " + fix
     how = f"set by the override '{override}'; " if override else ""
     return Problem(full_key, value, f"{section} has no key '{name}' ({how}every key is declared in "
-                   "orchestrator/schema.py, and Hydra's '+key=' would add it unchecked)", fix)
+                   "orchestrator/config/schema.py, and Hydra's '+key=' would add it unchecked)", fix)
+
+
+def _option_with_key(section: str, name: str) -> Optional[str]:
+    """`cluster=slurm` when `name` is a key of that option's schema but not of the chosen one's."""
+    from orchestrator.config.options import option_using
+    from orchestrator.config.schema import GROUP_SCHEMAS
+
+    for schema_name, schema in GROUP_SCHEMAS.get(section, {}).items():
+        if name in {f.name for f in dataclasses.fields(schema)}:
+            return f"{section}={option_using(section, schema_name)}"
+    return None
 
 
 _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string",
@@ -88,8 +102,11 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
     full_key = getattr(cause, "full_key", None)
     schema = getattr(cause, "object_type", None)
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key:
-        given = next((a for a in argv if a.lstrip("+~").split("=", 1)[0] == full_key), "")
-        return ConfigError([unknown_key_problem(full_key, schema, given.split("=", 1)[-1] if given else "?", given)])
+        given = next((a for a in argv if a.lstrip("+~").split("=", 1)[0] == full_key or
+                      a.lstrip("+~").split("=", 1)[0].startswith(full_key + ".")), "")
+        shown = given.lstrip("+~").split("=", 1)[0] if given else full_key  # trian.steps, not just trian
+        problem = unknown_key_problem(full_key, schema, given.split("=", 1)[-1] if given else "?", given)
+        return ConfigError([dataclasses.replace(problem, key=shown)])
     if isinstance(cause, ValidationError) and full_key:
         name = full_key.rsplit(".", 1)[-1]
         f = field_help(schema, name)
@@ -101,5 +118,12 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
         fix = f"give {full_key} {wanted}" + (f", e.g. {full_key}={_show(example)}" if example is not None else "")
         return ConfigError([Problem(full_key, getattr(cause, "value", "?"), f"{full_key} must be {wanted}{meaning}",
                                     fix)])
-    return ConfigError([Problem("config", "", str(exc).strip().splitlines()[0],
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    ambiguous = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", lines[0] if lines else "")
+    if ambiguous:  # key=a,b without -m
+        key, value = ambiguous.groups()
+        return ConfigError([Problem(key, value, f"a comma makes {value} several values, and a command without -m "
+                                    "runs one experiment", f"-m {key}={value} to sweep over them, {key}=[{value}] "
+                                    f"for a list, or {key}='\"{value}\"' for a string")])
+    return ConfigError([Problem("config", "", " ".join(lines),  # Hydra's hints included
                                 "fix the override named above (python -m orchestrator --help lists the groups)")])

@@ -9,35 +9,19 @@ submitted before it are cancelled and the refusal is reported with the config ke
 from __future__ import annotations
 
 import subprocess
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig
 
 from orchestrator.cache import Cache
+from orchestrator.cluster.slurm_queue import JOB_RECORD, JOBS_FILE, SubmittedStage, cancel, is_active
 from orchestrator.dag import PlannedStage
-from orchestrator.errors import ConfigError, Problem
-from orchestrator.executors import Launch, write_spec
+from orchestrator.config.errors import ConfigError, Problem
+from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.tracking import Invocation, config_params
 from plugins.fsio import atomic_write_json, read_json
-
-JOBS_FILE = "slurm_jobs.json"     # in the run folder: what `orchestrator.follow` follows
-JOB_RECORD = "slurm_job.json"     # in a stage's cache workspace: the job computing that key
-ACTIVE_STATES = {"PENDING", "RUNNING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "COMPLETING",
-                 "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT", "STOPPED"}
-
-
-@dataclass
-class SubmittedStage:
-    stage: str
-    key: str
-    job_id: str
-    folder: str                    # submitit's folder of that job (logs, results)
-    tasks: int
-    after: list[str] = field(default_factory=list)   # job ids it waits for (afterok)
-    run_id: Optional[str] = None   # this invocation's MLflow run of the stage
-    shared: bool = False           # submitted by another invocation / sweep point: followed, not owned
 
 
 class SlurmView:
@@ -94,49 +78,12 @@ def sbatch_parameters(c: DictConfig, ps: PlannedStage, after: list[str]) -> dict
     return params
 
 
-def job_states(job_ids: list[str]) -> dict[str, tuple[str, str, str]]:
-    """job id -> (state, reason, time used): squeue for the jobs SLURM still holds, sacct for older ones."""
-    found: dict[str, tuple[str, str, str]] = {}
-    if not job_ids:
-        return found
-    q = subprocess.run(["squeue", "-h", "--states=all", "-j", ",".join(job_ids), "-o", "%i|%T|%r|%M"],
-                       capture_output=True, text=True, timeout=60)
-    for line in q.stdout.splitlines():
-        parts = line.split("|")
-        if len(parts) == 4:
-            found[parts[0]] = (parts[1], parts[2], parts[3])
-    missing = [j for j in job_ids if j not in found]
-    if missing:
-        a = subprocess.run(["sacct", "-X", "-n", "-P", "-j", ",".join(missing), "-o", "JobIDRaw,State,Elapsed"],
-                           capture_output=True, text=True, timeout=60)
-        for line in a.stdout.splitlines():
-            parts = line.split("|")
-            if len(parts) == 3 and parts[0] in missing:
-                found[parts[0]] = (parts[1].split()[0], "", parts[2])  # "CANCELLED by 0" -> CANCELLED
-    return found
-
-
-def is_active(job_id: str) -> bool:
-    """SLURM still has the job queued or running."""
-    return job_states([job_id]).get(job_id, ("UNKNOWN",))[0] in ACTIVE_STATES
-
-
-def release(job_id: str) -> None:
-    """A requeued job is held until its begin time (~2 min later): nothing is gained by waiting."""
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True, timeout=60)
-
-
-def cancel(job_ids: list[str]) -> None:
-    if job_ids:
-        subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
-
-
 def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launch], cache: Cache,
                 run_dir: Path, tracking: Optional[Invocation]) -> list[SubmittedStage]:
     """Submit every stage that is neither cached nor already in the queue; write run_dir/slurm_jobs.json."""
     import submitit
 
-    from orchestrator.slurm_job import StageJob
+    from orchestrator.cluster.slurm_task import StageJob
 
     folder = Path(cfg.cluster.folder or run_dir / "submitit").resolve()
     job_of: dict[str, str] = {}

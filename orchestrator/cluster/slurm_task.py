@@ -1,4 +1,4 @@
-"""What runs inside a SLURM job: one stage on one task (rank), submitted by orchestrator.slurm.
+"""What runs inside a SLURM job: one stage on one task (rank), submitted by orchestrator.cluster.slurm_submit.
 
 Rank and world come from SLURM (submitit's JobEnvironment), the torch rendezvous from the job's first node.
 The train stage stops at a step boundary on SLURM's signal (time limit near, or preemption), saves a
@@ -15,7 +15,7 @@ from pathlib import Path
 import submitit
 from submitit.helpers import TorchDistributedEnvironment
 
-from orchestrator.slurm import release
+from orchestrator.cluster.slurm_queue import release
 from orchestrator.worker import execute
 from plugins import preemption
 

@@ -1,6 +1,6 @@
 """The README's config reference, generated from the schema and conf/ (a test keeps the README in sync).
 
-    python -m orchestrator.reference
+    python -m orchestrator.config.reference
 """
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from omegaconf import OmegaConf
 
-from orchestrator.schema import GROUP_SCHEMAS, Config, ExportConfig, SweepConfig, TrainConfig, TransformConfig
+from orchestrator.config.options import CONF, option_using, options_of
+from orchestrator.config.schema import GROUP_SCHEMAS, Config, ExportConfig, SweepConfig, TrainConfig, TransformConfig
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
 
 
 def _show(v: Any) -> str:
@@ -25,20 +24,12 @@ def _compose(conf: Path, overrides: tuple[str, ...] = ()):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from orchestrator.schema import register
+    from orchestrator.config.schema import register
 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
-
-
-def _option_using(conf: Path, group: str, schema_name: str) -> str:
-    """The first option file of a group built on the given schema (e.g. optimizer/sgd.yaml on sgd_schema)."""
-    for path in sorted((conf / group).glob("*.yaml")):
-        if schema_name in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
-            return path.stem
-    raise LookupError(f"no option of {group} uses {schema_name}")
 
 
 def _rules(meta) -> str:
@@ -66,7 +57,7 @@ def _table(conf: Path, default_cfg, section: str, schemas: dict[str, type]) -> l
             seen.add(f.name)
             cfg, only = default_cfg, ""
             if f.name not in common:
-                option = _option_using(conf, section, schema_name)
+                option = option_using(section, schema_name, conf)
                 cfg, only = _compose(conf, (f"{section}={option}",)), f" *({option} only)*"
             value = _show(OmegaConf.select(cfg, f"{section}.{f.name}"))
             lines.append(f"| `{section}.{f.name}` | `{value}` | {f.metadata.get('help', '')}"
@@ -75,19 +66,15 @@ def _table(conf: Path, default_cfg, section: str, schemas: dict[str, type]) -> l
 
 
 def reference_markdown(conf: Path = CONF) -> str:
-    defaults = {k: v for entry in yaml.safe_load((conf / "config.yaml").read_text())["defaults"]
-                if isinstance(entry, dict) for k, v in entry.items()}
     lines = ["| group | options (default first) |", "| --- | --- |"]
     for group in GROUP_SCHEMAS:
-        options = sorted(p.stem for p in (conf / group).glob("*.yaml"))
-        options.insert(0, options.pop(options.index(str(defaults[group]))))
-        lines.append(f"| `{group}` | " + ", ".join(f"`{o}`" for o in options) + " |")
+        lines.append(f"| `{group}` | " + ", ".join(f"`{o}`" for o in options_of(group, conf)) + " |")
     default_cfg = _compose(conf)
     for section, schemas in [*GROUP_SCHEMAS.items(), ("train", {"train": TrainConfig}),
                              ("export", {"export": ExportConfig}), ("transform", {"transform": TransformConfig}),
                              ("sweep", {"sweep": SweepConfig})]:
         lines += _table(conf, default_cfg, section, schemas)
-    top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir")]
+    top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir", "cache_verify")]
     lines += ["", "**top level**", "", "| key | default | meaning |", "| --- | --- | --- |"]
     lines += [f"| `{f.name}` | `{_show(default_cfg[f.name])}` | {f.metadata['help']}{_rules(f.metadata)} |"
               for f in top]

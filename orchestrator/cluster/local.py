@@ -1,15 +1,19 @@
-"""Where a stage runs. One interface: `run(launch) -> Outcome`, blocking until the stage ends.
+"""Where a stage runs on this machine. One interface: `run(launch) -> Outcome`, blocking until the stage ends.
 
 - debug: inside the orchestrator's process (one rank): breakpoints and tracebacks work directly.
 - local: `resources.tasks` worker processes on this machine with torchrun's environment (RANK,
   WORLD_SIZE, MASTER_ADDR/PORT, ...). Rank 0's output is streamed to the terminal and its log; any
   rank's failure stops the others and is reported with its exit code or signal and its last log lines.
   Children die with the orchestrator (PR_SET_PDEATHSIG), so a killed run leaves no orphan ranks.
+  Ctrl-C: the ranks run in their own session (a terminal's SIGINT reaches only the orchestrator), which passes
+  one SIGINT on: the train stage saves a checkpoint at the step it is on and exits (130); a second Ctrl-C
+  kills them at once.
+
+SLURM jobs are described by orchestrator.cluster.slurm_submit, which submits them.
 """
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import shutil
 import signal
@@ -19,42 +23,14 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from orchestrator.dag import PlannedStage
-from orchestrator.tracking import config_params
+import psutil
+
+from orchestrator.cluster.launch import Launch, Outcome
 
 TAIL_LINES = 25
-
-
-@dataclass
-class Launch:
-    planned: PlannedStage
-    spec: dict
-    spec_path: Path
-    log_dir: Path
-
-    def open_run(self, tracking, cfg, status: str, closes_itself: bool = False) -> Optional[str]:
-        """Create the stage's MLflow run (None without tracking) and have the stage's rank 0 log into it;
-        closes_itself: the stage ends the run (no orchestrator watches it, as on SLURM)."""
-        if tracking is None:
-            return None
-        ps = self.planned
-        run_id = tracking.start_stage(ps.name, ps.key, config_params(cfg, ps.stage.reads),
-                                      {"orchestrator.status": status})
-        self.spec["tracking"] = {"uri": cfg.tracking.uri, "run_id": run_id,
-                                 "max_artifact_mb": cfg.tracking.max_artifact_mb, "end_run": closes_itself}
-        self.spec["entry_meta"]["mlflow_run_id"] = run_id
-        return run_id
-
-
-@dataclass
-class Outcome:
-    ok: bool
-    seconds: float
-    error: Optional[str] = None
 
 
 class DebugExecutor:
@@ -144,16 +120,28 @@ class LocalExecutor:
                 outputs.append(out_path)
                 if rank == 0:
                     p = subprocess.Popen(self.argv(launch), env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
+                                         start_new_session=True)
                     pump = threading.Thread(target=_pump, args=(p.stdout, out_path), daemon=True)
                     pump.start()
                     pumps.append(pump)
                 else:
                     with open(out_path, "wb") as f:
                         p = subprocess.Popen(self.argv(launch), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                             preexec_fn=_die_with_parent)
+                                             preexec_fn=_die_with_parent, start_new_session=True)
                 procs.append(p)
-            failure = self._wait(procs, launch.planned.resources.timeout_min * 60, t0)
+            try:
+                failure = self._wait(procs, launch.planned.resources.timeout_min * 60, t0,
+                                     launch.log_dir, launch.spec.get("heartbeat_timeout_s"))
+            except KeyboardInterrupt:  # Ctrl-C: the ranks stop at a step boundary (a second one kills them)
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGINT)
+                while any(p.poll() is None for p in procs):
+                    time.sleep(self.poll_s)
+                for pump in pumps:
+                    pump.join(timeout=5)
+                return Outcome(False, time.perf_counter() - t0, "interrupted (Ctrl-C)", interrupted=True)
         except BaseException:
             _kill(procs)
             raise
@@ -164,10 +152,16 @@ class LocalExecutor:
             return Outcome(True, seconds)
         rank, what = failure
         log = tail(outputs[rank]) or tail(launch.log_dir / f"rank{rank}.log")
+        if rank == 0:  # rank 0's output was streamed above: its last line, not its traceback a second time
+            last = next((line for line in reversed(log.splitlines()) if line.strip()), "")
+            return Outcome(False, seconds, f"rank 0 of {tasks}: {what}: {last.strip()}\n(its output is above; "
+                                           f"the log: {outputs[0]})")
         return Outcome(False, seconds, f"rank {rank} of {tasks}: {what}\n--- last lines of {outputs[rank]} ---\n{log}")
 
-    def _wait(self, procs: list[subprocess.Popen], timeout_s: float, t0: float) -> Optional[tuple[int, str]]:
-        """None when every rank exits 0; else (rank, what happened) of the first failure."""
+    def _wait(self, procs: list[subprocess.Popen], timeout_s: float, t0: float, log_dir: Optional[Path] = None,
+              heartbeat_timeout_s: Optional[float] = None) -> Optional[tuple[int, str]]:
+        """None when every rank exits 0; else (rank, what happened) of the first failure: an exit, a timeout, or a
+        rank whose heartbeat stopped (frozen or stopped: the others wait for it in a collective)."""
         while True:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
@@ -183,7 +177,33 @@ class LocalExecutor:
             if time.perf_counter() - t0 > timeout_s:
                 _kill(procs)
                 return 0, f"timed out after {timeout_s / 60:.0f} min (stage resources timeout_min)"
+            silent = _silent_rank(procs, log_dir, heartbeat_timeout_s, time.perf_counter() - t0)
+            if silent is not None:
+                _kill(procs)
+                return silent
             time.sleep(self.poll_s)
+
+
+def _silent_rank(procs: list[subprocess.Popen], log_dir: Optional[Path], limit: Optional[float],
+                 running_s: float) -> Optional[tuple[int, str]]:
+    """The first live rank whose heartbeat file is older than `limit` seconds (None: all beat, or no limit). A rank
+    that has not beaten yet (still importing torch on a loaded machine) gets three times as long."""
+    if not limit or log_dir is None or running_s < limit:
+        return None
+    from orchestrator.worker import heartbeat_path
+
+    now = time.time()
+    for rank, p in enumerate(procs):
+        beat = heartbeat_path(log_dir, rank)
+        age = now - beat.stat().st_mtime if beat.exists() else running_s / 3
+        if p.poll() is None and age > limit:
+            try:
+                state = psutil.Process(p.pid).status()
+            except psutil.Error:
+                state = "unknown"
+            return rank, (f"stopped responding: no heartbeat for {age:.0f} s (cluster.heartbeat_timeout_s={limit:g}; "
+                          f"process state: {state}); the other ranks were waiting for it")
+    return None
 
 
 def _pump(stream, path: Path) -> None:
@@ -210,21 +230,3 @@ def _kill(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=10)
         except subprocess.TimeoutExpired:
             pass
-
-
-def make_executor(cluster):
-    """The executor of a cluster config (for slurm: a view that describes jobs; orchestrator.slurm submits)."""
-    if cluster.name == "debug":
-        return DebugExecutor()
-    if cluster.name == "local":
-        return LocalExecutor()
-    if cluster.name == "slurm":
-        from orchestrator.slurm import SlurmView
-
-        return SlurmView(cluster)
-    raise ValueError(f"cluster={cluster.name!r}: known clusters are local, debug, slurm")
-
-
-def write_spec(path: Path, spec: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(spec, indent=2, sort_keys=True))

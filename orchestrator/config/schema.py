@@ -34,10 +34,24 @@ class ModelConfig:
     d_ff: int = key(256, "MLP inner size", min=1)
     max_seq_len: int = key(128, "longest sequence (rows of the position embedding)", min=1)
     dropout: float = key(0.0, "dropout probability on attention output and MLP output", min=0.0, max=0.95)
-    activation: str = key("gelu", "MLP activation", choices=("gelu", "relu", "silu", "elu"))
+    activation: str = key("gelu", "MLP activation (gelu_tanh: GPT-2's approximation)",
+                          choices=("gelu", "gelu_tanh", "relu", "silu", "elu"))
     tie_embeddings: bool = key(True, "share the token embedding with the output projection (GPT-2 style)")
     bias: bool = key(True, "biases in Linear and LayerNorm layers")
     init_std: float = key(0.02, "std of the normal weight initialisation", min=0.0)
+
+
+@dataclass
+class LlamaConfig(ModelConfig):
+    name: str = key("llama", "model family: an entry of the model registry (plugins/models)")
+    n_kv_heads: Optional[int] = key(None, "key/value heads of grouped-query attention (null: as many as "
+                                          "model.n_heads); each serves n_heads/n_kv_heads query heads", min=1)
+    rope_theta: float = key(10000.0, "base of the rotary position embedding's frequencies (Llama 3: 500000)",
+                            min=1.0)
+    norm_eps: float = key(1e-5, "RMSNorm's epsilon", min=0.0)
+    activation: str = key("silu", "MLP activation (Llama's MLP is SwiGLU: silu(gate) * up)", choices=("silu",))
+    tie_embeddings: bool = key(False, "share the token embedding with the output projection")
+    bias: bool = key(False, "biases in Linear layers (Llama has none)")
 
 
 @dataclass
@@ -85,6 +99,17 @@ class SGDConfig(OptimizerConfig):
 class MemoryConfig:
     level: int = key(0, "activation memory optimisation: 0 none, 1 recompute each layer, "
                         "2 selective recompute (attention and MLP internals)", choices=(0, 1, 2))
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = key("auto", "compute precision: auto (bf16 on a CUDA GPU that has it, else fp32; the plan says which), "
+                            "fp32, bf16 (master weights and optimizer state fp32, compute bf16), fp16 (as bf16, plus "
+                            "dynamic loss scaling)", choices=("auto", "fp32", "bf16", "fp16"))
+    tf32: bool = key(False, "on a GPU, let fp32 matmuls and convolutions use TF32 tensor cores (about 2.7x on an H100; "
+                            "10-bit mantissa products)")
+    init_scale: float = key(65536.0, "fp16: the first loss scale (halved on every overflow)", min=1.0)
+    growth_interval: int = key(2000, "fp16: finite steps after which the loss scale doubles", min=1)
 
 
 @dataclass
@@ -137,7 +162,14 @@ class DataConfig:
                     choices=("synthetic", "stdlib", "text"))
     val_fraction: float = key(0.05, "share of documents held out for evaluation", min=0.0001, max=0.5)
     packing: bool = key(True, "concatenate documents (separated by <eos>) instead of padding each one")
-    paths: List[str] = key([], "text: files or directories of UTF-8 text (directories are searched for *.txt, *.md, *.py)")
+    paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "
+                               "glob patterns of UTF-8 text; JSON Lines and Parquet files hold one document per record")
+    text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text")
+    tokenizer: str = key("bytes", "bytes (one token per byte, lossless), bpe (a byte-level BPE of data.vocab_size "
+                                  "trained on the corpus, saved with the tokens), or hf:<folder> (a Hugging Face "
+                                  "tokenizer.json / save_pretrained folder)")
+    vocab_size: int = key(2048, "data.tokenizer=bpe: the vocabulary it learns (bytes, <eos>, <pad> and merges); "
+                                "model.vocab_size must be at least this", min=259)
     max_bytes: int = key(16_000_000, "read at most this many bytes of the corpus (0: no limit)", min=0)
     synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2)
 
@@ -151,6 +183,10 @@ class ClusterConfig:
                                           content=False, min=1)
     pg_timeout_s: int = key(300, "process-group timeout: a rank that stops answering fails the job after this long",
                             content=False, min=1)
+    heartbeat_timeout_s: int = key(60, "local cluster: a rank whose process shows no sign of life (a heartbeat every "
+                                       "2 s from a thread of its own) for this long is named and the stage stopped "
+                                       "(frozen, stopped, swapped out); ranks waiting in a collective still beat",
+                                   content=False, min=5)
 
 
 STAGE_TIMES_MIN = {"export": 10, "transform": 10, "train": 60, "checkpoint": 10, "aggregate": 20}
@@ -186,6 +222,19 @@ class SlurmClusterConfig(ClusterConfig):
 
 
 @dataclass
+class TuneConfig:
+    name: str = key("none", "none: run the experiment; layout: try the layouts of tune.world_size ranks for a few "
+                            "steps each, rank them and print the command that trains with the best",
+                    choices=("none", "layout"), content=False)
+    world_size: int = key(1, "tune=layout: the ranks to lay out (dp*hp*pp)", min=1, content=False)
+    steps: int = key(5, "tune=layout: timed training steps per layout (the first steps of a run are warm-up)", min=4,
+                     content=False)
+    objective: str = key("tokens_per_s", "tune=layout: what ranks the layouts: tokens_per_s (fastest first) or memory "
+                                         "(smallest peak per rank first)", choices=("tokens_per_s", "memory"),
+                         content=False)
+
+
+@dataclass
 class SweepConfig:
     parallelism: int = key(1, "-m sweeps on local/debug clusters: points run at once (SLURM runs all points at "
                               "once; its scheduler queues what does not fit)", content=False, min=1)
@@ -213,8 +262,21 @@ class TrainConfig:
     keep_checkpoints: int = key(2, "periodic checkpoints kept while training (older ones are deleted)", content=False, min=1)
     resume: bool = key(True, "continue an interrupted run from its latest complete checkpoint", content=False)
     init_from: Optional[str] = key(None, "start from this checkpoint folder (written by any layout): weights, optimizer "
-                                         "state and step; training continues up to train.steps")
-    log_every: int = key(20, "print a metrics line every N steps", content=False, min=0)
+                                         "state and step, training continues up to train.steps; or hf:<folder>, a "
+                                         "Hugging Face GPT-2 or Llama save_pretrained folder (weights only, step 0)")
+    nonfinite: str = key("stop", "a non-finite loss or gradient norm: stop (the stage fails naming the step; no "
+                                 "checkpoint of diverged weights is written) or skip (that step's update is dropped "
+                                 "and counted; training stops after train.max_nonfinite_skips in a row)",
+                         choices=("stop", "skip"))
+    max_nonfinite_skips: int = key(10, "consecutive steps without a finite gradient (train.nonfinite=skip, or fp16 "
+                                       "overflows) after which training stops", min=1)
+    profile: List[int] = key([], "[first, last]: record a torch.profiler trace of these steps (1-based, inclusive) "
+                                 "as a Chrome/Perfetto trace in the train output and MLflow, with the top ops in the "
+                                 "log; [] records nothing", content=False)
+    profile_ranks: str = key("0", "the ranks that record a profile: 0 (rank 0), or all", choices=("0", "all"),
+                             content=False)
+    log_every: int = key(20, "print a metrics line every N steps; losses are read back from the device this "
+                             "often", content=False, min=0)
     progress: bool = key(True, "show a progress bar", content=False)
 
 
@@ -222,7 +284,8 @@ class TrainConfig:
 class ExportConfig:
     sample_batch: int = key(2, "batch of the example input used to trace the model", min=1)
     sample_seq: int = key(16, "sequence length of the example input used to trace the model", min=1)
-    verify_atol: float = key(1e-4, "max |logits(onnxruntime) - logits(torch)| accepted by the export check", min=0.0)
+    verify_atol: float = key(1e-4, "max |logits(ONNX runtime) - logits(torch)| accepted by the export check (ONNX Runtime "
+                                   "when installed, else onnx's reference evaluator)", min=0.0)
 
 
 @dataclass
@@ -236,6 +299,7 @@ class Config:
     parallel: ParallelConfig = MISSING
     optimizer: OptimizerConfig = MISSING
     memory: MemoryConfig = MISSING
+    precision: PrecisionConfig = MISSING
     triton: TritonConfig = MISSING
     engine: EngineConfig = MISSING
     data: DataConfig = MISSING
@@ -245,30 +309,41 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
+    tune: TuneConfig = MISSING
     dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)
     runs_dir: str = key("runs", "outputs: run folders, cache/, mlflow.db (relative to the working directory)",
                         content=False)
+    cache_verify: str = key("hash", "how a cache hit is checked against its _entry.json before it is reused: hash "
+                                    "(size and sha256 of every file; about 1 s per GB) or size (sizes only, for huge "
+                                    "entries); a damaged entry is set aside and its stage runs again",
+                            choices=("hash", "size"), content=False)
     cache_dir: str = key("${runs_dir}/cache", "the content-addressed store of every stage's outputs (also ORT's cache "
                                               "directory: exported and transformed graphs live here)", content=False)
 
 
 # group name -> {option-schema name: dataclass}; YAML options start with `defaults: [<option-schema name>]`
 GROUP_SCHEMAS = {
-    "model": {"model_schema": ModelConfig},
+    "model": {"model_schema": ModelConfig, "llama_schema": LlamaConfig},
     "parallel": {"parallel_schema": ParallelConfig},
     "optimizer": {"adamw_schema": AdamWConfig, "sgd_schema": SGDConfig},
     "memory": {"memory_schema": MemoryConfig},
+    "precision": {"precision_schema": PrecisionConfig},
     "triton": {"triton_schema": TritonConfig},
     "engine": {"torch_schema": TorchEngineConfig, "ort_schema": OrtEngineConfig},
     "data": {"data_schema": DataConfig},
     "cluster": {"cluster_schema": ClusterConfig, "slurm_schema": SlurmClusterConfig},
     "tracking": {"tracking_schema": TrackingConfig},
+    "tune": {"tune_schema": TuneConfig},
 }
 
 
-def register() -> None:
-    from orchestrator.sweep import LauncherConf
+@dataclass
+class LauncherConf:
+    """hydra/launcher=orchestrator: the sweep launcher (orchestrator/sweep.py, found through hydra_plugins/)."""
+    _target_: str = "hydra_plugins.orchestrator_launcher.orchestrator_launcher.OrchestratorLauncher"
 
+
+def register() -> None:
     cs = ConfigStore.instance()
     cs.store(name="config_schema", node=Config)
     cs.store(group="hydra/launcher", name="orchestrator", node=LauncherConf, provider="orchestrator")

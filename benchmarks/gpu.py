@@ -1,0 +1,204 @@
+"""The train stage's own step vs a minimal hand-written loop on a CUDA GPU, per precision mode, in ONE process.
+
+Both sides train the same registry model on the same batches (prepared on the CPU and copied to the GPU each
+step, as the stage's batcher does) in the same precision:
+- stage: `stages.train.train_step` on the layout the stage builds (precision, attention kernel, fused AdamW,
+  global-norm clipping, metrics read back every `log_every` steps through the stage's MetricsWindow), compiled
+  per block with `plugins.kernels` when the mode compiles (triton=on's default scope);
+- hand loop: forward, loss, backward, AdamW(fused=True) step, zero_grad; `torch.autocast` for bf16;
+  `torch.compile(model)` when the mode compiles; `loss.item()` every `log_every` steps.
+Rounds alternate (stage, loop, loop, stage, ...) after a warm-up round each (compilation included there); each
+round is timed between two `torch.cuda.synchronize()`. Printed per mode: tokens/s of both, the ratio
+stage / loop (median over rounds), MFU (6 x parameters x tokens/s over the GPU's dense peak for the mode) and
+peak allocated memory.
+
+    python benchmarks/gpu.py [model=gpt2_124m] [batch=16] [seq=1024] [steps=20] [rounds=6]
+                             [modes=fp32,tf32,bf16,bf16+compile] [log_every=20] [device=cuda]
+
+Without a CUDA GPU it exits with status 2 and says so (`device=cpu` runs the same comparison on the CPU, to
+try the script itself on a small model; its figures say nothing about GPUs).
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.support.cli import arguments  # noqa: E402
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from plugins.data import build_batcher  # noqa: E402
+from plugins.kernels import apply_kernels  # noqa: E402
+from plugins.metrics import MemoryProbe  # noqa: E402
+from plugins.models import get_model  # noqa: E402
+from plugins.optim import build_optimizer, describe_impl  # noqa: E402
+from plugins.parallel.layout import build_layout  # noqa: E402
+from plugins.partition import build_plan  # noqa: E402
+from plugins.precision import LossScaler, configure, mfu, peak_flops  # noqa: E402
+from plugins.sdpa import attention_kernel  # noqa: E402
+from stages.train import MetricsWindow, StepSettings, train_step  # noqa: E402
+from tests.conftest import make_cfg  # noqa: E402
+
+MODES = {  # mode -> (precision, tf32, compile)
+    "fp32": ("fp32", False, False), "tf32": ("fp32", True, False),
+    "bf16": ("bf16", False, False), "bf16+compile": ("bf16", False, True),
+}
+NO_CUDA = ("benchmarks/gpu.py measures GPU training speed and needs a CUDA GPU, but torch.cuda.is_available() is "
+           "False on this machine. Run it where a GPU is (e.g. `python benchmarks/gpu.py` on the cluster), or "
+           "`python benchmarks/gpu.py device=cpu model=gpt_tiny seq=128` to try the script itself on the CPU.")
+
+
+def config(model: str, batch: int, seq: int, mode: str, log_every: int):
+    precision, tf32, compiled = MODES[mode]
+    cfg = make_cfg(f"model={model}", f"train.batch_size={batch}", f"train.seq_len={seq}", f"precision={precision}",
+                   f"precision.tf32={str(tf32).lower()}", f"train.log_every={log_every}", "data=synthetic",
+                   *(["triton=on"] if compiled else []))
+    OmegaConf.update(cfg, "model.max_seq_len", max(seq, cfg.model.max_seq_len))
+    return cfg
+
+
+class StageSide:
+    """The train stage's step on its own layout (one process), as stages.train.train runs it."""
+
+    def __init__(self, cfg, device: torch.device, batches):
+        self.cfg, self.device, self.batches = cfg, device, batches
+        self.spec = get_model(cfg.model.name)
+        self.precision = configure(cfg, device)
+        self.probe = MemoryProbe(device)
+        self.layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), self.spec, device, probe=self.probe,
+                                   precision=self.precision)
+        apply_kernels(self.layout.parts, self.spec, cfg.triton, logging.getLogger("bench"),
+                      cuda=device.type == "cuda")
+        self.optimizers = [build_optimizer(cfg.optimizer, p, device) for p in self.layout.parts]
+        self.settings, self.scaler = StepSettings.of(cfg), LossScaler(False)
+        self.window = MetricsWindow(self.layout)
+        self.step = 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            batch = self.batches[self.step % len(self.batches)]
+            self.window.add(train_step(self.layout, self.optimizers, batch, self.step, self.cfg.optimizer.lr,
+                                       self.settings, self.probe, self.scaler))
+            self.step += 1
+            if self.step % self.cfg.train.log_every == 0:
+                self.window.flush()
+
+    def describe(self) -> str:
+        return (f"optimizer {describe_impl(self.optimizers[0])}, attention "
+                f"{attention_kernel(self.cfg.model, self.precision, self.device, self.cfg.triton.attention)}")
+
+
+class HandLoop:
+    """What a user writes in 20 lines."""
+
+    def __init__(self, cfg, device: torch.device, batches):
+        spec = get_model(cfg.model.name)
+        model = spec.build(cfg.model)
+        spec.init_weights(model, cfg.model, cfg.train.seed)
+        model.to(device)
+        self.model = torch.compile(model) if cfg.triton.enabled else model
+        self.loss_fn, self.device, self.batches, self.log_every = spec.loss, device, batches, cfg.train.log_every
+        self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, betas=tuple(cfg.optimizer.betas),
+                                     fused=True)
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.name)
+        self.step = 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            batch = self.batches[self.step % len(self.batches)]
+            x, y = batch.inputs.to(self.device), batch.labels.to(self.device)
+            with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+                logits = self.model(x)
+            loss = self.loss_fn(logits, y) / batch.n_labels
+            loss.backward()
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            self.step += 1
+            if self.step % self.log_every == 0:
+                loss.item()
+
+
+def timed(side, steps: int, device: torch.device) -> tuple[float, float]:
+    """(seconds, peak MB; 0 on the CPU) of `steps` steps, between two device synchronisations."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    side.run(steps)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
+    return seconds, peak
+
+
+def bench_mode(mode: str, args: dict, device: torch.device) -> dict:
+    cfg = config(args["model"], args["batch"], args["seq"], mode, args["log_every"])
+    batcher = build_batcher(cfg)
+    batches = [batcher.train_batch(i) for i in range(8)]
+    tokens = cfg.train.batch_size * cfg.train.seq_len * args["steps"]
+    stage, loop = StageSide(cfg, device, batches), HandLoop(cfg, device, batches)
+    n_params = sum(p.numel() for p in loop.model.parameters())
+    for side in (stage, loop):  # warm-up: allocator, cuDNN/cuBLAS heuristics, compilation
+        timed(side, args["steps"], device)
+    times: dict[str, list[float]] = {"stage": [], "loop": []}
+    peaks: dict[str, float] = {"stage": 0.0, "loop": 0.0}
+    for r in range(args["rounds"]):
+        order = (("stage", stage), ("loop", loop)) if r % 2 == 0 else (("loop", loop), ("stage", stage))
+        for name, side in order:
+            seconds, peak = timed(side, args["steps"], device)
+            times[name].append(seconds)
+            peaks[name] = max(peaks[name], peak)
+    ratios = [b / a for a, b in zip(times["stage"], times["loop"])]  # stage tokens/s over loop tokens/s
+    peak = peak_flops(device, cfg.precision.name, cfg.precision.tf32)
+    out = {"mode": mode, "ratio": statistics.median(ratios), "describe": stage.describe()}
+    for name in ("stage", "loop"):
+        tps = tokens / statistics.median(times[name])
+        out[name] = {"tokens_per_s": tps, "mfu": mfu(n_params, tps, peak), "peak_mb": peaks[name]}
+    return out
+
+
+def main(argv: list[str]) -> int:
+    args = arguments(argv, __doc__)
+    device = torch.device(args.get("device", "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    opts = {"model": args.get("model", "gpt2_124m"), "batch": int(args.get("batch", 16)),
+            "seq": int(args.get("seq", 1024)), "steps": int(args.get("steps", 20)),
+            "rounds": int(args.get("rounds", 6)), "log_every": int(args.get("log_every", 20))}
+    modes = args.get("modes", ",".join(MODES)).split(",")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (figures say nothing about GPUs)"
+    print(f"{name}, torch {torch.__version__}; {opts['model']}, batch {opts['batch']} x {opts['seq']}; "
+          f"{opts['rounds']} alternating rounds of {opts['steps']} steps after a warm-up round", flush=True)
+    print(f"{'mode':<13} {'stage tok/s':>12} {'loop tok/s':>12} {'stage/loop':>10} {'stage MFU':>9} {'loop MFU':>9} "
+          f"{'stage peak':>11} {'loop peak':>10}  stage runs")
+    for mode in modes:
+        r = bench_mode(mode, opts, device)
+        s, lp = r["stage"], r["loop"]
+
+        def pct(x):
+            return f"{x:.1%}" if x is not None else "-"
+
+        def gb(mb):
+            return f"{mb / 1024:.1f}GB" if mb else "-"
+
+        print(f"{mode:<13} {s['tokens_per_s']:>12,.0f} {lp['tokens_per_s']:>12,.0f} {r['ratio']:>10.3f} "
+              f"{pct(s['mfu']):>9} {pct(lp['mfu']):>9} {gb(s['peak_mb']):>11} {gb(lp['peak_mb']):>10}  "
+              f"{r['describe']}", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    print("goal: stage/loop >= 0.95 in every mode; bf16+compile MFU >= 30% on an H100")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

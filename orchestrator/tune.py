@@ -1,0 +1,231 @@
+"""`python -m orchestrator tune=layout tune.world_size=4`: which layout of these ranks trains this model fastest.
+
+Every (dp, hp, pp) of tune.world_size ranks, with both dp modes where dp > 1, a 1F1B pipeline (2 microbatches per
+stage) where pp > 1, and memory=level1 for a layout whose estimate does not fit without it, is checked like any run;
+the valid ones train tune.steps steps each (tokenize, export and transform come from the cache; a trial stops after
+train), one after another here, or all submitted at once and followed together on SLURM. The table ranks them by
+tune.objective, tune.json and tune.png keep it, MLflow holds a tune run with every trial below it, and the last line
+is the command that trains with the winner. A trial is an ordinary cached stage: a second tune of the same model
+takes every trial from the cache.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from orchestrator.cache import Cache
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.validate import validate
+from orchestrator.report import console, styled
+from orchestrator.run import orchestrate
+from plugins.fsio import atomic_write_json, read_json
+
+TRIAL_KEYS = ("parallel.dp", "parallel.hp", "parallel.pp", "parallel.dp_mode", "parallel.pp_schedule",
+              "parallel.pp_chunks", "parallel.microbatches", "memory.level")
+
+
+@dataclass
+class Trial:
+    settings: dict
+    status: str = "planned"          # ran | cached | refused | failed
+    why: str = ""
+    tokens_per_s: Optional[float] = None
+    peak_memory_mb: Optional[float] = None
+    estimate_mb: Optional[float] = None
+    run_dir: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        s = self.settings
+        text = f"dp{s['parallel.dp']} hp{s['parallel.hp']} pp{s['parallel.pp']}"
+        if s["parallel.dp"] > 1:
+            text += f" {s['parallel.dp_mode']}"
+        if s["memory.level"]:
+            text += f" level{s['memory.level']}"
+        return text
+
+    @property
+    def overrides(self) -> list[str]:
+        return [f"{k}={v}" for k, v in self.settings.items()]
+
+
+def candidates(world: int) -> list[dict]:
+    """The layouts of `world` ranks: every dp*hp*pp factorisation, both dp modes, 1F1B for pipelines."""
+    found = []
+    for pp in range(1, world + 1):
+        for hp in range(1, world // pp + 1):
+            if world % (pp * hp):
+                continue
+            dp = world // (pp * hp)
+            for mode in (("replicate", "shard") if dp > 1 else ("replicate",)):
+                found.append({"parallel.dp": dp, "parallel.hp": hp, "parallel.pp": pp, "parallel.dp_mode": mode,
+                              "parallel.pp_schedule": "1f1b", "parallel.pp_chunks": 1,
+                              "parallel.microbatches": 2 * pp if pp > 1 else 1, "memory.level": 0})
+    return found
+
+
+def _trial_cfg(cfg: DictConfig, settings: dict) -> DictConfig:
+    trial = copy.deepcopy(cfg)
+    for key, value in settings.items():
+        section, name = key.split(".")
+        trial[section][name] = value
+    trial.train.steps = cfg.tune.steps
+    trial.train.eval_every = 0
+    trial.train.checkpoint_every = 0
+    trial.tune.name = "none"
+    return trial
+
+
+def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
+    """The trial's config (its settings and estimate filled in), or None with trial.why said (a layout rule, or
+    memory even with recomputation)."""
+    from orchestrator.config.validate import partition_plan
+    from plugins.estimate import estimate
+
+    for level in (0, 1):
+        settings = {**trial.settings, "memory.level": level}
+        trial_cfg = _trial_cfg(cfg, settings)
+        try:
+            validate(trial_cfg)
+        except ConfigError as e:
+            if level == 0 and all(p.key == "parallel" and "exceeds" in p.rule for p in e.problems):
+                continue  # does not fit: try it with recomputation
+            trial.why = "; ".join(f"{p.key}: {p.rule}" for p in e.problems)[:300]
+            return None
+        trial.settings = settings
+        trial.estimate_mb = estimate(trial_cfg, partition_plan(trial_cfg)).total / 2**20
+        return trial_cfg
+    trial.why = "does not fit, even with memory=level1"
+    return None
+
+
+def tune(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
+    t0 = time.perf_counter()
+    world = cfg.tune.world_size
+    trials = [Trial(s) for s in candidates(world)]
+    console.print(f"tune: {len(trials)} layouts of {world} rank(s) for {cfg.model.name} "
+                  f"({cfg.tune.steps} steps each, ranked by {cfg.tune.objective})", soft_wrap=True)
+    parent = _start_tune_run(cfg, run_dir)
+    cache = Cache(Path(cfg.cache_dir).resolve())
+    on_slurm = cfg.cluster.name == "slurm"
+    reports = {}
+    for i, trial in enumerate(trials):
+        trial_cfg = _check(cfg, trial)
+        if trial_cfg is None:
+            trial.status = "refused"
+            continue
+        console.rule(f"trial {i + 1}/{len(trials)}: {trial.label}")
+        trial_dir = run_dir / "trials" / trial.label.replace(" ", "_")
+        trial.run_dir = str(trial_dir)
+        # locally one after another (timed alone); on SLURM all submitted, then followed together
+        reports[i] = orchestrate(trial_cfg, trial_dir, [*overrides, *trial.overrides], parent,
+                                 follow_jobs=not on_slurm, until="train")
+    if on_slurm:
+        _follow_trials(trials, reports)
+    for i, report in reports.items():
+        _record(trials[i], report, cache)
+    ranked = _rank(trials, cfg.tune.objective)
+    seconds = time.perf_counter() - t0
+    _report(cfg, ranked, trials, run_dir, overrides, seconds, parent)
+    return 0 if ranked else 1
+
+
+def _follow_trials(trials: list[Trial], reports: dict) -> None:
+    from orchestrator.cluster.follow import follow
+
+    submitted = [i for i, r in reports.items() if r.submitted and (Path(trials[i].run_dir) / "slurm_jobs.json").is_file()]
+    for i, report in zip(submitted, follow([Path(trials[i].run_dir) for i in submitted])):
+        reports[i] = report
+
+
+def _record(trial: Trial, report, cache: Cache) -> None:
+    result = report.results.get("train")
+    if result is None or result.status not in ("ran", "cached"):
+        trial.status, trial.why = "failed", ((result.error or result.status)[-300:] if result else "not run")
+        return
+    summary = read_json(cache.entry("train", result.key) / "summary.json")
+    trial.status, trial.tokens_per_s = result.status, summary["tokens_per_s"]
+    trial.peak_memory_mb = summary.get("peak_memory_growth_mb") or summary.get("peak_memory_mb")
+
+
+def _rank(trials: list[Trial], objective: str) -> list[Trial]:
+    done = [t for t in trials if t.status in ("ran", "cached") and t.tokens_per_s]
+    if objective == "memory":
+        return sorted(done, key=lambda t: t.peak_memory_mb or float("inf"))
+    return sorted(done, key=lambda t: -t.tokens_per_s)
+
+
+def winner_command(best: Trial, overrides: list[str]) -> str:
+    kept = [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith(("tune", "parallel", "memory"))]
+    return " ".join(["python -m orchestrator", *kept, *best.overrides])
+
+
+def _report(cfg, ranked: list[Trial], trials: list[Trial], run_dir: Path, overrides: list[str], seconds: float,
+            parent: Optional[str]) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"tune: {len(ranked)} of {len(trials)} layouts ran, {seconds:.0f} s", title_justify="left")
+    for col in ("#", "layout", "tokens/s", "peak MB", "estimate MB", "status"):
+        table.add_column(col, overflow="fold")
+    for i, t in enumerate(ranked + [t for t in trials if t not in ranked]):
+        rank = str(i + 1) if t in ranked else "-"
+        table.add_row(rank, t.label, f"{t.tokens_per_s:,.0f}" if t.tokens_per_s else "-",
+                      f"{t.peak_memory_mb:,.0f}" if t.peak_memory_mb else "-",
+                      f"{t.estimate_mb:,.0f}" if t.estimate_mb else "-",
+                      styled(t.status, "green" if t in ranked else "yellow") if not t.why else
+                      f"{t.status}: {t.why}")
+    console.print(table)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {"objective": cfg.tune.objective, "world_size": cfg.tune.world_size, "steps": cfg.tune.steps,
+              "wall_s": seconds, "trials": [{**t.__dict__, "label": t.label} for t in trials],
+              "ranking": [t.label for t in ranked]}
+    if ranked:
+        record["command"] = winner_command(ranked[0], overrides)
+    atomic_write_json(run_dir / "tune.json", record)
+    chart = _chart(ranked, run_dir / "tune.png", cfg.tune.objective)
+    if parent:
+        from orchestrator.tracking import _client
+
+        client = _client(cfg.tracking.uri)
+        client.log_artifact(parent, str(run_dir / "tune.json"))
+        if chart:
+            client.log_artifact(parent, str(chart))
+        client.set_terminated(parent, "FINISHED" if ranked else "FAILED")
+    if ranked:
+        console.print(f"the fastest layout: {ranked[0].label}; train with it:", soft_wrap=True)
+        console.print(record["command"], soft_wrap=True)
+    else:
+        console.print("no layout ran: see the statuses above", soft_wrap=True)
+
+
+def _chart(ranked: list[Trial], path: Path, objective: str) -> Optional[Path]:
+    if not ranked:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = [t.tokens_per_s if objective == "tokens_per_s" else t.peak_memory_mb or 0 for t in ranked]
+    fig, ax = plt.subplots(figsize=(7, 0.4 * len(ranked) + 1.2), dpi=100)
+    ax.barh([t.label for t in ranked][::-1], values[::-1], color="tab:blue")
+    ax.set_xlabel("tokens/s" if objective == "tokens_per_s" else "peak MB per rank")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _start_tune_run(cfg: DictConfig, run_dir: Path) -> Optional[str]:
+    if cfg.tracking.name != "mlflow":
+        return None
+    from orchestrator.tracking import Invocation
+
+    inv = Invocation(cfg, f"tune {cfg.model.name} x{cfg.tune.world_size}",
+                     {"orchestrator.kind": "tune", "orchestrator.run_dir": str(run_dir)}, log_config=False)
+    return inv.parent

@@ -1,0 +1,108 @@
+"""The data-source registry: a source yields documents (named bytes), which the tokenizer (plugins/data/tokenizer)
+turns into a Corpus, the token streams of a train and a held-out split; or, like `synthetic`, tokens directly.
+
+Source files import this module and register themselves; `plugins.data` imports the built-in ones. Third-party
+packages add theirs through the `orchestrator.data` entry-point group.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Callable, Optional
+
+import numpy as np
+
+from plugins.data.tokenizer import PAD
+
+
+@dataclass
+class Corpus:
+    """Token streams of the train and held-out splits (packed), or lists of per-document token arrays."""
+    train: list[np.ndarray]
+    val: list[np.ndarray]
+    vocab_size: int          # tokens ids are < vocab_size
+    packed: bool
+    pad: int = PAD           # the id that fills the inputs after a short document (unpacked)
+
+
+@dataclass(frozen=True)
+class DataSource:
+    fingerprint: Callable[[object], str]
+    """cfg.data -> a string that changes whenever the underlying data changes (enters cache keys)."""
+    documents: Optional[Callable[[object], list[tuple[str, bytes]]]] = None
+    """cfg.data -> the corpus's (name, text) documents, tokenized with data.tokenizer."""
+    tokens: Optional[Callable[[object, int], Corpus]] = None
+    """(cfg.data, model vocab size) -> Corpus, for sources that are tokens already (no tokenizer)."""
+    check: Optional[Callable[[object], list[tuple]]] = None
+    """the whole cfg -> problems found before launch, each (config key, value, rule, fix): files missing,
+    unreadable, binary or not UTF-8, too little text for one batch and the held-out split."""
+
+
+_SOURCES: dict[str, DataSource] = {}
+_plugins_loaded = False
+
+
+def register_source(name: str, source: DataSource) -> None:
+    _SOURCES[name] = source
+
+
+def get_source(name: str) -> DataSource:
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for ep in entry_points(group="orchestrator.data"):
+            ep.load()()
+    if name not in _SOURCES:
+        raise KeyError(f"data.name={name!r} is not registered; known: {', '.join(sorted(_SOURCES))}")
+    return _SOURCES[name]
+
+
+def _assign(names: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """Indices of the train and held-out documents: by a hash of each name (stable as the corpus grows), never
+    leaving a split empty when there are two documents or more."""
+    train, val = [], []
+    for i, name in enumerate(names):
+        (val if zlib.crc32(name.encode()) % 10_000 < val_fraction * 10_000 else train).append(i)
+    if not val and len(train) > 1:
+        val.append(train.pop())
+    if not train and len(val) > 1:
+        train.append(val.pop(0))
+    return train, val
+
+
+def _cut(doc: bytes, val_fraction: float) -> tuple[bytes, bytes]:
+    """A lone document (one big text file, the most common corpus): its last val_fraction is held out, cut at a
+    line break."""
+    cut = int(len(doc) * (1 - val_fraction))
+    newline = doc.find(b"\n", cut)
+    if 0 <= newline < len(doc) - 1:
+        cut = newline + 1
+    return doc[:cut], doc[cut:]
+
+
+def split_documents(named_docs: list[tuple[str, bytes]], val_fraction: float) -> tuple[list[bytes], list[bytes]]:
+    """Deterministic train / held-out split of the documents (one document is cut in two)."""
+    if len(named_docs) == 1:
+        head, tail = _cut(named_docs[0][1], val_fraction)
+        return [head] if head else [], [tail] if tail else []
+    train, val = _assign([n for n, _ in named_docs], val_fraction)
+    return [named_docs[i][1] for i in train], [named_docs[i][1] for i in val]
+
+
+def split_sizes(named_sizes: list[tuple[str, int]], val_fraction: float) -> tuple[list[int], list[int]]:
+    """The document sizes split_documents would give each split (a lone document's cut approximately)."""
+    if len(named_sizes) == 1:
+        size = named_sizes[0][1]
+        cut = int(size * (1 - val_fraction))
+        return [cut] if cut else [], [size - cut] if size - cut else []
+    train, val = _assign([n for n, _ in named_sizes], val_fraction)
+    return [named_sizes[i][1] for i in train], [named_sizes[i][1] for i in val]
+
+
+def split_named(named_docs: list[tuple[str, bytes]], data_cfg) -> tuple[list[bytes], list[bytes]]:
+    train, val = split_documents(named_docs, data_cfg.val_fraction)
+    if not train or not val:
+        raise ValueError(f"data.name={data_cfg.name}: found {len(named_docs)} document(s) with "
+                         f"{sum(len(d) for _, d in named_docs)} bytes: too little to hold part out for evaluation")
+    return train, val

@@ -1,0 +1,159 @@
+"""How much memory a rank of a layout needs, estimated before anything runs.
+
+Per rank (the worst rank of the layout): fp32 parameters, gradients and optimizer state of what the rank holds
+(its pipeline stages; its tensor-parallel shards; divided by dp under dp_mode=shard), plus the activations kept for
+backward. Activations per token and layer are counted tensor by tensor for this decoder (what autograd saves:
+norm inputs, q/k/v, attention output, MLP inputs and hidden units; SDPA keeps no attention matrix, the math kernel
+does), times the tokens in flight (one microbatch without a pipeline; up to pp of them at the first stage of
+1F1B, every microbatch under GPipe), plus the logits and their gradient on the last stage. Recomputation (memory
+level 1, 2) keeps a layer's input (level 1) or the unit inputs (level 2) and one layer's worth during backward.
+
+The peak comes at the start of backward, when every activation is alive and no gradient yet (gradients appear as
+activations are freed; the optimizer frees them after its step): parameters + optimizer state + the larger of
+activations and gradients, plus the runtime (autograd, the allocator's arenas, the data pages read: on a CPU about
+100 MB per process, measured; on a GPU the allocator's peak excludes the CUDA context), and with data parallelism
+a buffer of the rank's full gradients that the reduction goes through.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+RUNTIME_CPU = 100 * 2**20
+OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}   # fp32 tensors per parameter
+
+
+@dataclass(frozen=True)
+class Estimate:
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    runtime: int = 0
+
+    @property
+    def total(self) -> int:
+        """The peak: activations and gradients are not alive at once (see the module's note)."""
+        return self.parameters + self.optimizer + max(self.activations, self.gradients) + self.runtime
+
+    def describe(self) -> str:
+        gb = 2**30
+        return (f"{self.total / gb:,.2f} GB per rank at its peak (parameters {self.parameters / gb:,.2f}, optimizer "
+                f"state {self.optimizer / gb:,.2f}, activations {self.activations / gb:,.2f} or gradients "
+                f"{self.gradients / gb:,.2f}, runtime {self.runtime / gb:,.2f})")
+
+
+def _held_by_rank(plan: dict) -> dict[int, int]:
+    """Parameter elements each pipeline rank holds (tensor-parallel shards; tied copies count where they live)."""
+    stage_rank = {s["stage"]: s["rank"] for s in plan["pipeline"]}
+    held: dict[int, int] = {}
+    for p in plan["parameters"].values():
+        n = 1
+        for d in p["shard_shape"]:
+            n *= d
+        for rank in {stage_rank[s] for s in p["pp_stages"]}:
+            held[rank] = held.get(rank, 0) + n
+    return held
+
+
+def activation_bytes_per_token(m, hp: int, sp: bool, compute: int) -> float:
+    """Bytes autograd keeps per token for one block (no recomputation), in the compute dtype."""
+    h, ff = m.d_model, m.d_ff
+    swiglu = m.name == "llama"
+    norms = 2 * h / (hp if sp else 1)                # the two norms' inputs (sharded along the sequence with SP)
+    inputs = 2 * h                                   # the norms' outputs: the inputs of q/k/v and of fc1 (replicated)
+    attention = 5 * h / hp                           # q, k, v, SDPA's output and wo's (contiguous) input
+    mlp = (4 * ff if swiglu else 2 * ff) / hp        # fc1 (and fc3) outputs and the activation's
+    masks = 2 * h if m.dropout > 0 else 0            # two dropout masks, one byte per element
+    return (norms + inputs + attention + mlp) * compute + masks
+
+
+def estimate(cfg, plan: dict) -> Estimate:
+    """The worst rank of the layout in cfg.parallel for the model in cfg.model (plan: build_plan's)."""
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    held = max(_held_by_rank(plan).values())
+    shard = p.dp if p.dp_mode == "shard" else 1
+    parameters = held * 4 // shard
+    gradients = parameters
+    # data parallelism reduces the rank's full (unsharded) gradients through a buffer of their size
+    reduce_buffer = held * 4 if p.dp > 1 else 0
+    optimizer = parameters * OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
+
+    compute = BYTES.get(cfg.precision.name, 4)
+    seq, hp = t.seq_len, p.hp
+    tokens_per_microbatch = t.batch_size // p.dp // p.microbatches * seq
+    if p.pp == 1:
+        in_flight = 1
+    elif p.pp_schedule == "gpipe":
+        in_flight = p.microbatches
+    else:  # 1F1B-like: the first stage holds up to pp microbatches (interleaved: per chunk, a little more)
+        in_flight = min(p.microbatches, p.pp * (1 if p.pp_chunks == 1 else 2))
+    layers = m.n_layers // p.pp
+    per_token = activation_bytes_per_token(m, hp, p.sequence_parallel, compute)
+    if cfg.triton.attention == "math":  # the attention matrix and its softmax, per head
+        per_token += 2 * m.n_heads / hp * seq * compute
+    level = cfg.memory.level
+    if level == 1:
+        layer_bytes = layers * m.d_model * compute + per_token        # each layer's input, one layer recomputed
+    elif level == 2:
+        layer_bytes = layers * 4 * m.d_model / hp * compute + per_token  # unit inputs and outputs, one recomputed
+    else:
+        layer_bytes = layers * per_token
+    logits = 2 * m.vocab_size / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
+    activations = int(tokens_per_microbatch * (in_flight * layer_bytes + logits))
+    import torch
+
+    runtime = 0 if torch.cuda.is_available() and cfg.cluster.name != "slurm" else RUNTIME_CPU
+    return Estimate(parameters, gradients, optimizer, activations, runtime + reduce_buffer)
+
+
+def available_bytes(cfg) -> tuple[int, str]:
+    """What one rank may use, and where the figure comes from."""
+    import psutil
+
+    if cfg.cluster.name == "slurm":
+        gb = cfg.cluster.get("mem_per_task_gb")
+        return (int(gb * 2**30), "cluster.mem_per_task_gb") if gb else (0, "unknown on SLURM (cluster.mem_per_task_gb)")
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1], f"{torch.cuda.get_device_name()}'s memory"
+    ranks = cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp
+    return psutil.virtual_memory().available // ranks, f"available RAM / {ranks} rank(s)"
+
+
+def step_flops(cfg, n_parameters: int) -> float:
+    """Forward + backward FLOPs of one optimizer step: 6 per parameter and token (every matmul, the head included;
+    the embedding lookups are counted too, a small excess) plus attention's scores and weighted sum, 12 * layers *
+    d_model * seq per token (PaLM's appendix B)."""
+    m, t = cfg.model, cfg.train
+    return t.batch_size * t.seq_len * (6.0 * n_parameters + 12.0 * m.n_layers * m.d_model * t.seq_len)
+
+
+def matmul_rate(device: str, dtype: str, threads: int) -> float:
+    """FLOP/s of a square matmul on this machine, measured now (about 0.1 s; the best of 8, as a busy machine
+    slows some): the best a step's matmuls can do."""
+    import time
+
+    import torch
+
+    n = 4096 if device == "cuda" else 1024
+    kind = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype] if device == "cuda" \
+        else torch.float32  # on a CPU autocast is not used: fp32 it is
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads))
+    try:
+        a = torch.randn(n, n, device=device, dtype=kind)
+        b = torch.randn(n, n, device=device, dtype=kind)
+        best = float("inf")
+        for _ in range(8):  # the first warms the kernel up; the best of the rest
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t0)
+        return 2.0 * n**3 / best
+    finally:
+        torch.set_num_threads(before)

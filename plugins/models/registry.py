@@ -1,0 +1,92 @@
+"""The model registry: a model is an entry (ModelSpec) that bundles everything the stages need to know about it.
+
+Model files import this module and register themselves; `plugins.models` imports the built-in model files.
+Third-party packages add theirs through the `orchestrator.models` entry-point group (each entry point is a
+callable that calls `register_model`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How one parameter is laid out across hp ranks (the record ONNX Runtime's Megatron checkpoints keep)."""
+    style: str                 # colwise | rowwise | vocab | replicate
+    axis: Optional[int]        # the partitioned axis of the weight, None when replicated
+
+
+@dataclass(frozen=True)
+class EngineUnit:
+    """A part of a block an engine may run itself: its core is the shard-local compute up to a row-parallel
+    matmul (under tensor parallelism: input replicated, output a partial sum); `bias` (a parameter name in
+    the block) is added after the reduction."""
+    name: str
+    core: Callable[[nn.Module], nn.Module]
+    """block -> a module computing the core from the block's own parameters (names relative to the block)."""
+    bias: Optional[str]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[[Any], nn.Module]
+    """cfg.model -> module with its parameters initialised (on the current default device)."""
+    init_weights: Callable[[nn.Module, Any, int], None]
+    """(module, cfg.model, seed) -> None: deterministic, layout-independent initialisation."""
+    apply_memory: Callable[[nn.Module, int], nn.Module]
+    """(module, memory level) -> module with activation recomputation applied."""
+    partition: Callable[[str], Partition]
+    """parameter name -> its hp partition (Megatron plan)."""
+    split: Callable[[nn.Module, list[int], bool, bool], nn.Module]
+    """(module, global layer ids, has embedding, has head) -> the module pruned to one pipeline stage."""
+    blocks: Callable[[nn.Module], list[nn.Module]]
+    """module -> its repeated blocks (units of data-parallel sharding)."""
+    parallelize: Callable[[nn.Module, Any, Any], nn.Module]
+    """(module, hp DeviceMesh, cfg.parallel) -> the module with tensor parallelism applied (in place)."""
+    units: tuple[EngineUnit, ...]
+    """the units of a block (blocks(module)[i].engine, when set, is called as engine(unit name, block, x))."""
+    block_inputs: Callable[[Any, int, int], tuple]
+    """(cfg.model, batch, seq) -> example inputs of a block (for exporting its units)."""
+    loss: Callable[..., torch.Tensor]
+    """(outputs, labels) -> summed loss over non-ignored labels."""
+    example_inputs: Callable[[Any, int, int], tuple]
+    """(cfg.model, batch, seq) -> positional example inputs for tracing/export."""
+    input_names: tuple[str, ...]
+    output_names: tuple[str, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+    set_attention: Optional[Callable[[nn.Module, str], None]] = None
+    """(module, "sdpa" | "math") -> None: the attention kernel (fused scaled-dot-product, or the reference math)."""
+
+
+_REGISTRY: dict[str, ModelSpec] = {}
+_plugins_loaded = False
+
+
+def register_model(name: str, spec: ModelSpec) -> None:
+    _REGISTRY[name] = spec
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if not _plugins_loaded:
+        _plugins_loaded = True
+        for ep in entry_points(group="orchestrator.models"):
+            ep.load()()
+
+
+def model_names() -> list[str]:
+    _load_plugins()
+    return sorted(_REGISTRY)
+
+
+def get_model(name: str) -> ModelSpec:
+    _load_plugins()
+    if name not in _REGISTRY:
+        raise KeyError(f"model.name={name!r} is not registered; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+

@@ -1,0 +1,303 @@
+"""The decoder-only transformer both model families are made of, shaped for every parallel layout.
+
+- Layers live in a ModuleDict keyed by their global index, so a pipeline stage that keeps layers 4..7 still names
+  them `layers.4...`: parameter names are the same in every layout (checkpoints reshard).
+- q, k, v are separate Linears and reshapes infer the head count (`view(B, T, -1, hd)`), so column-sharding them
+  across hp ranks needs no change to the forward; grouped-query attention repeats each key/value head for the
+  query heads it serves, a ratio that tensor parallelism leaves unchanged.
+- A stage that does not hold the embedding or the head has them set to None; forward skips what is absent.
+- Initialisation draws every parameter from a generator seeded by (seed, name): identical in every layout.
+- A block is two units, attention and MLP, each ending in a row-parallel projection: an engine may run a unit's
+  core (everything up to that projection's matmul, shard-local under tensor parallelism) itself.
+
+gpt.py and llama.py choose the pieces (positions, norm, MLP) and register the families.
+"""
+from __future__ import annotations
+
+import math
+import re
+import zlib
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from plugins.models.registry import EngineUnit, ModelSpec, Partition
+
+
+def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary position embedding of (B, heads, T, head_dim) at positions 0..T-1 (the rotate-half convention of
+    Hugging Face's Llama: its weights load unchanged). Angles in fp32, as Llama computes them."""
+    T, hd = x.shape[-2], x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, rope_theta: Optional[float] = None):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.group = n_heads // n_kv_heads      # query heads per key/value head (1: plain multi-head attention)
+        self.rope_theta = rope_theta
+        self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.kernel = "sdpa"  # sdpa | math, set by set_attention (triton.attention)
+
+    def mix(self, x):
+        """q/k/v projections and causal attention, heads concatenated: the input of the output projection."""
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.rope_theta is not None:
+            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+        if self.group > 1:  # each key/value head serves `group` query heads
+            k = k.unsqueeze(2).expand(-1, -1, self.group, -1, -1).flatten(1, 2)
+            v = v.unsqueeze(2).expand(-1, -1, self.group, -1, -1).flatten(1, 2)
+        if self.kernel == "math":  # the reference computation, written out (what SDPA's math backend does)
+            scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
+            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, T, -1)
+
+    def forward(self, x):
+        return self.wo(self.mix(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(ln1(x)), then + mlp(ln2(x)). The MLP has `hidden(x)` (everything before
+    its output projection) and `fc2` (the output projection)."""
+
+    def __init__(self, ln1: nn.Module, attn: Attention, ln2: nn.Module, mlp: nn.Module, dropout: float):
+        super().__init__()
+        self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
+        self.drop = nn.Dropout(dropout)
+        self.recompute = "none"  # none | layer | selective, set by apply_memory (an attribute keeps names stable)
+        self.engine = None  # callable (unit name, block, x) -> unit output, set by an engine other than torch
+
+    def _forward(self, x):
+        x = x + self.drop(self._unit("attention", x))
+        return x + self.drop(self._unit("mlp", x))
+
+    def _unit(self, name, x):
+        run = self.torch_unit if self.engine is None else (lambda n, h: self.engine(n, self, h))
+        if self.recompute == "selective" and torch.is_grad_enabled():
+            return checkpoint(run, name, x, use_reentrant=False)
+        return run(name, x)
+
+    def torch_unit(self, name, x):
+        return self.attn(self.ln1(x)) if name == "attention" else self.mlp(self.ln2(x))
+
+    def forward(self, x):
+        if self.recompute == "layer" and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
+
+
+class Decoder(nn.Module):
+    """Token embedding (+ learned positions when `wpe` is set), the blocks, a final norm and the vocabulary head."""
+
+    FIRST_STAGE = ("wte", "wpe")   # modules only the first pipeline stage keeps
+    LAST_STAGE = ("ln_f", "lm_head")
+
+    def __init__(self, cfg, block: Callable[[], Block], norm: Callable[[], nn.Module], learned_positions: bool):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned_positions else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): block() for i in range(cfg.n_layers)})
+        self.ln_f = norm()
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+
+    def forward(self, h):
+        """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output."""
+        if self.wte is not None:
+            x = self.wte(h)
+            if self.wpe is not None:
+                x = x + self.wpe(torch.arange(h.shape[1], device=h.device))
+            h = self.drop(x)
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.lm_head is not None:
+            h = self.lm_head(self.ln_f(h))
+        return h
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_weights(model: nn.Module, cfg, seed: int) -> None:
+    """GPT-2 initialisation (norm scales 1, biases 0, weights normal(init_std)); residual projections scaled by
+    1/sqrt(2 * n_layers)."""
+    resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            # a tied head is called lm_head.weight on a last pipeline stage without the embedding
+            canonical = "wte.weight" if cfg.tie_embeddings and name == "lm_head.weight" else name
+            g = torch.Generator().manual_seed(_name_seed(seed, canonical))
+            if name.endswith(".bias"):
+                value = torch.zeros(p.shape)
+            elif re.search(r"ln\w*\.weight$", name):
+                value = torch.ones(p.shape)
+            else:
+                std = resid_std if re.search(r"\.(wo|fc2)\.weight$", name) else cfg.init_std
+                value = torch.randn(p.shape, generator=g) * std
+            p.copy_(value.to(p.dtype))
+
+
+def apply_memory(model: nn.Module, level: int) -> nn.Module:
+    mode = {0: "none", 1: "layer", 2: "selective"}[level]
+    for layer in model.layers.values():
+        layer.recompute = mode
+    return model
+
+
+def set_attention(model: nn.Module, kernel: str) -> None:
+    for layer in model.layers.values():
+        layer.attn.kernel = kernel
+
+
+def split(model: Decoder, layers: list[int], first: bool, last: bool) -> Decoder:
+    """Prune to one pipeline stage; kept layers keep their global index, so names do not change."""
+    keep = {str(i) for i in layers}
+    for k in [k for k in model.layers if k not in keep]:
+        del model.layers[k]
+    for name in (() if first else model.FIRST_STAGE) + (() if last else model.LAST_STAGE):
+        setattr(model, name, None)
+    return model
+
+
+class AttentionCore(nn.Module):
+    """ln1, attention and the output projection's matmul without its bias: the attention unit's shard-local
+    compute (under tensor parallelism a partial sum; the bias is added after the reduction)."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.ln1, self.attn = block.ln1, block.attn
+
+    def forward(self, x):
+        return F.linear(self.attn.mix(self.ln1(x)), self.attn.wo.weight)
+
+
+class MLPCore(nn.Module):
+    """ln2, the MLP and its output projection's matmul without the bias: the MLP unit's shard-local compute."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.ln2, self.mlp = block.ln2, block.mlp
+
+    def forward(self, x):
+        return F.linear(self.mlp.hidden(self.ln2(x)), self.mlp.fc2.weight)
+
+
+UNITS = (EngineUnit("attention", AttentionCore, "attn.wo.bias"), EngineUnit("mlp", MLPCore, "mlp.fc2.bias"))
+
+COLWISE = ("wq", "wk", "wv", "fc1", "fc3")   # split by output features (heads, MLP hidden units)
+ROWWISE = ("wo", "fc2")                      # split by input features: their outputs are partial sums
+
+
+def block_inputs(cfg, batch: int, seq: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(batch, seq, cfg.d_model, generator=g),)
+
+
+def blocks(model: Decoder) -> list[nn.Module]:
+    """The repeated units (data-parallel wrapping, recomputation and compilation go per block)."""
+    return list(model.layers.values())
+
+
+def parallelize(model: Decoder, hp_mesh, parallel) -> Decoder:
+    """Megatron-style tensor parallel over hp_mesh (TorchTitan's plan).
+
+    q/k/v and MLP-in projections are column-parallel, attention-out and MLP-out row-parallel; the token embedding
+    is vocab-parallel (rows) and so is the head (its output columns), which keeps a tied pair on the same Shard(0)
+    layout. With sequence parallelism the residual stream between blocks is sharded along the sequence (entered at
+    the global first block, so the embeddings stay replicated); with loss parallelism the logits stay vocab-sharded
+    for loss_parallel()'s cross-entropy.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    sp, lp = parallel.sequence_parallel, parallel.loss_parallel
+    residual = Shard(1) if sp else Replicate()
+    plan = {}
+    if model.wte is not None:
+        plan["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    for i, layer in model.layers.items():
+        pre = f"layers.{i}."
+        for name, module in layer.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in COLWISE:
+                plan[pre + name] = ColwiseParallel()
+            elif leaf in ROWWISE:
+                plan[pre + name] = RowwiseParallel(output_layouts=residual)
+        if sp:
+            to_full = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            plan.update({pre + "ln1": SequenceParallel(), pre + "ln2": SequenceParallel(),
+                         pre + "attn": to_full, pre + "mlp": to_full})
+    if sp and "0" in model.layers:
+        plan["layers.0"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    if model.lm_head is not None:
+        if sp:
+            plan["ln_f"] = SequenceParallel()
+        plan["lm_head"] = ColwiseParallel(input_layouts=residual, output_layouts=Shard(-1) if lp else Replicate(),
+                                          use_local_output=not lp)
+    tied = model.wte is not None and model.lm_head is not None and model.lm_head.weight is model.wte.weight
+    parallelize_module(model, hp_mesh, plan)
+    if tied:  # parallelize_module replaces each module's weight and silently unties them
+        model.lm_head.weight = model.wte.weight
+    return model
+
+
+_COLWISE = re.compile(rf"\.({'|'.join(COLWISE)})\.(weight|bias)$")
+_ROWWISE = re.compile(rf"\.({'|'.join(ROWWISE)})\.weight$")
+_VOCAB = re.compile(r"^(wte|lm_head)\.weight$")
+
+
+def partition(name: str) -> Partition:
+    """Megatron's plan: q/k/v and MLP-in split by output (column), attention-out and MLP-out by input (row),
+    token embedding and head split by vocabulary rows; everything else replicated."""
+    if _COLWISE.search(name):
+        return Partition("colwise", 0)
+    if _ROWWISE.search(name):
+        return Partition("rowwise", 1)
+    if _VOCAB.search(name):
+        return Partition("vocab", 0)
+    return Partition("replicate", None)
+
+
+def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy over labels != -100 (the caller divides by the global label count,
+    which keeps the loss identical however the batch is split across microbatches and ranks)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                           ignore_index=-100, reduction="sum")
+
+
+def example_inputs(cfg, batch: int, seq: int) -> tuple:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randint(0, cfg.vocab_size, (batch, seq), generator=g),)
+
+
+def decoder_spec(build: Callable) -> ModelSpec:
+    """The registry entry of a family built from these pieces."""
+    return ModelSpec(
+        build=build, init_weights=init_weights, apply_memory=apply_memory, partition=partition, split=split,
+        blocks=blocks, parallelize=parallelize, units=UNITS, block_inputs=block_inputs, loss=loss,
+        example_inputs=example_inputs, input_names=("input_ids",), output_names=("logits",),
+        dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}},
+        set_attention=set_attention)

@@ -1,0 +1,198 @@
+"""The catalogue of bad inputs: every one is refused before anything starts, with the key, the value, the rule and a
+fix; legal but unwise settings run with a one-line warning in the plan. README "What gets refused, and how" lists
+the same cases (a test keeps them in step)."""
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+from hydra.errors import HydraException
+
+from orchestrator.config.errors import ConfigError, from_hydra
+from orchestrator.config.validate import validate, warnings
+from tests.conftest import ROOT, make_cfg, run_cli
+
+# (overrides, the key named, words of the rule or fix); {tmp} is a folder holding the files made by `corpus` below
+CATALOGUE = [
+    # types, names and options (Hydra's composition errors, in config terms)
+    (["parallel.dp=abc"], "parallel.dp", "must be an integer"),
+    (["dry_run=maybe"], "dry_run", "true or false"),
+    (["model=nonexistent"], "model", "not an option of the config group 'model'"),
+    (["precision=fp8"], "precision", "not an option of the config group 'precision'"),
+    (["model=model_schema"], "model", "the schema of the model options, not an option"),
+    (["+parallel.foo=1"], "parallel.foo", "has no key 'foo'"),
+    (["+foo=1"], "foo", "has no key 'foo'"),
+    (["+model.n_head=2"], "model.n_head", "did you mean model.n_heads?"),
+    (["precision.name=fp8"], "precision.name", "one of auto, fp32, bf16, fp16"),
+    (["trian.steps=4"], "trian.steps", "did you mean train?"),
+    (["cluster.partition=gpu"], "cluster.partition", "is a key of cluster=slurm"),
+    (["train.steps=4,8"], "train.steps", "-m train.steps=4,8"),
+    # ranges and choices
+    (["train.steps=0"], "train.steps", ">= 1"),
+    (["model.dropout=1.5"], "model.dropout", "between 0.0 and 0.95"),
+    (["memory.level=3"], "memory.level", "one of 0, 1, 2"),
+    (["engine.opset=18"], "engine.opset", "between 14 and 17"),
+    (["parallel.dp_mode=foo"], "parallel.dp_mode", "one of replicate, shard"),
+    (["parallel.pp_schedule=foo"], "parallel.pp_schedule", "one of gpipe"),
+    (["precision.init_scale=0.5"], "precision.init_scale", ">= 1.0"),
+    (["precision.growth_interval=0"], "precision.growth_interval", ">= 1"),
+    (["cache_verify=maybe"], "cache_verify", "one of hash, size"),
+    (["train.nonfinite=ignore"], "train.nonfinite", "one of stop, skip"),
+    (["cluster.heartbeat_timeout_s=1"], "cluster.heartbeat_timeout_s", ">= 5"),
+    (["optimizer.weight_decay=-1"], "optimizer.weight_decay", ">= 0.0"),
+    (["parallel.hp=0"], "parallel.hp", ">= 1"),
+    (["parallel.microbatches=0"], "parallel.microbatches", ">= 1"),
+    (["model.n_heads=0"], "model.n_heads", ">= 1"),
+    (["cluster=slurm", "cluster.nodes=0"], "cluster.nodes", ">= 1"),
+    # numbers that are not numbers
+    (["optimizer.lr=nan"], "optimizer.lr", "finite number"),
+    (["optimizer.lr=inf"], "optimizer.lr", "finite number"),
+    (["train.grad_clip=-inf"], "train.grad_clip", "finite number"),
+    (["optimizer.betas=[0.9,nan]"], "optimizer.betas", "finite number"),
+    (["optimizer.betas=[0.9,1.5]"], "optimizer.betas", "in [0, 1)"),
+    # the layout
+    (["parallel.hp=3"], "parallel.hp", "not divisible by parallel.hp=3"),
+    (["model.n_heads=5"], "model.n_heads", "divisible"),
+    (["model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp", "pad the vocabulary"),
+    (["model=llama_tiny", "model.n_kv_heads=3"], "model.n_kv_heads", "must be divisible by it"),
+    (["model=llama_tiny", "model.n_kv_heads=1", "parallel=megatron_hp2"], "parallel.hp",
+     "model.n_kv_heads=1 not divisible by parallel.hp=2"),
+    (["cluster.nprocs=3"], "cluster.nprocs", "one process per rank"),
+    (["parallel=pipeline_pp4_interleaved", "model.n_layers=12"], "parallel.pp_chunks", "pipeline stages"),
+    (["parallel=pipeline_pp2", "parallel.microbatches=1"], "parallel.microbatches", "at least 2 microbatches"),
+    (["parallel.pp=2", "parallel.microbatches=2", "parallel.pp_schedule=interleaved_1f1b"], "parallel.pp_chunks",
+     "pp_chunks >= 2"),
+    (["parallel.pp=4", "parallel.pp_chunks=2", "parallel.microbatches=2", "parallel.pp_schedule=zbv"],
+     "parallel.microbatches", "at least 4 microbatches"),
+    (["parallel.pp_chunks=2"], "parallel.pp_chunks", "need a pipeline"),
+    (["parallel.pp=2", "parallel.pp_chunks=1", "parallel.microbatches=2", "parallel.pp_schedule=zbv"],
+     "parallel.pp_chunks", "pp_chunks == 2"),
+    (["parallel.pp=2", "parallel.pp_chunks=2", "parallel.microbatches=2", "parallel.pp_schedule=1f1b"],
+     "parallel.pp_chunks", "pp_chunks == 1"),
+    (["parallel=pipeline_pp4_interleaved", "parallel.microbatches=9", "train.batch_size=18"],
+     "parallel.microbatches", "not a multiple of its 2 rounds"),
+    (["parallel.microbatches=3"], "train.batch_size", "divisible by 3"),
+    (["parallel=ddp2", "train.batch_size=15"], "train.batch_size", "divisible by 2"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "parallel.hp > 1"),
+    (["parallel=megatron_hp2", "parallel.sequence_parallel=true", "train.seq_len=63"], "train.seq_len", "split"),
+    (["parallel.loss_parallel=true"], "parallel.loss_parallel", "parallel.hp > 1"),
+    (["cluster=debug", "parallel=ddp2"], "cluster", "inside this process"),
+    (["cluster=slurm", "+cluster.time_min.eval=5"], "cluster.time_min.eval", "per stage"),
+    # model and training
+    (["train.seq_len=256"], "train.seq_len", "model.max_seq_len=128"),
+    (["model.vocab_size=200"], "model.vocab_size", "token ids up to 257"),
+    (["export.sample_seq=1000"], "export.sample_seq", "model.max_seq_len=128"),
+    (["model.d_model=65536", "model.n_layers=64"], "parallel", "exceeds the"),
+    (["train.init_from=/nonexistent"], "train.init_from", "complete checkpoint folder"),
+    (["train.profile=[5,3]"], "train.profile", "1 <= first <= last"),
+    (["train.init_from=hf:/nonexistent"], "train.init_from", "is not a folder"),
+    (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
+    # engine and precision
+    (["engine=ort", "triton=on"], "triton.enabled", "need a CUDA GPU"),
+    (["engine=ort", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",
+     "runs each unit"),
+    (["engine=ort", "precision=bf16"], "precision.name", "fp32 ONNX graph"),
+    (["engine=ort", "precision=fp16"], "precision.name", "no mixed precision"),
+    # data
+    (["data=text"], "data.paths", "needs files"),
+    (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths", "does not exist"),
+    (["data=text", "data.paths=[{tmp}/random.bin]"], "data.paths", "binary"),
+    (["data=text", "data.paths=[{tmp}/latin1.txt]"], "data.paths", "not UTF-8"),
+    (["data=text", "data.paths=[{tmp}/empty.txt]"], "data.paths", "empty"),
+    (["data=text", "data.paths=[{tmp}/no_text]"], "data.paths", "holds no"),
+    (["data=text", "data.paths=[{tmp}/short.txt]"], "data.paths", "needs train.seq_len+1"),
+    (["data.paths=[{tmp}/one.txt]"], "data.paths", "read by data=text only"),
+    (["data.max_bytes=10"], "data.max_bytes", "admits none"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.text_field=body"], "data.text_field", "has no field 'body'"),
+    (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
+    (["data.tokenizer=sentencepiece"], "data.tokenizer", "bytes, bpe or hf:<folder>"),
+    (["data.tokenizer=hf:{tmp}/no_text"], "data.tokenizer", "holds no tokenizer.json"),
+    (["data.tokenizer=bpe", "data.vocab_size=4096"], "model.vocab_size", "data.vocab_size=320"),
+    (["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", ">= 259"),
+    # where outputs go
+    (["cache_dir={tmp}/a_file/cache"], "cache_dir", "is a file, not a folder"),
+    (["runs_dir=/proc/orchestrator-runs"], "runs_dir", "no folder can be made"),
+    (["tracking.uri=sqlite:////proc/x/mlflow.db"], "tracking.uri", "cannot be created"),
+    (["tracking.uri=sqlite:///{tmp}/random.bin"], "tracking.uri", "cannot be read as an MLflow store"),
+    (["tracking.uri=http://127.0.0.1:9"], "tracking.uri", "no MLflow server answers"),
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("corpus")
+    (tmp / "random.bin").write_bytes(bytes(range(256)) * 64)
+    (tmp / "latin1.txt").write_bytes("café crème ".encode("latin-1") * 500)
+    (tmp / "empty.txt").write_text("")
+    (tmp / "no_text").mkdir()
+    (tmp / "short.txt").write_text("too short\n")
+    (tmp / "one.txt").write_text("a line of text\n" * 2000)
+    (tmp / "a_file").write_text("not a folder")
+    (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    return tmp
+
+
+def problems_of(overrides: list[str], runs: Path) -> list:
+    """Compose as the CLI does, then validate: the problems a user would be shown (none: accepted)."""
+    own_dirs = any(o.startswith(("runs_dir=", "cache_dir=")) for o in overrides)
+    try:
+        cfg = make_cfg(*overrides, runs_dir=None if own_dirs else runs)
+    except HydraException as e:
+        translated = from_hydra(e, tuple(overrides))
+        assert translated is not None, f"untranslated Hydra error: {e}"
+        return translated.problems
+    try:
+        validate(cfg, overrides)
+    except ConfigError as e:
+        return e.problems
+    return []
+
+
+def test_the_catalogue_has_sixty_cases_or_more():
+    assert len(CATALOGUE) >= 60
+
+
+@pytest.mark.parametrize("overrides,key,words", CATALOGUE, ids=[" ".join(c[0]) for c in CATALOGUE])
+def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_path):
+    overrides = [o.replace("{tmp}", str(corpus)) for o in overrides]
+    found = [p for p in problems_of(overrides, tmp_path / "runs") if p.key == key]
+    assert found, f"{overrides}: nothing reported for {key}"
+    p = found[0]
+    assert words in p.rule + " " + p.fix, str(p)
+    assert p.rule and p.fix and str(p.value) != "", str(p)
+    shown = str(ConfigError([p]))
+    assert f"x {key}=" in shown and "rule:" in shown and "fix:" in shown
+    assert not (tmp_path / "runs" / "cache").exists()
+
+
+@pytest.mark.parametrize("args,key", [
+    (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths"),
+    (["tracking.uri=http://127.0.0.1:9"], "tracking.uri"),
+    (["optimizer.lr=nan"], "optimizer.lr"),
+    (["-m", "data.max_bytes=16000000,10"], "data.max_bytes"),
+    (["-m", "optimizer.lr=1e-3,3e-4", "data=text", "data.paths=[/abs/dir]", "dry_run=true"], "data.paths"),
+])
+def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
+    """Through the real command (a sweep is checked point by point, data included, before any point runs)."""
+    result = run_cli(args, workdir, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert f"x {key}=" in result.stderr and "Traceback" not in result.stderr + result.stdout
+    assert not (workdir / "runs" / "cache").exists()
+
+
+def test_legal_but_unwise_settings_run_with_a_warning():
+    many = make_cfg("parallel=dp2_hp2_pp2")
+    notes = warnings(many)
+    if (os.cpu_count() or 1) < 8:
+        assert any("8 ranks (dp*hp*pp) on" in n and "share cores" in n for n in notes)
+    assert any("reduce-overhead" in n for n in warnings(make_cfg("triton=on", "triton.mode=reduce-overhead")))
+    assert warnings(make_cfg()) == []
+
+
+def test_readme_lists_every_case():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## What gets refused, and how\n", 1)[1].split("\n## ", 1)[0]
+    for overrides, key, _ in CATALOGUE:
+        assert re.search(re.escape(f"`{' '.join(overrides)}`"), section), overrides

@@ -1,0 +1,124 @@
+"""Hugging Face interop, checked by `transformers` itself: a tiny random GPT-2 and Llama (made and saved locally,
+no network) are imported with the logits of transformers' own forward, trained a few steps in dp2_hp2_pp2, and the
+aggregate's hf/ folder loads with AutoModelForCausalLM and gives the logits of our model."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.validate import validate
+from plugins import consolidate, hf
+from plugins.models import get_model
+from tests.conftest import make_cfg, run_cli
+
+import transformers  # noqa: E402  (the [hf] extra, part of .[dev])
+
+# the sizes of our gpt_tiny / llama_tiny options, as Hugging Face configs
+FAMILIES = {
+    "gpt": (["model=gpt_tiny", "model.activation=gelu_tanh"], lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=320, n_positions=128, n_embd=64, n_layer=8, n_head=4, n_inner=256,
+                                activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                bos_token_id=None, eos_token_id=None))),
+    "llama": (["model=llama_tiny"], lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=192, num_hidden_layers=8,
+                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                                 pad_token_id=None))),
+}
+IDS = torch.randint(0, 320, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+def saved(family: str, folder: Path) -> Path:
+    torch.manual_seed(1)
+    model = FAMILIES[family][1]().eval()
+    model.save_pretrained(folder)
+    return folder
+
+
+def ours(family: str, state: dict) -> torch.nn.Module:
+    cfg = make_cfg(*FAMILIES[family][0])
+    spec = get_model(cfg.model.name)
+    model = spec.build(cfg.model)
+    model.load_state_dict(state, strict=False)
+    if cfg.model.tie_embeddings:
+        model.lm_head.weight = model.wte.weight
+    missing = {n for n, _ in model.named_parameters()} - set(state) - ({"lm_head.weight"} if cfg.model.tie_embeddings
+                                                                        else set())
+    assert not missing, missing
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_import_gives_transformers_logits(family, tmp_path):
+    folder = saved(family, tmp_path / family)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = theirs(IDS).logits
+        got = ours(family, hf.load_state(folder))(IDS)
+    assert (got - want).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_round_trip_through_a_distributed_run(family, tmp_path):
+    """hf folder -> train.init_from=hf: -> 3 steps in dp2_hp2_pp2 -> aggregate's hf/ -> transformers."""
+    folder = saved(family, tmp_path / "in")
+    work = tmp_path / "work"
+    work.mkdir()
+    args = [*FAMILIES[family][0], "parallel=dp2_hp2_pp2", f"train.init_from=hf:{folder}", "train.steps=3",
+            "train.batch_size=8", "train.seq_len=32", "train.eval_every=0", "train.checkpoint_every=0",
+            "tracking=none"]
+    result = run_cli(args, work, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    aggregate = run_dir / "stages/aggregate/output"
+    assert json.loads((aggregate / "manifest.json").read_text())["hf"] == "hf/"
+    log = (run_dir / "stages/train/rank0.log").read_text()
+    assert "starting from the Hugging Face weights" in log
+
+    cfg = make_cfg(*FAMILIES[family][0])
+    trained = get_model(cfg.model.name).build(cfg.model)
+    consolidate.load(aggregate, trained)
+    trained.eval()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(aggregate / "hf").eval()
+    with torch.no_grad():
+        want, got = trained(IDS), loaded(IDS).logits
+        before = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()(IDS).logits
+    assert (got - want).abs().max().item() <= 1e-5
+    assert (want - before).abs().max().item() > 1e-4  # the weights did train
+
+
+def test_a_mismatched_model_is_refused_listing_the_fields(tmp_path):
+    folder = saved("llama", tmp_path / "llama")
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("model=llama_tiny", "model.n_layers=4", "model.d_ff=256", f"train.init_from=hf:{folder}"))
+    (p,) = [p for p in e.value.problems if p.key == "train.init_from"]
+    assert "model.n_layers: ours 4, theirs 8" in p.rule and "model.d_ff: ours 256, theirs 192" in p.rule
+    assert p.fix == "model.n_layers=8 model.d_ff=192"
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("model=gpt_tiny", f"train.init_from=hf:{folder}"))
+    (p,) = [p for p in e.value.problems if p.key == "train.init_from"]
+    assert "another model (llama)" in p.rule and p.fix.startswith("model=llama_tiny")
+
+
+def test_an_unsupported_architecture_is_named(tmp_path):
+    folder = tmp_path / "bert"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["BertForMaskedLM"], "model_type": "bert"}))
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(f"train.init_from=hf:{folder}"))
+    (p,) = [p for p in e.value.problems if p.key == "train.init_from"]
+    assert "BertForMaskedLM is not supported" in p.rule and "GPT2LMHeadModel, LlamaForCausalLM" in p.rule
+
+
+def test_models_that_hf_cannot_express_are_said_so(tmp_path):
+    cfg = make_cfg("model.activation=elu")
+    model = get_model("gpt").build(cfg.model)
+    note = hf.save_folder(tmp_path / "hf", model.state_dict(), cfg.model)
+    assert note == "GPT-2 has no activation 'elu'" and not (tmp_path / "hf").exists()
+    assert OmegaConf.select(cfg, "model.activation") == "elu"

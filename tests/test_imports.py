@@ -1,0 +1,127 @@
+"""The repository's import graph, read with `ast` (every import statement, at module level or inside a function):
+no module imports a module that imports it back, and imports point down the layers DESIGN.md gives."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+PACKAGES = ("orchestrator", "stages", "plugins", "hydra_plugins", "tests", "benchmarks")
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Dotted module name -> file, for every Python file of the repository's packages and scripts."""
+    found = {}
+    for top in PACKAGES:
+        for path in (root / top).rglob("*.py"):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    """The repository module an import of `name` loads (`a.b.func` -> `a.b`), or None for third-party names."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    modules = _modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        edges: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package, up level-1 packages
+                    parts = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" for a in node.names]
+            else:
+                continue
+            edges |= {t for t in (_resolve(x, modules) for x in targets) if t}
+        edges.discard(name)
+        graph[name] = edges
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan), each as a path that closes."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_sees_a_circle_through_a_function_level_import(tmp_path: Path):
+    (tmp_path / "orchestrator").mkdir()
+    (tmp_path / "orchestrator" / "__init__.py").write_text("")
+    (tmp_path / "orchestrator" / "a.py").write_text("from orchestrator.b import thing\n")
+    (tmp_path / "orchestrator" / "b.py").write_text("def thing():\n    from orchestrator import a\n")
+    (tmp_path / "orchestrator" / "c.py").write_text("from . import a\n")
+    graph = import_graph(tmp_path)
+    assert graph["orchestrator.c"] == {"orchestrator.a"}
+    assert cycles(graph) == [["orchestrator.a", "orchestrator.b"]]
+
+
+def test_no_import_cycles_in_the_repository():
+    assert cycles(import_graph()) == []
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    def top(m: str) -> str:
+        return m.split(".")[0]
+
+    bad = []
+    for m, targets in graph.items():
+        for t in targets:
+            if top(m) == "plugins" and top(t) in ("orchestrator", "stages"):
+                bad.append(f"{m} -> {t}: plugins import neither stages nor orchestrator")
+            if top(m) == "stages" and top(t) == "orchestrator":
+                bad.append(f"{m} -> {t}: stages do not import the orchestrator")
+            if top(m) == "stages" and top(t) == "stages" and m != "stages" and t not in ("stages", "stages.base"):
+                bad.append(f"{m} -> {t}: a stage never imports another stage (they meet through files)")
+            if m.startswith("orchestrator.config") and top(t) == "orchestrator" and not t.startswith("orchestrator.config"):
+                bad.append(f"{m} -> {t}: the config language imports nothing else of the orchestrator")
+            if m.startswith("orchestrator.cluster") and t in ("orchestrator.run", "orchestrator.sweep",
+                                                              "orchestrator.__main__"):
+                bad.append(f"{m} -> {t}: cluster modules are used by run and sweep, not the other way")
+    return bad
+
+
+def test_imports_point_down_the_layers():
+    assert _layer_violations(import_graph()) == []

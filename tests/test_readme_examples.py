@@ -1,0 +1,60 @@
+"""The README as a new user follows it: every command of "Using it" (on the tiny model, a few steps; the SLURM one
+as a dry run, which needs no SLURM) and every Python block, pasted as they are."""
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT, run_cli
+
+pytestmark = pytest.mark.e2e
+SHORT = ["train.steps=2", "train.batch_size=4", "train.seq_len=32", "train.eval_every=0", "train.checkpoint_every=0",
+         "tracking=none"]
+
+
+def _section(title: str) -> str:
+    return (ROOT / "README.md").read_text().split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def using_it_commands() -> list[list[str]]:
+    block = _section("Using it").split("```\n", 2)[1]
+    commands = []
+    for line in block.splitlines():
+        if line.startswith("python -m orchestrator"):
+            args = shlex.split(line.split("  #")[0])[3:]
+            commands.append(args)
+    return commands
+
+
+def python_blocks() -> list[str]:
+    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)]
+
+
+def test_the_readme_has_the_examples_this_test_runs():
+    assert len(using_it_commands()) >= 9 and len(python_blocks()) >= 3
+
+
+def test_every_using_it_command_and_python_block_works_as_pasted(workdir, tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "notes.txt").write_text("a line of text for the corpus\n" * 400)
+    outputs = {}
+    for args in using_it_commands():
+        args = [a.replace("/path/to/corpus", str(corpus)) for a in args if not a.startswith("train.steps=")]
+        extra = [] if "--cfg" in args else SHORT
+        result = run_cli([*args, *extra], workdir, timeout=600)
+        assert result.returncode == 0, f"{args}\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}"
+        found = re.search(r"^outputs: (\S+)", result.stdout, re.M)
+        if found and not args:
+            outputs["default"] = found.group(1)
+    run_dir = outputs["default"]
+    for block in python_blocks():
+        code = block.replace("runs/outputs/<date>/<time>", run_dir)
+        done = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0, f"{code}\n{done.stderr[-3000:]}"

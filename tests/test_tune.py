@@ -1,0 +1,44 @@
+"""tune=layout: every layout of the ranks tried for a few steps, ranked, the winner's command printed (and it runs);
+a second tune takes every trial from the cache."""
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from orchestrator.tune import candidates
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.e2e
+ARGS = ["tune=layout", "tune.world_size=2", "model=gpt_small", "tune.steps=5", "train.batch_size=8",
+        "train.seq_len=64", "tracking=none"]
+
+
+def test_candidates_cover_every_factorisation_and_dp_mode():
+    layouts = {(c["parallel.dp"], c["parallel.hp"], c["parallel.pp"], c["parallel.dp_mode"]) for c in candidates(4)}
+    assert layouts == {(4, 1, 1, "replicate"), (4, 1, 1, "shard"), (2, 2, 1, "replicate"), (2, 2, 1, "shard"),
+                       (2, 1, 2, "replicate"), (2, 1, 2, "shard"), (1, 4, 1, "replicate"), (1, 2, 2, "replicate"),
+                       (1, 1, 4, "replicate")}
+
+
+def test_tune_ranks_layouts_and_its_winner_runs(workdir):
+    first = run_cli(ARGS, workdir, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    record = json.loads(next((workdir / "runs" / "outputs").rglob("tune.json")).read_text())
+    assert len(record["ranking"]) == 4 and all(t["status"] == "ran" for t in record["trials"])
+    speeds = [next(t["tokens_per_s"] for t in record["trials"] if t["label"] == label) for label in record["ranking"]]
+    assert speeds == sorted(speeds, reverse=True)
+    assert (next((workdir / "runs" / "outputs").rglob("tune.png"))).stat().st_size > 1000
+    command = re.search(r"^(python -m orchestrator .*)$", first.stdout, re.M).group(1)
+    assert command == record["command"]
+
+    again = run_cli(ARGS, workdir, timeout=300)
+    assert again.returncode == 0
+    second = json.loads(sorted((workdir / "runs" / "outputs").rglob("tune.json"))[-1].read_text())
+    assert all(t["status"] == "cached" for t in second["trials"])
+
+    winner = run_cli([*shlex.split(command)[3:], "train.steps=2", "train.eval_every=0"], workdir, timeout=300)
+    assert winner.returncode == 0, winner.stdout[-2000:] + winner.stderr[-2000:]
