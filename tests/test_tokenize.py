@@ -109,3 +109,18 @@ def test_bpe_on_text_files_trains_and_its_hf_folder_generates(workdir, corpus):
     assert text.startswith("def ") and len(text) > len("def ")
     again = run_cli(args, workdir, timeout=300)
     assert re.search(r"tokenize\s+│ cached", again.stdout)
+
+
+def test_a_moved_corpus_keeps_its_split_and_its_cache_key(tmp_path, corpus):
+    """Files are split (and fingerprinted) by their names inside the folder given, not by where it lives."""
+    import shutil
+
+    from plugins.data.sources import _fingerprint_text
+
+    moved = tmp_path / "elsewhere" / "corpus"
+    shutil.copytree(corpus, moved)
+    here, there = (make_cfg("data=text", f"data.paths=[{c}]", "data.text_field=body", "data.packing=false")
+                   for c in (corpus, moved))
+    assert _fingerprint_text(here.data) == _fingerprint_text(there.data)
+    a, b = tokenized(here), tokenized(there)
+    assert len(a.val) == len(b.val) and all(np.array_equal(x, y) for x, y in zip(a.val, b.val))

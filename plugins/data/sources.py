@@ -137,16 +137,22 @@ def _fingerprint_stdlib(cfg) -> str:
 
 # -- text: the user's own files ---------------------------------------------------------------------------
 
+def _doc_name(entry: Path, f: Path) -> str:
+    """A file's name for the train / held-out split (a hash of it): its path inside the folder given, or its file
+    name, so the split does not change when the corpus moves."""
+    return f.relative_to(entry).as_posix() if entry.is_dir() else f.name
+
+
 def _text_files(cfg) -> list[tuple[str, Path]]:
     files = []
     for entry in cfg.paths:
         p = Path(entry).expanduser()
         if _is_glob(entry):
-            files.extend((m.as_posix(), m) for m in _glob(entry))
+            files.extend((m.name, m) for m in _glob(entry))
         elif p.is_dir():
-            files.extend((f.as_posix(), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"}))
+            files.extend((_doc_name(p, f), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"}))
         elif p.is_file():
-            files.append((p.as_posix(), p))
+            files.append((p.name, p))
         else:
             raise FileNotFoundError(f"data.paths entry {entry!r} does not exist")
     return files
@@ -166,25 +172,25 @@ def _check_text(cfg) -> list[tuple]:
         p = Path(entry).expanduser()
         if _is_glob(entry):
             matched = _glob(entry)
-            files.extend((m.as_posix(), m) for m in matched)
+            files.extend((m.name, m) for m in matched)
             if not matched:
                 problems.append(("data.paths", entry, "the pattern matches no file", "a pattern that matches files"))
             continue
         if not p.exists():
             problems.append(("data.paths", entry, "this path does not exist", "an existing file or folder of text"))
         elif p.is_dir():
-            found = [(f.as_posix(), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"})]
+            found = [(_doc_name(p, f), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"})]
             if not found:
                 problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
                                  "(folders are searched for those)", "a folder with text files, or the files"))
             files.extend(found)
         else:
-            files.append((p.as_posix(), p))
+            files.append((p.name, p))
     bad = []
     for name, path in files:
         why = _field_missing(path, d.text_field) if path.suffix in _RECORDS else _not_text(path)
         if why:
-            bad.append(f"{name}: {why}")
+            bad.append(f"{path}: {why}")
     if bad:
         key = "data.text_field" if any("has no field" in b for b in bad) else "data.paths"
         problems.append((key, d.text_field if key == "data.text_field" else list(d.paths), f"{len(bad)} file(s) cannot "
