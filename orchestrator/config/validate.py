@@ -40,12 +40,16 @@ def partition_plan(cfg: DictConfig) -> dict:
     return _PLANS[key]
 
 
-def memory_line(cfg: DictConfig) -> str:
-    """The plan's line on memory: the estimate per rank against what a rank may use."""
+def _memory(cfg: DictConfig):
+    """The estimate per rank, what a rank may use (0: unknown) and where that figure comes from."""
     from plugins.estimate import available_bytes, estimate
 
-    est = estimate(cfg, partition_plan(cfg))
-    avail, where = available_bytes(cfg)
+    return (estimate(cfg, partition_plan(cfg)), *available_bytes(cfg))
+
+
+def memory_line(cfg: DictConfig) -> str:
+    """The plan's line on memory: the estimate per rank against what a rank may use."""
+    est, avail, where = _memory(cfg)
     of = f" of {avail / 2**30:,.1f} GB ({where})" if avail else f" ({where})"
     return f"memory: {est.describe()}{of}"
 
@@ -90,10 +94,7 @@ def _duration(seconds: float) -> str:
 
 def _memory_problems(cfg: DictConfig) -> list[Problem]:
     """A layout whose estimated peak exceeds what a rank may use is refused, with the numbers and the fixes."""
-    from plugins.estimate import available_bytes, estimate
-
-    est = estimate(cfg, partition_plan(cfg))
-    avail, where = available_bytes(cfg)
+    est, avail, where = _memory(cfg)
     if not avail or est.total <= avail:
         return []
     p = cfg.parallel
