@@ -73,6 +73,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         return Report(run_dir)
     if not to_run:
         console.print("every stage is cached: nothing to run")
+    elif hasattr(executor, "prepare"):  # the local fork server imports torch while MLflow's runs are opened
+        executor.prepare(tracking=cfg.tracking.name == "mlflow")
 
     tags = {"orchestrator.run_dir": str(run_dir), **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
     tracking = Invocation(cfg, " ".join(overrides) or "default", tags) if cfg.tracking.name == "mlflow" else None
@@ -145,7 +147,7 @@ def _executor(cluster: DictConfig):
     if cluster.name == "debug":
         return DebugExecutor()
     if cluster.name == "local":
-        return LocalExecutor()
+        return LocalExecutor(fork=cluster.start_method == "forkserver")
     from orchestrator.cluster.slurm_submit import SlurmView
 
     return SlurmView(cluster)

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import copy
 
-import torch
-
-from plugins.models import get_model
+from plugins.models import build_on_meta, get_model
 
 
 def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[dict]:
@@ -28,8 +26,7 @@ def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[
 
 def build_plan(model_cfg, parallel_cfg) -> dict:
     spec = get_model(model_cfg.name)
-    with torch.device("meta"):
-        full = spec.build(model_cfg)
+    full = build_on_meta(spec, model_cfg)
     stages = pipeline_stages(model_cfg.n_layers, parallel_cfg.pp, parallel_cfg.pp_chunks, parallel_cfg.pp_schedule)
     holders: dict[str, list[int]] = {}
     for st in stages:

@@ -13,7 +13,7 @@ import onnx
 
 from plugins.engines.ort.graphs import OrtGraphError, build_gradient_graph, param_inputs, partition_for_hp
 from plugins.fsio import atomic_write_json, read_json
-from plugins.models import get_model
+from plugins.models import build_on_meta, get_model
 from plugins.onnx.passes import apply_passes
 from plugins.partition import build_plan
 from stages.base import Stage, StageContext
@@ -44,12 +44,10 @@ def _ort_units(ctx: StageContext, plan: dict) -> None:
     """For each unit of a block: the configured passes, the hp partition (shard-local parameter shapes,
     checked by running the graph), and the fw+bw graph ORT trains. A unit ORT cannot build is recorded
     as a fallback to torch (engine.fallback=torch) or fails the stage with ORT's message."""
-    import torch
 
     cfg = ctx.cfg
     spec = get_model(cfg.model.name)
-    with torch.device("meta"):
-        model = spec.build(cfg.model)
+    model = build_on_meta(spec, cfg.model)
     names = {id(m): n for n, m in model.named_modules()}
     prefix = names[id(spec.blocks(model)[0])] + "."
     x_shape = list(spec.block_inputs(cfg.model, 2, 8)[0].shape)

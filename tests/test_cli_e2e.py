@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -119,7 +120,7 @@ def test_sigkill_during_training_resumes_with_the_same_loss_curve(tmp_path):
         _wait_for(lambda: any(checkpoints.glob("*.work/scratch/checkpoints/step_0000020/manifest.json")), 300,
                   "the checkpoint of step 20")
         ranks = psutil.Process(proc.pid).children(recursive=True)
-        assert ranks, "the train stage runs in a child process"
+        assert any(p.name() == "train.rank0" for p in ranks), "the train stage runs in a process of its own"
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         gone, alive = psutil.wait_procs(ranks, timeout=15)
@@ -198,8 +199,7 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
         history = tmp_path / "runs" / "cache" / "train"
         _wait_for(lambda: any(len(p.read_text().splitlines()) >= 5 for p in history.glob("*.work/scratch/metrics.jsonl")),
                   300, "5 training steps")
-        rank1 = next(c for c in psutil.Process(proc.pid).children() if "orchestrator.worker" in " ".join(c.cmdline())
-                     and c.environ().get("RANK") == "1")
+        rank1 = next(c for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "train.rank1")
         t0 = time.monotonic()
         rank1.suspend()
         out, _ = proc.communicate(timeout=120)
@@ -229,3 +229,21 @@ def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
     assert any("waiting for another run of" in o and "to finish: its result will be used" in o for o in outs)
     _, runs = mlflow_runs(tmp_path)
     assert len([r for r in runs if r.data.tags.get("orchestrator.kind") == "invocation"]) == 2
+
+
+def test_forked_and_executed_ranks_train_alike(tmp_path):
+    """cluster.start_method: ranks forked from the preloaded server (the default) and ranks started as fresh
+    `python -m orchestrator.worker` processes give the same losses; the plan's command is the same either way."""
+    args = [*QUICK, "parallel=ddp2", "train.steps=4", "tracking=none"]
+    losses = {}
+    for method in ("forkserver", "exec"):
+        (tmp_path / method).mkdir()
+        result = run_cli([*args, f"cluster.start_method={method}"], tmp_path / method)
+        assert result.returncode == 0, result.stdout + result.stderr
+        run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+        rows = (run_dir / "stages/train/output/metrics.jsonl").read_text().splitlines()
+        losses[method] = [json.loads(row)["loss"] for row in rows]
+        plan = json.loads((run_dir / "plan.json").read_text())
+        train = next(s for s in plan if s["stage"] == "train")
+        assert train["command"].endswith(f"-m orchestrator.worker {run_dir}/stages/train/spec.json")
+    assert len(losses["exec"]) == 4 and losses["forkserver"] == losses["exec"]

@@ -2,7 +2,8 @@
 
 - debug: inside the orchestrator's process (one rank): breakpoints and tracebacks work directly.
 - local: `resources.tasks` worker processes on this machine with torchrun's environment (RANK,
-  WORLD_SIZE, MASTER_ADDR/PORT, ...). Rank 0's output is streamed to the terminal and its log; any
+  WORLD_SIZE, MASTER_ADDR/PORT, ...), forked from a server that has imported torch once
+  (orchestrator.cluster.fork_server; `cluster.start_method=exec`: a fresh `python -m orchestrator.worker` each). Rank 0's output is streamed to the terminal and its log; any
   rank's failure stops the others and is reported with its exit code or signal and its last log lines.
   Children die with the orchestrator (PR_SET_PDEATHSIG), so a killed run leaves no orphan ranks.
   Ctrl-C: the ranks run in their own session (a terminal's SIGINT reaches only the orchestrator), which passes
@@ -28,6 +29,7 @@ from typing import Optional
 
 import psutil
 
+from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, Outcome
 
 TAIL_LINES = 25
@@ -84,8 +86,8 @@ def describe_exit(code: int) -> str:
 class LocalExecutor:
     name = "local"
 
-    def __init__(self, poll_s: float = 0.1, grace_s: float = 5.0):
-        self.poll_s, self.grace_s = poll_s, grace_s
+    def __init__(self, poll_s: float = 0.1, grace_s: float = 5.0, fork: bool = True):
+        self.poll_s, self.grace_s, self.fork = poll_s, grace_s, fork
 
     def argv(self, launch: Launch) -> list[str]:
         return [sys.executable, "-m", "orchestrator.worker", str(launch.spec_path)]
@@ -98,6 +100,22 @@ class LocalExecutor:
     def describe(self, launch: Launch) -> str:
         n = launch.planned.resources.tasks
         return f"local, {n} process{'es' if n > 1 else ''}"
+
+    def prepare(self, tracking: bool) -> None:
+        """Start the fork server now, so that its imports overlap the orchestrator's own work."""
+        if self.fork:
+            fork_server.start(tracking)
+
+    def _start(self, launch: Launch, env: dict, out_fd: int):
+        """One rank, its stdout and stderr on out_fd (closed here once the rank holds it)."""
+        try:
+            if self.fork:
+                return fork_server.RankProcess(str(launch.spec_path), env, out_fd, f"{launch.planned.name}.rank"
+                                               f"{env['RANK']}", tracking=bool(launch.spec.get("tracking")))
+            return subprocess.Popen(self.argv(launch), env=env, stdout=out_fd, stderr=subprocess.STDOUT,
+                                    preexec_fn=_die_with_parent, start_new_session=True)
+        finally:
+            os.close(out_fd)
 
     def run(self, launch: Launch) -> Outcome:
         tasks = launch.planned.resources.tasks
@@ -118,17 +136,14 @@ class LocalExecutor:
                     env["OMP_NUM_THREADS"] = str(launch.spec.get("threads") or 1)
                 out_path = launch.log_dir / f"rank{rank}.out"
                 outputs.append(out_path)
-                if rank == 0:
-                    p = subprocess.Popen(self.argv(launch), env=env, stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, preexec_fn=_die_with_parent,
-                                         start_new_session=True)
-                    pump = threading.Thread(target=_pump, args=(p.stdout, out_path), daemon=True)
+                if rank == 0:  # streamed: the terminal and its log file
+                    read_end, write_end = os.pipe()
+                    p = self._start(launch, env, write_end)
+                    pump = threading.Thread(target=_pump, args=(os.fdopen(read_end, "rb"), out_path), daemon=True)
                     pump.start()
                     pumps.append(pump)
                 else:
-                    with open(out_path, "wb") as f:
-                        p = subprocess.Popen(self.argv(launch), env=env, stdout=f, stderr=subprocess.STDOUT,
-                                             preexec_fn=_die_with_parent, start_new_session=True)
+                    p = self._start(launch, env, os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666))
                 procs.append(p)
             try:
                 failure = self._wait(procs, launch.planned.resources.timeout_min * 60, t0,

@@ -187,6 +187,11 @@ class ClusterConfig:
                                        "2 s from a thread of its own) for this long is named and the stage stopped "
                                        "(frozen, stopped, swapped out); ranks waiting in a collective still beat",
                                    content=False, min=5)
+    start_method: str = key("forkserver", "local cluster: how stage processes start. forkserver: forked from one "
+                                          "process per run that has imported torch, the stages and MLflow once "
+                                          "(under 0.1 s each); exec: a fresh `python -m orchestrator.worker` each "
+                                          "(1-3 s of imports per process; for a library that misbehaves after fork)",
+                            choices=("forkserver", "exec"), content=False)
 
 
 STAGE_TIMES_MIN = {"export": 10, "transform": 10, "train": 60, "checkpoint": 10, "aggregate": 20}

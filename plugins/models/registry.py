@@ -90,3 +90,22 @@ def get_model(name: str) -> ModelSpec:
         raise KeyError(f"model.name={name!r} is not registered; known: {', '.join(sorted(_REGISTRY))}")
     return _REGISTRY[name]
 
+
+
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+          "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
+
+
+def build_on_meta(spec: ModelSpec, model_cfg) -> nn.Module:
+    """The model's structure without memory or values (names, shapes, ties), for plans. torch.nn.init is skipped
+    while it is built (the idea of transformers' no_init_weights): values of meta tensors mean nothing, and torch
+    runs each init of one through its Python reference kernels, importing TorchDynamo and sympy (~1 s at first)."""
+    saved = {name: getattr(nn.init, name) for name in _INITS}
+    try:
+        for name in _INITS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device("meta"):
+            return spec.build(model_cfg)
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
