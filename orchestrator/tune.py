@@ -1,7 +1,7 @@
 """`python -m orchestrator tune=layout tune.world_size=4`: which layout of these ranks trains this model fastest.
 
-Every (dp, hp, pp) of tune.world_size ranks, with both dp modes where dp > 1, a 1F1B pipeline (2 microbatches per
-stage) where pp > 1, and memory=level1 for a layout whose estimate does not fit without it, is checked like any run;
+Every (dp, hp, pp) of tune.world_size ranks, with both dp modes where dp > 1, each of tune.pp_schedules with each
+of tune.microbatches_per_stage where pp > 1 (1F1B with 2 microbatches per stage unless told), and memory=level1 for a layout whose estimate does not fit without it, is checked like any run;
 the valid ones train tune.steps steps each (tokenize, export and transform come from the cache; a trial stops after
 train), one after another here, or all submitted at once and followed together on SLURM. The table ranks them by
 tune.objective, tune.json and tune.png keep it, MLflow holds a tune run with every trial below it, and the last line
@@ -46,6 +46,8 @@ class Trial:
         text = f"dp{s['parallel.dp']} hp{s['parallel.hp']} pp{s['parallel.pp']}"
         if s["parallel.dp"] > 1:
             text += f" {s['parallel.dp_mode']}"
+        if s["parallel.pp"] > 1:
+            text += f" {s['parallel.pp_schedule']} m{s['parallel.microbatches']}"
         if s["memory.level"]:
             text += f" level{s['memory.level']}"
         return text
@@ -55,18 +57,25 @@ class Trial:
         return [f"{k}={v}" for k, v in self.settings.items()]
 
 
-def candidates(world: int) -> list[dict]:
-    """The layouts of `world` ranks: every dp*hp*pp factorisation, both dp modes, 1F1B for pipelines."""
+CHUNKED = {"interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv"}  # two model chunks per pipeline rank
+
+
+def candidates(world: int, schedules=("1f1b",), per_stage=(2,)) -> list[dict]:
+    """The layouts of `world` ranks: every dp*hp*pp factorisation, both dp modes, and for pipelines each schedule
+    with each number of microbatches per stage."""
     found = []
     for pp in range(1, world + 1):
         for hp in range(1, world // pp + 1):
             if world % (pp * hp):
                 continue
             dp = world // (pp * hp)
+            pipelines = [(s, 2 if s in CHUNKED else 1, m * pp) for s in schedules for m in per_stage] if pp > 1 \
+                else [("1f1b", 1, 1)]
             for mode in (("replicate", "shard") if dp > 1 else ("replicate",)):
-                found.append({"parallel.dp": dp, "parallel.hp": hp, "parallel.pp": pp, "parallel.dp_mode": mode,
-                              "parallel.pp_schedule": "1f1b", "parallel.pp_chunks": 1,
-                              "parallel.microbatches": 2 * pp if pp > 1 else 1, "memory.level": 0})
+                for schedule, chunks, microbatches in pipelines:
+                    found.append({"parallel.dp": dp, "parallel.hp": hp, "parallel.pp": pp, "parallel.dp_mode": mode,
+                                  "parallel.pp_schedule": schedule, "parallel.pp_chunks": chunks,
+                                  "parallel.microbatches": microbatches, "memory.level": 0})
     return found
 
 
@@ -108,7 +117,7 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
 def tune(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
     t0 = time.perf_counter()
     world = cfg.tune.world_size
-    trials = [Trial(s) for s in candidates(world)]
+    trials = [Trial(s) for s in candidates(world, cfg.tune.pp_schedules, cfg.tune.microbatches_per_stage)]
     console.print(f"tune: {len(trials)} layouts of {world} rank(s) for {cfg.model.name} "
                   f"({cfg.tune.steps} steps each, ranked by {cfg.tune.objective})", soft_wrap=True)
     parent = _start_tune_run(cfg, run_dir)

@@ -302,7 +302,7 @@ def train_step(layout: Layout, optimizers, batch, step: int, lr: float, s: StepS
         opt.zero_grad(set_to_none=True)
     probe.sample("post_step")
     row = {"step": step + 1, "loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr,
-           "tokens": batch.inputs.numel(), "step_time_s": time.perf_counter() - t0,
+           "tokens": batch.inputs.numel(), "step_time_s": time.perf_counter() - t0, "time": time.time(),
            "input_density": batch.input_density, "label_density": batch.label_density, **probe.metrics(),
            **scaler.metrics(), **({"skipped": not finite} if scaler.enabled or s.skip_nonfinite else {})}
     if layout.timeline is not None:

@@ -46,6 +46,8 @@ CATALOGUE = [
     (["parallel.microbatches=0"], "parallel.microbatches", ">= 1"),
     (["model.n_heads=0"], "model.n_heads", ">= 1"),
     (["cluster=slurm", "cluster.nodes=0"], "cluster.nodes", ">= 1"),
+    (["tune.pp_schedules=[1f1b,zb]"], "tune.pp_schedules", "must be a list of gpipe, 1f1b"),
+    (["tune.microbatches_per_stage=[2,0]"], "tune.microbatches_per_stage", "tune.microbatches_per_stage=[2]"),
     # numbers that are not numbers
     (["optimizer.lr=nan"], "optimizer.lr", "finite number"),
     (["optimizer.lr=inf"], "optimizer.lr", "finite number"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -273,5 +274,8 @@ def test_a_store_that_breaks_during_training_does_not_stop_it(tmp_path, monkeypa
     children = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.`mlflow.parentRunId` = '{parent}'")
     by_stage = {r.data.tags["orchestrator.stage"]: r for r in children}
     assert set(by_stage) == {"tokenize", "export", "transform", "train", "checkpoint", "aggregate"}
-    assert [m.step for m in client.get_metric_history(by_stage["train"].info.run_id, "loss")] == list(range(1, 13))
+    history = client.get_metric_history(by_stage["train"].info.run_id, "loss")
+    assert [m.step for m in history] == list(range(1, 13))
+    now_ms = time.time() * 1000  # each step keeps the time it was taken at, a moment ago
+    assert all(now_ms - 3_600_000 < m.timestamp <= now_ms for m in history), [m.timestamp for m in history]
     assert client.get_run(parent).data.tags["orchestrator.resynced_from"] == str((tmp_path / "broken").resolve())

@@ -24,6 +24,14 @@ def test_candidates_cover_every_factorisation_and_dp_mode():
                        (1, 1, 4, "replicate")}
 
 
+def test_candidates_try_each_schedule_and_microbatch_count_on_pipelines():
+    found = candidates(2, ["1f1b", "zbv"], [1, 4])
+    pipelines = {(c["parallel.pp_schedule"], c["parallel.pp_chunks"], c["parallel.microbatches"])
+                 for c in found if c["parallel.pp"] == 2}
+    assert pipelines == {("1f1b", 1, 2), ("1f1b", 1, 8), ("zbv", 2, 2), ("zbv", 2, 8)}
+    assert [c for c in found if c["parallel.pp"] == 1] == [c for c in candidates(2) if c["parallel.pp"] == 1]
+
+
 def test_tune_ranks_layouts_and_its_winner_runs(workdir):
     first = run_cli(ARGS, workdir, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -73,11 +73,14 @@ def _child(spec_path: str, env: dict, out_fd: int, title: str) -> None:
         os.dup2(out_fd, std)
     os.close(out_fd)
     for stream in (sys.stdout, sys.stderr):
-        stream.reconfigure(line_buffering=True, write_through=True)
+        if stream is not None:
+            stream.reconfigure(line_buffering=True, write_through=True)
     from orchestrator.worker import main
 
-    code = main([spec_path])
-    atexit._run_exitfuncs()  # a multiprocessing child ends with os._exit: run what `python -m` would at exit
+    try:
+        code = main([spec_path])
+    finally:
+        atexit._run_exitfuncs()  # a multiprocessing child ends with os._exit: run what `python -m` runs at exit
     sys.exit(code)
 
 

@@ -24,6 +24,9 @@ def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
     return field(default=default, metadata=meta)
 
 
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")
+
+
 @dataclass
 class ModelConfig:
     name: str = key("gpt", "model family: an entry of the model registry (plugins/models)")
@@ -62,8 +65,7 @@ class ParallelConfig:
     dp_mode: str = key("replicate", "replicate: DDP-like; shard: FSDP2, parameters/grads/optimizer state sharded",
                        choices=("replicate", "shard"))
     microbatches: int = key(1, "microbatches per step: gradient accumulation, and pipeline microbatches when pp > 1", min=1)
-    pp_schedule: str = key("1f1b", "pipeline schedule",
-                           choices=("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv"))
+    pp_schedule: str = key("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
     pp_chunks: int = key(1, "model chunks (virtual stages) per pipeline rank; interleaved/V schedules need >= 2", min=1)
     sequence_parallel: bool = key(False, "shard LayerNorm/dropout activations along the sequence across hp ranks")
     loss_parallel: bool = key(False, "vocab-parallel cross-entropy: logits stay sharded across hp ranks")
@@ -234,6 +236,12 @@ class TuneConfig:
     world_size: int = key(1, "tune=layout: the ranks to lay out (dp*hp*pp)", min=1, content=False)
     steps: int = key(5, "tune=layout: timed training steps per layout (the first steps of a run are warm-up)", min=4,
                      content=False)
+    pp_schedules: List[str] = key(["1f1b"], "tune=layout: the pipeline schedules tried for each layout with pp > 1 "
+                                            "(interleaved_1f1b, looped_bfs, interleaved_zb and zbv with 2 model "
+                                            "chunks per rank)", content=False, choices=PP_SCHEDULES)
+    microbatches_per_stage: List[int] = key([2], "tune=layout: pipeline microbatches per stage tried for each "
+                                                 "layout with pp > 1 (parallel.microbatches = this x pp; more: a "
+                                                 "smaller bubble, smaller matmuls)", content=False, min=1)
     objective: str = key("tokens_per_s", "tune=layout: what ranks the layouts: tokens_per_s (fastest first) or memory "
                                          "(smallest peak per rank first)", choices=("tokens_per_s", "memory"),
                          content=False)

@@ -168,23 +168,32 @@ def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
 
 def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
     meta = f.metadata
-    numbers = list(value) if isinstance(value, (list, ListConfig)) else [value]
-    if any(isinstance(v, float) and not math.isfinite(v) for v in numbers):
+    is_list = isinstance(value, (list, ListConfig))
+    items = list(value) if is_list else [value]
+    if any(isinstance(v, float) and not math.isfinite(v) for v in items):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={default}")]
-    if meta.get("choices") and value not in meta["choices"]:
-        return [Problem(full, value, f"{full} must be one of {', '.join(map(str, meta['choices']))} ({meta['help']})",
-                        f"{full}={meta['choices'][0]}")]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        lo, hi = meta.get("min"), meta.get("max")
-        if (lo is not None and value < lo) or (hi is not None and value > hi):
+    choices = meta.get("choices")
+    if choices and any(v not in choices for v in items):
+        return [Problem(full, value, f"{full} must be {'a list of' if is_list else 'one of'} "
+                        f"{', '.join(map(str, choices))} ({meta['help']})",
+                        f"{full}=[{choices[0]}]" if is_list else f"{full}={choices[0]}")]
+    lo, hi = meta.get("min"), meta.get("max")
+    for item in items:
+        if not isinstance(item, (int, float)) or isinstance(item, bool):
+            continue
+        if (lo is not None and item < lo) or (hi is not None and item > hi):
             span = f"between {lo} and {hi}" if lo is not None and hi is not None else \
                 f">= {lo}" if lo is not None else f"<= {hi}"
+            if is_list:
+                kept = [v for v in items if (lo is None or v >= lo) and (hi is None or v <= hi)]
+                return [Problem(full, value, f"every item of {full} must be {span} ({meta['help']})",
+                                f"{full}={kept or [lo if lo is not None else hi]}")]
             default = f.default if f.default is not dataclasses.MISSING else None
             in_range = isinstance(default, (int, float)) and (lo is None or default >= lo) and \
                 (hi is None or default <= hi) and default != 0
             return [Problem(full, value, f"{full} must be {span} ({meta['help']})",
-                            f"{full}={default if in_range else lo if lo is not None and value < lo else hi}")]
+                            f"{full}={default if in_range else lo if lo is not None and item < lo else hi}")]
     return []
 
 
