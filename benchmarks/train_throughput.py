@@ -27,12 +27,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.cli import arguments  # noqa: E402
 
+from orchestrator.config.resolve import resolve_auto  # noqa: E402
 from orchestrator.tracking import Invocation, MlflowStageTracker  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
 from plugins.fsio import atomic_write_json  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from plugins.partition import build_plan  # noqa: E402
 from stages.base import StageContext  # noqa: E402
+from stages.tokenize import tokenize  # noqa: E402
 from stages.train import train  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
@@ -46,27 +48,33 @@ def step_seconds(stamps: list[float], evaluated: frozenset = frozenset()) -> tup
     return statistics.median(deltas), statistics.mean(deltas)
 
 
-def orchestrator_round(cfg, workdir: Path, invocation: Invocation) -> tuple[float, float]:
-    transform = workdir / "transform"
-    transform.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(transform / "partition_plan.json", build_plan(cfg.model, cfg.parallel))
+def stage_inputs(cfg, workdir: Path) -> dict[str, Path]:
+    """What the train stage reads: the tokenize stage's shards and the transform stage's partition plan."""
+    inputs = {"tokenize": workdir / "tokenize", "transform": workdir / "transform"}
+    for folder in inputs.values():
+        folder.mkdir(parents=True, exist_ok=True)
+    tokenize(StageContext(cfg=cfg, inputs={}, out=inputs["tokenize"], scratch=workdir, key="bench"))
+    atomic_write_json(inputs["transform"] / "partition_plan.json", build_plan(cfg.model, cfg.parallel))
+    return inputs
+
+
+def orchestrator_round(cfg, workdir: Path, inputs: dict[str, Path], invocation: Invocation) -> tuple[float, float]:
     out, scratch = Path(tempfile.mkdtemp(dir=workdir)), Path(tempfile.mkdtemp(dir=workdir))
     run_id = invocation.start_stage("train", "bench", {}, {})
     tracker = MlflowStageTracker(invocation.uri, run_id, 200)
-    train(StageContext(cfg=cfg, inputs={"transform": transform}, out=out, scratch=scratch, key="bench",
-                       tracker=tracker))
+    train(StageContext(cfg=cfg, inputs=inputs, out=out, scratch=scratch, key="bench", tracker=tracker))
     tracker.flush()
     invocation.end_run(run_id, "FINISHED")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return step_seconds([r["time"] for r in rows], frozenset(i for i, r in enumerate(rows) if "eval_loss" in r))
 
 
-def handwritten_round(cfg) -> tuple[float, float]:
+def handwritten_round(cfg, inputs: dict[str, Path]) -> tuple[float, float]:
     spec = get_model(cfg.model.name)
     model = spec.build(cfg.model)
     spec.init_weights(model, cfg.model, cfg.train.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optimizer.lr, fused=True)
-    batcher = build_batcher(cfg)
+    batcher = build_batcher(cfg, inputs["tokenize"] / "tokens")  # the same shards as the stage
     stamps = []
     for step in range(cfg.train.steps):
         batch = batcher.train_batch(step)
@@ -88,16 +96,18 @@ def main(argv: list[str]) -> None:
         workdir = Path(tmp)
         cfg = make_cfg(f"model={model}", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0",
                        runs_dir=workdir / "runs")
+        resolve_auto(cfg)  # precision=auto -> this machine's choice, as the orchestrator does before a run
         invocation = Invocation(cfg, "benchmark", {})
+        inputs = stage_inputs(cfg, workdir)
         print(f"{model}, batch {cfg.train.batch_size} x {cfg.train.seq_len} tokens, {steps} steps "
               f"({WARMUP} warm-up), {threads} threads, {rounds} alternating rounds")
         tokens = cfg.train.batch_size * cfg.train.seq_len
         by_median, by_mean = [], []
         for r in range(rounds):
             first_orch = r % 2 == 0  # alternate the order to cancel drift
-            a = orchestrator_round(cfg, workdir, invocation) if first_orch else None
-            b = handwritten_round(cfg)
-            a = a if first_orch else orchestrator_round(cfg, workdir, invocation)
+            a = orchestrator_round(cfg, workdir, inputs, invocation) if first_orch else None
+            b = handwritten_round(cfg, inputs)
+            a = a if first_orch else orchestrator_round(cfg, workdir, inputs, invocation)
             by_median.append(b[0] / a[0])
             by_mean.append(b[1] / a[1])
             print(f"round {r + 1:2d}: orchestrator {tokens / a[0]:,.0f} tok/s | hand-written {tokens / b[0]:,.0f} tok/s"
