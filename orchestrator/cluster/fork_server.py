@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 from multiprocessing import reduction
 from typing import Optional
 
@@ -29,15 +30,17 @@ PRELOAD = ["torch", "torch.distributed", "orchestrator.worker", "stages.tokenize
 TRACKING_PRELOAD = ["mlflow"]
 
 _context: Optional[multiprocessing.context.BaseContext] = None
+_lock = threading.Lock()  # sweep points may start stages from several threads (sweep.parallelism)
 
 
 def context(tracking: bool) -> multiprocessing.context.BaseContext:
     """The forkserver context, its server preloading PRELOAD (+ MLflow when tracking); started on first use."""
     global _context
-    if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD + (TRACKING_PRELOAD if tracking else []))
-    return _context
+    with _lock:
+        if _context is None:
+            _context = multiprocessing.get_context("forkserver")
+            _context.set_forkserver_preload(PRELOAD + (TRACKING_PRELOAD if tracking else []))
+        return _context
 
 
 def start(tracking: bool) -> None:
