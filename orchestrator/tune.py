@@ -1,8 +1,8 @@
 """`python -m orchestrator tune=layout tune.world_size=4`: which layout of these ranks trains this model fastest.
 
 Every (dp, hp, pp) of tune.world_size ranks, with both dp modes where dp > 1, each of tune.pp_schedules with each
-of tune.microbatches_per_stage where pp > 1 (1F1B with 2 microbatches per stage unless told), and memory=level1 for a layout whose estimate does not fit without it, is checked like any run;
-the valid ones train tune.steps steps each (tokenize, export and transform come from the cache; a trial stops after
+of tune.microbatches_per_stage where pp > 1 (1F1B with 2 microbatches per stage unless told), and memory=level1 for
+a layout whose estimate does not fit without it, is checked like any run; the valid ones train tune.steps steps each (tokenize, export and transform come from the cache; a trial stops after
 train), one after another here, or all submitted at once and followed together on SLURM. The table ranks them by
 tune.objective, tune.json and tune.png keep it, MLflow holds a tune run with every trial below it, and the last line
 is the command that trains with the winner. A trial is an ordinary cached stage: a second tune of the same model
@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 
 from orchestrator.cache import Cache
 from orchestrator.config.errors import ConfigError
-from orchestrator.config.validate import validate
+from orchestrator.config.validate import SCHEDULES, validate
 from orchestrator.report import console, styled
 from orchestrator.run import orchestrate
 from plugins.fsio import atomic_write_json, read_json
@@ -57,7 +57,7 @@ class Trial:
         return [f"{k}={v}" for k, v in self.settings.items()]
 
 
-CHUNKED = {"interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv"}  # two model chunks per pipeline rank
+CHUNKED = {name for name, (chunks, _) in SCHEDULES.items() if chunks != "== 1"}  # given two model chunks per rank
 
 
 def candidates(world: int, schedules=("1f1b",), per_stage=(2,)) -> list[dict]:

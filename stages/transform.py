@@ -44,7 +44,6 @@ def _ort_units(ctx: StageContext, plan: dict) -> None:
     """For each unit of a block: the configured passes, the hp partition (shard-local parameter shapes,
     checked by running the graph), and the fw+bw graph ORT trains. A unit ORT cannot build is recorded
     as a fallback to torch (engine.fallback=torch) or fails the stage with ORT's message."""
-
     cfg = ctx.cfg
     spec = get_model(cfg.model.name)
     model = build_on_meta(spec, cfg.model)

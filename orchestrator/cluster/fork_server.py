@@ -24,9 +24,10 @@ import threading
 from multiprocessing import reduction
 from typing import Optional
 
+from stages import ORDER
+
 # What every rank would import anyway. MLflow only when the run tracks (a stage imports it only then).
-PRELOAD = ["torch", "torch.distributed", "orchestrator.worker", "stages.tokenize", "stages.export",
-           "stages.transform", "stages.train", "stages.checkpoint", "stages.aggregate"]
+PRELOAD = ["torch", "torch.distributed", "orchestrator.worker", *(f"stages.{name}" for name in ORDER)]
 TRACKING_PRELOAD = ["mlflow"]
 
 _context: Optional[multiprocessing.context.BaseContext] = None

@@ -3,8 +3,9 @@
 - debug: inside the orchestrator's process (one rank): breakpoints and tracebacks work directly.
 - local: `resources.tasks` worker processes on this machine with torchrun's environment (RANK,
   WORLD_SIZE, MASTER_ADDR/PORT, ...), forked from a server that has imported torch once
-  (orchestrator.cluster.fork_server; `cluster.start_method=exec`: a fresh `python -m orchestrator.worker` each). Rank 0's output is streamed to the terminal and its log; any
-  rank's failure stops the others and is reported with its exit code or signal and its last log lines.
+  (orchestrator.cluster.fork_server; `cluster.start_method=exec`: a fresh `python -m orchestrator.worker` each).
+  Rank 0's output is streamed to the terminal and its log; any rank's failure stops the others and is reported
+  with its exit code or signal and its last log lines.
   Children die with the orchestrator (PR_SET_PDEATHSIG), so a killed run leaves no orphan ranks.
   Ctrl-C: the ranks run in their own session (a terminal's SIGINT reaches only the orchestrator), which passes
   one SIGINT on: the train stage saves a checkpoint at the step it is on and exits (130); a second Ctrl-C

@@ -91,7 +91,6 @@ def get_model(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
-
 _INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
           "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
 
