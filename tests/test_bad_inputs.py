@@ -41,6 +41,7 @@ CATALOGUE = [
     (["cache_verify=maybe"], "cache_verify", "one of hash, size"),
     (["train.nonfinite=ignore"], "train.nonfinite", "one of stop, skip"),
     (["cluster.heartbeat_timeout_s=1"], "cluster.heartbeat_timeout_s", ">= 5"),
+    (["cluster.start_method=spawn"], "cluster.start_method", "one of forkserver, exec"),
     (["optimizer.weight_decay=-1"], "optimizer.weight_decay", ">= 0.0"),
     (["parallel.hp=0"], "parallel.hp", ">= 1"),
     (["parallel.microbatches=0"], "parallel.microbatches", ">= 1"),
