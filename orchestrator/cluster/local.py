@@ -84,6 +84,14 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+def _root_cause(first_seen: list[tuple[int, int]], codes: list[Optional[int]]) -> tuple[int, int]:
+    """The failure to report: a rank killed by a signal (OOM killer, kill -9, a crash) before the others, since
+    its peers then fail in their next collective ("Connection reset by peer") and may be seen first; otherwise
+    the first failure seen."""
+    signalled = [(rank, code) for rank, code in enumerate(codes) if code is not None and code < 0]
+    return signalled[0] if signalled else first_seen[0]
+
+
 class LocalExecutor:
     name = "local"
 
@@ -182,10 +190,10 @@ class LocalExecutor:
             codes = [p.poll() for p in procs]
             failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
                 deadline = time.monotonic() + self.grace_s  # let the others report, then stop them
                 while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                     time.sleep(self.poll_s)
+                rank, code = _root_cause(failed, [p.poll() for p in procs])
                 _kill(procs)
                 return rank, describe_exit(code)
             if all(c == 0 for c in codes):
