@@ -73,7 +73,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         return Report(run_dir)
     if not to_run:
         console.print("every stage is cached: nothing to run")
-    elif hasattr(executor, "prepare"):  # the local fork server imports torch while MLflow's runs are opened
+    else:  # e.g. the local fork server imports torch while MLflow's runs are opened
         executor.prepare(tracking=cfg.tracking.name == "mlflow")
 
     tags = {"orchestrator.run_dir": str(run_dir), **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}

@@ -45,6 +45,9 @@ class DebugExecutor:
     def command(self, launch: Launch) -> str:
         return f"orchestrator.worker.execute({launch.spec_path}) in this process"
 
+    def prepare(self, tracking: bool) -> None:
+        """Nothing to start ahead: the stages run in this process."""
+
     def run(self, launch: Launch) -> Outcome:
         from orchestrator.worker import execute
 
