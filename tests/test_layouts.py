@@ -313,7 +313,7 @@ def test_ort_losses_match_torch(runs, ort_runs, layout):
 def test_ort_gradients_match_torch(ort_runs, layout):
     transform = (ort_runs[layout] / "stages/transform/output").resolve()
     world = read_json(transform / "partition_plan.json")["layout"]["world_size"]
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world}",
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                              str(ROOT / "tests" / "grad_parity_rank.py"), str(transform),
                              *COMMON, "engine=ort", *LAYOUTS[layout]],
                             capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
