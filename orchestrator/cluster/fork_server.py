@@ -66,10 +66,27 @@ def _received(dup) -> int:
     return dup.detach()
 
 
+def _release_the_server() -> None:
+    """Close this child's copy of the server's "alive" pipe. multiprocessing hands every forked child the write
+    end (so that it could start processes of its own), and the server exits only at EOF, once no process holds
+    it: with ranks holding it, a SIGKILLed orchestrator left the server and so the ranks (whose parent it is)
+    running until rank 0's next print hit the closed pipe of its output."""
+    from multiprocessing import forkserver
+
+    fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+
+
 def _child(spec_path: str, env: dict, out_fd: int, title: str) -> None:
+    server = os.getppid()
     os.setsid()
+    _release_the_server()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server, which ends with the orchestrator
+    if os.getppid() != server:  # the server ended before the line above: no signal will come
+        os._exit(1)
     libc.prctl(15, title.encode()[:15])  # PR_SET_NAME: ps and top show e.g. "train.rank1", not the server's name
     os.environ.clear()
     os.environ.update(env)
