@@ -2,11 +2,12 @@
 
 Every (dp, hp, pp) of tune.world_size ranks, with both dp modes where dp > 1, each of tune.pp_schedules with each
 of tune.microbatches_per_stage where pp > 1 (1F1B with 2 microbatches per stage unless told), and memory=level1 for
-a layout whose estimate does not fit without it, is checked like any run; the valid ones train tune.steps steps each (tokenize, export and transform come from the cache; a trial stops after
-train), one after another here, or all submitted at once and followed together on SLURM. The table ranks them by
-tune.objective, tune.json and tune.png keep it, MLflow holds a tune run with every trial below it, and the last line
-is the command that trains with the winner. A trial is an ordinary cached stage: a second tune of the same model
-takes every trial from the cache.
+a layout whose estimate does not fit without it, is checked like any run; the valid ones train tune.steps steps
+each (tokenize, export and transform come from the cache; a trial stops after train), one after another here, or
+all submitted at once and followed together on SLURM. The table ranks them by tune.objective, tune.json and
+tune.png keep it, MLflow holds a tune run with every trial below it, and the last line is the command that trains
+with the winner. A trial is an ordinary cached stage: a second tune of the same model takes every trial from the
+cache.
 """
 from __future__ import annotations
 
