@@ -154,35 +154,6 @@ def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, workdir):
     assert_close(losses, [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][5:], "plain continuation")
 
 
-class _ExitsAt:
-    """A stand-in rank that exits with `code` on its `polls`-th poll."""
-
-    def __init__(self, code, polls):
-        self.code, self.polls = code, polls
-
-    def poll(self):
-        self.polls -= 1
-        return self.code if self.polls <= 0 else None
-
-    def kill(self):
-        if self.polls > 0:
-            self.code, self.polls = -signal.SIGKILL, 0
-
-    def wait(self, timeout=None):
-        return self.code
-
-
-def test_a_rank_killed_by_a_signal_is_named_even_when_its_peer_is_seen_failing_first():
-    from orchestrator.cluster.local import LocalExecutor
-
-    executor = LocalExecutor(poll_s=0.001, grace_s=1.0)
-    # rank 0 fails in its next collective ("Connection reset by peer") and is polled first; rank 1 was SIGKILLed
-    failure = executor._wait([_ExitsAt(1, polls=1), _ExitsAt(-signal.SIGKILL, polls=3)], 60, time.perf_counter())
-    assert failure == (1, "killed by signal SIGKILL")
-    # without a signal, the first failure seen is the one named
-    assert executor._wait([_ExitsAt(0, 5), _ExitsAt(3, 1)], 60, time.perf_counter()) == (1, "exit code 3")
-
-
 def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
     args = [*COMMON, "parallel=ddp2", "train.steps=80", "train.checkpoint_every=10", "train.eval_every=40"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}

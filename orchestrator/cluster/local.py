@@ -87,12 +87,10 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
-def _root_cause(first_seen: list[tuple[int, int]], codes: list[Optional[int]]) -> tuple[int, int]:
-    """The failure to report: a rank killed by a signal (OOM killer, kill -9, a crash) before the others, since
-    its peers then fail in their next collective ("Connection reset by peer") and may be seen first; otherwise
-    the first failure seen."""
-    signalled = [(rank, code) for rank, code in enumerate(codes) if code is not None and code < 0]
-    return signalled[0] if signalled else first_seen[0]
+def _root_cause(first_seen: tuple[int, int], codes: list[Optional[int]]) -> tuple[int, int]:
+    """The (rank, exit code) to report: a rank killed by a signal (OOM killer, kill -9, a crash), since its peers
+    then fail in their next collective ("Connection reset by peer") and may be seen first; else first_seen."""
+    return next(((rank, code) for rank, code in enumerate(codes) if code is not None and code < 0), first_seen)
 
 
 class LocalExecutor:
@@ -196,7 +194,7 @@ class LocalExecutor:
                 deadline = time.monotonic() + self.grace_s  # let the others report, then stop them
                 while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                     time.sleep(self.poll_s)
-                rank, code = _root_cause(failed, [p.poll() for p in procs])
+                rank, code = _root_cause(failed[0], [p.poll() for p in procs])
                 _kill(procs)
                 return rank, describe_exit(code)
             if all(c == 0 for c in codes):
