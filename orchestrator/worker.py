@@ -11,11 +11,13 @@ import datetime
 import json
 import logging
 import os
+import select
 import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -29,6 +31,7 @@ from stages.base import StageContext
 LOG_FORMAT = "%(asctime)s [%(name)s] %(levelname)s %(message)s"
 INTERRUPTED = 130  # the exit status of a stage stopped by Ctrl-C (as a shell reports SIGINT)
 FAULT_ENV = "ORCHESTRATOR_FAIL_STAGE"  # a stage name: that stage fails at its start (to rehearse recovery)
+ORCHESTRATOR_PID_ENV = "ORCHESTRATOR_PID"  # set by the local executor: the process the rank serves
 
 
 def stage_logger(name: str, log_dir: Path, rank: int, console: bool) -> logging.Logger:
@@ -62,15 +65,43 @@ def heartbeat_path(log_dir: Path, rank: int) -> Path:
     return Path(log_dir) / f"rank{rank}.heartbeat"
 
 
-def _beat(path: Path) -> None:
+def _beat(path: Path, orchestrator: Optional[int] = None) -> None:
     """Touch the heartbeat file for as long as the process lives: a rank blocked in a collective still beats; a
-    frozen, stopped or dead one does not (the local executor names it)."""
+    frozen, stopped or dead one does not (the local executor names it).
+
+    And end this rank once the orchestrator process that started it is gone. PR_SET_PDEATHSIG ties a rank to its
+    parent, which for a forked rank is the fork server, not the orchestrator: that link rests on the server seeing
+    the orchestrator go (fork_server._release_the_server). Watching the orchestrator itself does not."""
+    gone = _exit_watch(orchestrator)
     while True:
         try:
             path.touch()
         except OSError:
             pass
-        time.sleep(HEARTBEAT_S)
+        if gone is None:
+            time.sleep(HEARTBEAT_S)
+        elif select.select([gone], [], [], HEARTBEAT_S)[0]:  # a pidfd is readable once its process has exited
+            _end_orphan(orchestrator)
+
+
+def _exit_watch(pid: Optional[int]) -> Optional[int]:
+    """A pidfd of `pid` (None: nothing to watch, or a kernel without pidfd_open: PDEATHSIG alone then)."""
+    if pid is None:
+        return None
+    try:
+        return os.pidfd_open(pid)
+    except ProcessLookupError:  # already gone
+        _end_orphan(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _end_orphan(orchestrator: int) -> None:
+    try:
+        os.write(2, f"orchestrator (pid {orchestrator}) is gone: this rank ends\n".encode())
+    except OSError:  # its output was the orchestrator's pipe
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)  # as PR_SET_PDEATHSIG would: nothing is left to report to
 
 
 def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
@@ -80,7 +111,9 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
     stage = get_stage(spec["stage"])
     log = stage_logger(stage.name, Path(spec["log_dir"]), rank, console=rank == 0)
     if spec.get("heartbeat"):
-        threading.Thread(target=_beat, args=(heartbeat_path(spec["log_dir"], rank),), daemon=True).start()
+        orchestrator = os.environ.get(ORCHESTRATOR_PID_ENV)
+        threading.Thread(target=_beat, args=(heartbeat_path(spec["log_dir"], rank),
+                                             int(orchestrator) if orchestrator else None), daemon=True).start()
     torch.set_num_threads(_threads(spec, world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"

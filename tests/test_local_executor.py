@@ -2,9 +2,15 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from orchestrator.cluster.local import LocalExecutor
+from orchestrator.worker import HEARTBEAT_S
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _ExitsAt:
@@ -32,3 +38,26 @@ def test_a_rank_killed_by_a_signal_is_named_even_when_its_peer_is_seen_failing_f
     assert failure == (1, "killed by signal SIGKILL")
     # without a signal, the first failure seen is the one named
     assert executor._wait([_ExitsAt(0, 5), _ExitsAt(3, 1)], 60, time.perf_counter()) == (1, "exit code 3")
+
+
+def test_a_rank_ends_when_the_orchestrator_it_serves_is_gone(tmp_path):
+    """The heartbeat thread's watch of the orchestrator's pid, alone (no PDEATHSIG, no fork server)."""
+    orchestrator = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    beat = tmp_path / "rank0.heartbeat"
+    rank = subprocess.Popen([sys.executable, "-c", f"from pathlib import Path; from orchestrator.worker import _beat; "
+                             f"_beat(Path({str(beat)!r}), {orchestrator.pid})"], cwd=ROOT, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not beat.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3 * HEARTBEAT_S)
+        assert rank.poll() is None, "the rank ends only with the orchestrator"
+        orchestrator.kill()
+        orchestrator.wait()
+        assert rank.wait(timeout=3 * HEARTBEAT_S) == -signal.SIGKILL
+        assert f"orchestrator (pid {orchestrator.pid}) is gone" in rank.stderr.read().decode()
+    finally:
+        for p in (rank, orchestrator):
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -6,7 +6,8 @@
   (orchestrator.cluster.fork_server; `cluster.start_method=exec`: a fresh `python -m orchestrator.worker` each).
   Rank 0's output is streamed to the terminal and its log; any rank's failure stops the others and is reported
   with its exit code or signal and its last log lines.
-  Children die with the orchestrator (PR_SET_PDEATHSIG), so a killed run leaves no orphan ranks.
+  Children die with the orchestrator (PR_SET_PDEATHSIG, and each rank watches the orchestrator's pid), so a
+  killed run leaves no orphan ranks.
   Ctrl-C: the ranks run in their own session (a terminal's SIGINT reaches only the orchestrator), which passes
   one SIGINT on: the train stage saves a checkpoint at the step it is on and exits (130); a second Ctrl-C
   kills them at once.
@@ -128,6 +129,8 @@ class LocalExecutor:
             os.close(out_fd)
 
     def run(self, launch: Launch) -> Outcome:
+        from orchestrator.worker import ORCHESTRATOR_PID_ENV
+
         tasks = launch.planned.resources.tasks
         launch.log_dir.mkdir(parents=True, exist_ok=True)
         port = free_port()
@@ -139,7 +142,7 @@ class LocalExecutor:
             for rank in range(tasks):
                 env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(tasks),
                        "LOCAL_WORLD_SIZE": str(tasks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                       "PYTHONUNBUFFERED": "1"}
+                       "PYTHONUNBUFFERED": "1", ORCHESTRATOR_PID_ENV: str(os.getpid())}
                 if sys.stdout.isatty():  # rank 0 prints through a pipe: tell it how wide the terminal is
                     env["COLUMNS"] = str(shutil.get_terminal_size().columns)
                 if tasks > 1:
