@@ -25,6 +25,7 @@ from orchestrator.cache import Cache
 from orchestrator.tracking import stage_tracker
 from plugins import preemption
 from plugins.preemption import Preempted
+from plugins.threads import rank_threads
 from stages import get_stage
 from stages.base import StageContext
 
@@ -50,12 +51,6 @@ def stage_logger(name: str, log_dir: Path, rank: int, console: bool) -> logging.
         sh.setFormatter(logging.Formatter(f"[{name}] %(message)s"))
         log.addHandler(sh)
     return log
-
-
-def _threads(spec: dict, world: int) -> int:
-    if spec.get("threads"):
-        return int(spec["threads"])
-    return (os.cpu_count() or 1) if world == 1 else 1
 
 
 HEARTBEAT_S = 2.0  # a rank touches log_dir/rank<N>.heartbeat this often, from a thread of its own
@@ -114,7 +109,7 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
         orchestrator = os.environ.get(ORCHESTRATOR_PID_ENV)
         threading.Thread(target=_beat, args=(heartbeat_path(spec["log_dir"], rank),
                                              int(orchestrator) if orchestrator else None), daemon=True).start()
-    torch.set_num_threads(_threads(spec, world))
+    torch.set_num_threads(rank_threads(spec.get("threads"), world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))

@@ -1,6 +1,7 @@
 """The local executor's bookkeeping, with stand-in ranks (the real processes are in test_layouts and test_cli_e2e)."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 from orchestrator.cluster.local import LocalExecutor
 from orchestrator.worker import HEARTBEAT_S
+from plugins.threads import rank_threads, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,3 +63,13 @@ def test_a_rank_ends_when_the_orchestrator_it_serves_is_gone(tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_rank_runs_the_configured_threads_else_omp_num_threads_else_its_usable_cores(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert rank_threads(5, 1) == 5  # cluster.threads_per_rank wins
+    assert rank_threads(None, 1) == 3
+    assert rank_threads(None, 4) == 1  # several ranks share the cores
+    for unset in ("", "auto", "0"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert rank_threads(None, 1) == usable_cores() == len(os.sched_getaffinity(0))

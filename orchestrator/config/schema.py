@@ -181,7 +181,8 @@ class ClusterConfig:
     name: str = key(MISSING, "where stages run: local (subprocesses), debug (in this process) or slurm (submitit jobs)",
                     choices=("local", "debug", "slurm"))
     nprocs: Optional[int] = key(None, "processes of the train stage; default dp*hp*pp (must equal it if set)", min=1)
-    threads_per_rank: Optional[int] = key(None, "torch threads per rank; default: all cores for one rank, 1 for several",
+    threads_per_rank: Optional[int] = key(None, "torch threads per rank; default: for one rank OMP_NUM_THREADS if set, "
+                                          "else all usable cores; 1 each for several",
                                           content=False, min=1)
     pg_timeout_s: int = key(300, "process-group timeout: a rank that stops answering fails the job after this long",
                             content=False, min=1)

@@ -14,6 +14,7 @@ from typing import Iterable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
+from plugins.threads import rank_threads, usable_cores
 
 # What each pipeline schedule needs: (chunks rule, minimum microbatches as a function of pp and chunks)
 SCHEDULES = {
@@ -72,8 +73,7 @@ def time_line(cfg: DictConfig) -> str:
         rate = matmul_rate("cuda", cfg.precision.name, 1) * min(ranks, torch.cuda.device_count())
         where = f"{min(ranks, torch.cuda.device_count())} GPU(s), {cfg.precision.name}"
     else:
-        cores = os.cpu_count() or 1
-        threads = min(cores, (cfg.cluster.get("threads_per_rank") or (cores if ranks == 1 else 1)) * ranks)
+        threads = min(usable_cores(), rank_threads(cfg.cluster.get("threads_per_rank"), ranks) * ranks)
         rate = matmul_rate("cpu", "fp32", threads)
         where = f"{threads} CPU thread(s)"
     floor = flops / rate
@@ -112,7 +112,7 @@ def warnings(cfg: DictConfig) -> list[str]:
     """Legal but unwise settings: the run goes ahead, and the plan says this in one line each."""
     notes = []
     world = cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if cfg.cluster.name == "local" and world > cores and not _has_cuda():
         notes.append(f"warning: {world} ranks (dp*hp*pp) on {cores} CPU cores: the ranks share cores, so this "
                      "layout runs slowly here (fine for checking correctness; give it more cores or a cluster)")
