@@ -3,6 +3,7 @@ fix; legal but unwise settings run with a one-line warning in the plan. README "
 the same cases (a test keeps them in step)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -92,6 +93,8 @@ CATALOGUE = [
     (["train.profile=[5,3]"], "train.profile", "1 <= first <= last"),
     (["train.init_from=hf:/nonexistent"], "train.init_from", "is not a folder"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
+    (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
+     "parallel.hp=1 parallel.dp=2"),
     # engine and precision
     (["engine=ort", "triton=on"], "triton.enabled", "need a CUDA GPU"),
     (["engine=ort", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",
@@ -134,6 +137,10 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "one.txt").write_text("a line of text\n" * 2000)
     (tmp / "a_file").write_text("not a folder")
     (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
+    (tmp / "gpt_vocab259" / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "vocab_size": 259, "n_layer": 8, "n_head": 4, "n_embd": 64,
+        "n_inner": 256, "n_positions": 128, "activation_function": "gelu"}))
     return tmp
 
 

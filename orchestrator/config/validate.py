@@ -199,6 +199,20 @@ def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
 
 # -- the parallel layout ---------------------------------------------------------------------------------------
 
+def _vocab_fix(cfg: DictConfig, bad: dict) -> str:
+    """The rest of the hp fix when only the vocabulary does not split: pad it (rows the data never uses, as
+    Megatron does), except for an imported Hugging Face model, whose vocabulary is its own (train.init_from
+    insists on the folder's model.vocab_size, and padding the imported rows is not built)."""
+    if list(bad) != ["model.vocab_size"]:
+        return ""
+    hp, vocab = cfg.parallel.hp, cfg.model.vocab_size
+    if str(cfg.train.get("init_from") or "").startswith("hf:"):
+        return (f"; the imported model's vocabulary ({vocab}) stays as it is: for more ranks use parallel.dp or "
+                f"parallel.pp (e.g. parallel.hp=1 parallel.dp={hp})")
+    return f", or pad the vocabulary (rows the data never uses, as Megatron does): " \
+           f"model.vocab_size={-(-vocab // (64 * hp)) * 64 * hp}"
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -228,10 +242,7 @@ def layout_problems(cfg: DictConfig) -> list[Problem]:
         problems.append(Problem("parallel.hp", p.hp, " and ".join(f"{k}={v}" for k, v in bad.items())
                                 + f" not divisible by parallel.hp={p.hp} (each hp rank holds an equal share of heads, "
                                 "hidden units and vocabulary rows)",
-                                f"choose parallel.hp in {{{', '.join(map(str, ok))}}}" +
-                                (f", or pad the vocabulary (rows the data never uses, as Megatron does): "
-                                 f"model.vocab_size={-(-m.vocab_size // (64 * p.hp)) * 64 * p.hp}"
-                                 if list(bad) == ["model.vocab_size"] else "")))
+                                f"choose parallel.hp in {{{', '.join(map(str, ok))}}}" + _vocab_fix(cfg, bad)))
     stages = p.pp * p.pp_chunks
     if m.n_layers % stages:
         problems.append(Problem("parallel.pp_chunks" if p.pp_chunks > 1 else "parallel.pp",
