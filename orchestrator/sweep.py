@@ -4,8 +4,9 @@ Unlike Hydra's submitit launcher, each point keeps its own resources (a ddp2 poi
 megatron_hp4 point 4) and its own stage DAG. Every point is validated before anything starts. On SLURM all
 points are submitted at once and followed together; stages that several points share (same content key, e.g.
 one export for a sweep over optimizer settings) are submitted once and depended on. On local clusters the
-points run one after another, or `sweep.parallelism` at a time. The sweep ends with a summary table, and
-MLflow holds one sweep run with a run per point below it (stage runs below those).
+points run one after another, or `sweep.parallelism` at a time (a one-rank stage then takes its share of the
+cores, not all of them). The sweep ends with a summary table, and MLflow holds one sweep run with a run per point
+below it (stage runs below those).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from orchestrator.cache import Cache
 from orchestrator.config.errors import ConfigError
 from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
 from plugins.fsio import atomic_write_json, read_json
+from plugins.threads import cores_shared_by
 
 
 @dataclass
@@ -119,7 +121,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
         run(p, follow_jobs=False)
     parallelism = max((p.cfg.sweep.parallelism for p in here), default=1)
     if parallelism > 1 and len(here) > 1:
-        with ThreadPoolExecutor(parallelism) as pool:
+        with cores_shared_by(min(parallelism, len(here))), ThreadPoolExecutor(parallelism) as pool:
             list(pool.map(lambda p: run(p, True), here))
     else:
         for p in here:

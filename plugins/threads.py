@@ -1,8 +1,9 @@
 """How many torch threads a rank runs: one rule for the worker that sets it and the plan that estimates with it."""
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 
 def usable_cores() -> int:
@@ -23,3 +24,17 @@ def rank_threads(configured: Optional[int], ranks: int) -> int:
         return 1
     omp = os.environ.get("OMP_NUM_THREADS", "")
     return int(omp) if omp.isdigit() and int(omp) > 0 else usable_cores()
+
+
+@contextlib.contextmanager
+def cores_shared_by(jobs: int) -> Iterator[None]:
+    """While `jobs` run at once on this machine (a local sweep's points), a one-rank stage takes 1/jobs of the
+    usable cores (through OMP_NUM_THREADS, which rank_threads reads and ranks inherit), unless the user set it."""
+    if jobs <= 1 or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    os.environ["OMP_NUM_THREADS"] = str(max(1, usable_cores() // jobs))
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)

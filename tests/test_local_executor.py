@@ -10,7 +10,7 @@ from pathlib import Path
 
 from orchestrator.cluster.local import LocalExecutor
 from orchestrator.worker import HEARTBEAT_S
-from plugins.threads import rank_threads, usable_cores
+from plugins.threads import cores_shared_by, rank_threads, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,3 +73,13 @@ def test_a_rank_runs_the_configured_threads_else_omp_num_threads_else_its_usable
     for unset in ("", "auto", "0"):
         monkeypatch.setenv("OMP_NUM_THREADS", unset)
         assert rank_threads(None, 1) == usable_cores() == len(os.sched_getaffinity(0))
+
+
+def test_points_run_at_once_share_the_cores_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    with cores_shared_by(2):
+        assert rank_threads(None, 1) == max(1, usable_cores() // 2)
+    assert "OMP_NUM_THREADS" not in os.environ and rank_threads(None, 1) == usable_cores()
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    with cores_shared_by(2):
+        assert rank_threads(None, 1) == 7
