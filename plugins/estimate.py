@@ -99,7 +99,9 @@ def estimate(cfg, plan: dict) -> Estimate:
         layer_bytes = layers * 4 * m.d_model / hp * compute + per_token  # unit inputs and outputs, one recomputed
     else:
         layer_bytes = layers * per_token
-    logits = 2 * m.vocab_size / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
+    from plugins.models.registry import vocab_rows
+
+    logits = 2 * vocab_rows(m) / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
     activations = int(tokens_per_microbatch * (in_flight * layer_bytes + logits))
     import torch
 

@@ -86,8 +86,12 @@ def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_state(folder: Path) -> dict[str, torch.Tensor]:
-    """The folder's weights under our parameter names (fp32)."""
+VOCAB_ROWS = ("wte.weight", "lm_head.weight")  # the parameters model.pad_vocab_to pads
+
+
+def load_state(folder: Path, vocab_rows: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """The folder's weights under our parameter names (fp32); with vocab_rows, the embedding and head padded with
+    zero rows to that many (model.pad_vocab_to: the padding's logits never count)."""
     family, cfg = read_config(folder)
     hf = {re.sub(r"^(transformer|model)\.", "", k): v.float() for k, v in _hf_tensors(folder).items()}
     ours: dict[str, torch.Tensor] = {}
@@ -127,6 +131,9 @@ def load_state(folder: Path) -> dict[str, torch.Tensor]:
                 ours[{"embed_tokens.weight": "wte.weight", "norm.weight": "ln_f.weight"}.get(k, k)] = v
     if cfg["tie_embeddings"]:
         ours.pop("lm_head.weight", None)
+    for k in VOCAB_ROWS:
+        if vocab_rows and k in ours and ours[k].shape[0] < vocab_rows:
+            ours[k] = torch.cat([ours[k], ours[k].new_zeros(vocab_rows - ours[k].shape[0], ours[k].shape[1])])
     return {k: v.contiguous() for k, v in ours.items()}
 
 
@@ -134,7 +141,8 @@ def save_folder(folder: Path, state: dict[str, torch.Tensor], model_cfg) -> Opti
     """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, from our full (fp32) state.
     Returns why not when the model cannot be expressed (then nothing is written)."""
     folder = Path(folder)
-    state = {k: v.detach().float().contiguous() for k, v in state.items()}
+    state = {k: (v[:model_cfg.vocab_size] if k in VOCAB_ROWS else v).detach().float().contiguous()
+             for k, v in state.items()}  # without model.pad_vocab_to's rows: Hugging Face has the real vocabulary
     if model_cfg.tie_embeddings:
         state.pop("lm_head.weight", None)
     n, d = model_cfg.n_layers, model_cfg.d_model

@@ -27,6 +27,7 @@ from plugins.kernels import KernelReport, apply_kernels
 from plugins.fsio import atomic_write_json, link_tree, read_json, remove_tree
 from plugins.metrics import MemoryProbe, MetricsLog, plot_loss_curve, plot_pipeline_timeline
 from plugins.models import get_model
+from plugins.models.registry import vocab_rows
 from plugins.optim import build_optimizer, describe_impl, lr_factor, set_lr
 from plugins.parallel.layout import Layout, build_layout
 from plugins.parallel.mesh import pick_device
@@ -394,7 +395,7 @@ def _restore(ctx: StageContext, layout: Layout, parts, checkpoints: Path, init_f
     if choice is None:
         return 0
     if hf.folder_of(choice):  # weights only: a fresh optimizer, step 0
-        ckpt.load_full_weights(parts, hf.load_state(hf.folder_of(choice)), layout.aliases)
+        ckpt.load_full_weights(parts, hf.load_state(hf.folder_of(choice), vocab_rows(ctx.cfg.model)), layout.aliases)
         ctx.log.info("starting from the Hugging Face weights in %s", hf.folder_of(choice))
         ctx.tracker.set_tags({"resumed_from_step": 0, "resumed_from": choice})
         return 0

@@ -94,7 +94,7 @@ CATALOGUE = [
     (["train.init_from=hf:/nonexistent"], "train.init_from", "is not a folder"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
     (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
-     "parallel.hp=1 parallel.dp=2"),
+     "model.pad_vocab_to=128"),
     # engine and precision
     (["engine=ort", "triton=on"], "triton.enabled", "need a CUDA GPU"),
     (["engine=ort", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",

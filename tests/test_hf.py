@@ -122,3 +122,47 @@ def test_models_that_hf_cannot_express_are_said_so(tmp_path):
     note = hf.save_folder(tmp_path / "hf", model.state_dict(), cfg.model)
     assert note == "GPT-2 has no activation 'elu'" and not (tmp_path / "hf").exists()
     assert OmegaConf.select(cfg, "model.activation") == "elu"
+
+
+def test_a_padded_vocabulary_gives_transformers_logits_and_saves_the_real_one(tmp_path):
+    """model.pad_vocab_to=128: 320 -> 384 rows (zeros from the import), logits of the 320 real ones."""
+    folder = saved("gpt", tmp_path / "gpt")
+    cfg = make_cfg(*FAMILIES["gpt"][0], "model.pad_vocab_to=128")
+    model = get_model("gpt").build(cfg.model)
+    model.load_state_dict(hf.load_state(folder, vocab_rows=384), strict=False)
+    model.lm_head.weight = model.wte.weight
+    assert model.wte.weight.shape[0] == 384
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want, got = theirs(IDS).logits, model.eval()(IDS)
+    assert got.shape == want.shape == (2, 48, 320) and (got - want).abs().max().item() <= 1e-5
+    assert hf.save_folder(tmp_path / "out", model.state_dict(), cfg.model) is None
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 320
+    with torch.no_grad():
+        again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()(IDS).logits
+    assert (again - want).abs().max().item() <= 1e-5
+
+
+def _losses(result) -> list[float]:
+    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    train = run_dir / "stages/train/output"
+    return [json.loads(line)["loss"] for line in (train / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_padded_vocabulary_trains_vocab_parallel_with_the_unpadded_loss(tmp_path):
+    """hp=2 with the logits vocab-sharded (the padding's columns masked to -inf on the shard that holds them):
+    the same losses as the unpadded model, and an hf/ folder with the real vocabulary."""
+    folder = saved("gpt", tmp_path / "in")
+    args = [*FAMILIES["gpt"][0], "parallel=megatron_hp2", "parallel.loss_parallel=true", f"train.init_from=hf:{folder}",
+            "train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
+            "train.checkpoint_every=0", "tracking=none"]
+    results = {}
+    for name, extra in (("plain", []), ("padded", ["model.pad_vocab_to=128"])):
+        (tmp_path / name).mkdir()
+        results[name] = run_cli([*args, *extra], tmp_path / name, timeout=900)
+        assert results[name].returncode == 0, results[name].stdout[-3000:] + results[name].stderr[-3000:]
+    plain, padded = _losses(results["plain"]), _losses(results["padded"])
+    assert len(padded) == 3 and padded == pytest.approx(plain, rel=1e-5, abs=0)
+    run_dir = Path(re.search(r"^outputs: (\S+)", results["padded"].stdout, re.M).group(1))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "stages/aggregate/output/hf")
+    assert loaded.config.vocab_size == 320

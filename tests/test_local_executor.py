@@ -76,7 +76,7 @@ def test_a_rank_runs_the_configured_threads_else_omp_num_threads_else_its_usable
 
 
 def test_points_run_at_once_share_the_cores_unless_the_user_chose(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     with cores_shared_by(2):
         assert rank_threads(None, 1) == max(1, usable_cores() // 2)
     assert "OMP_NUM_THREADS" not in os.environ and rank_threads(None, 1) == usable_cores()

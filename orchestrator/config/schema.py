@@ -30,7 +30,10 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_
 @dataclass
 class ModelConfig:
     name: str = key("gpt", "model family: an entry of the model registry (plugins/models)")
-    vocab_size: int = key(320, "embedding rows; must cover the data's vocabulary (byte corpora need 258)", min=1)
+    vocab_size: int = key(320, "the vocabulary: must cover the data's (byte corpora need 258)", min=1)
+    pad_vocab_to: int = key(1, "embedding and head rows rounded up to a multiple of this (Megatron's padding, e.g. "
+                               "128: GPT-2's 50257 -> 50304, which hp up to 128 splits); the padding's logits never "
+                               "count, so the loss is the unpadded model's", min=1)
     n_layers: int = key(8, "transformer layers", min=1)
     n_heads: int = key(4, "attention heads per layer", min=1)
     d_model: int = key(64, "hidden size", min=1)

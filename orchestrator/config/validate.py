@@ -199,20 +199,6 @@ def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
 
 # -- the parallel layout ---------------------------------------------------------------------------------------
 
-def _vocab_fix(cfg: DictConfig, bad: dict) -> str:
-    """The rest of the hp fix when only the vocabulary does not split: pad it (rows the data never uses, as
-    Megatron does), except for an imported Hugging Face model, whose vocabulary is its own (train.init_from
-    insists on the folder's model.vocab_size, and padding the imported rows is not built)."""
-    if list(bad) != ["model.vocab_size"]:
-        return ""
-    hp, vocab = cfg.parallel.hp, cfg.model.vocab_size
-    if str(cfg.train.get("init_from") or "").startswith("hf:"):
-        return (f"; the imported model's vocabulary ({vocab}) stays as it is: for more ranks use parallel.dp or "
-                f"parallel.pp (e.g. parallel.hp=1 parallel.dp={hp})")
-    return f", or pad the vocabulary (rows the data never uses, as Megatron does): " \
-           f"model.vocab_size={-(-vocab // (64 * hp)) * 64 * hp}"
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -234,15 +220,22 @@ def layout_problems(cfg: DictConfig) -> list[Problem]:
         problems.append(Problem("model.n_kv_heads", kv, f"grouped-query attention shares each key/value head among "
                                 f"model.n_heads/n_kv_heads query heads: model.n_heads={m.n_heads} must be divisible "
                                 "by it", f"model.n_kv_heads in {{{', '.join(map(str, _divisors(m.n_heads)))}}}"))
-    sizes = {"model.n_heads": m.n_heads, "model.d_model": m.d_model, "model.d_ff": m.d_ff,
-             "model.vocab_size": m.vocab_size, **({"model.n_kv_heads": kv} if kv else {})}
-    bad = {k: v for k, v in sizes.items() if v % p.hp}
+    from plugins.models.registry import vocab_rows
+
+    rows = vocab_rows(m)
+    sizes = {"model.n_heads": m.n_heads, "model.d_model": m.d_model, "model.d_ff": m.d_ff, "model.vocab_size": rows,
+             **({"model.n_kv_heads": kv} if kv else {})}
+    shown = {**sizes, "model.vocab_size": m.vocab_size if rows == m.vocab_size else
+             f"{m.vocab_size} (padded to {rows} rows by model.pad_vocab_to={m.pad_vocab_to})"}
+    bad = [k for k, v in sizes.items() if v % p.hp]
     if bad:
         ok = [d for d in _divisors(min(sizes.values())) if all(v % d == 0 for v in sizes.values()) and d <= 16]
-        problems.append(Problem("parallel.hp", p.hp, " and ".join(f"{k}={v}" for k, v in bad.items())
+        pad = (f", or pad the vocabulary (rows the data never uses, as Megatron does): model.pad_vocab_to={64 * p.hp}"
+               if bad == ["model.vocab_size"] else "")
+        problems.append(Problem("parallel.hp", p.hp, " and ".join(f"{k}={shown[k]}" for k in bad)
                                 + f" not divisible by parallel.hp={p.hp} (each hp rank holds an equal share of heads, "
                                 "hidden units and vocabulary rows)",
-                                f"choose parallel.hp in {{{', '.join(map(str, ok))}}}" + _vocab_fix(cfg, bad)))
+                                f"choose parallel.hp in {{{', '.join(map(str, ok))}}}" + pad))
     stages = p.pp * p.pp_chunks
     if m.n_layers % stages:
         problems.append(Problem("parallel.pp_chunks" if p.pp_chunks > 1 else "parallel.pp",

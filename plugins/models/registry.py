@@ -14,6 +14,12 @@ import torch
 from torch import nn
 
 
+def vocab_rows(model_cfg) -> int:
+    """Rows of the token embedding and the head: model.vocab_size rounded up to a multiple of model.pad_vocab_to."""
+    pad = getattr(model_cfg, "pad_vocab_to", None) or 1
+    return -(-model_cfg.vocab_size // pad) * pad
+
+
 @dataclass(frozen=True)
 class Partition:
     """How one parameter is laid out across hp ranks (the record ONNX Runtime's Megatron checkpoints keep)."""

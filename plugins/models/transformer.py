@@ -7,6 +7,8 @@
   query heads it serves, a ratio that tensor parallelism leaves unchanged.
 - A stage that does not hold the embedding or the head has them set to None; forward skips what is absent.
 - Initialisation draws every parameter from a generator seeded by (seed, name): identical in every layout.
+- `model.pad_vocab_to` rounds the embedding and head rows up (Megatron's padding, so hp ranks hold equal shares);
+  the padding's logits never count: cut off, or masked to -inf while the logits are vocab-sharded.
 - A block is two units, attention and MLP, each ending in a row-parallel projection: an engine may run a unit's
   core (everything up to that projection's matmul, shard-local under tensor parallelism) itself.
 
@@ -24,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plugins.models.registry import EngineUnit, ModelSpec, Partition
+from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -104,6 +106,22 @@ class Block(nn.Module):
         return self._forward(x)
 
 
+def _without_padding(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Logits of the real vocabulary only. Vocab-sharded logits (loss parallelism) keep their padded width, which
+    the shards split evenly: the padding's columns become -inf there, so the cross-entropy's softmax gives them 0."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(logits, DTensor):
+        return logits[..., :vocab]
+    local = logits.to_local()
+    width = local.shape[-1]
+    first = logits.device_mesh.get_local_rank() * width  # the global column of this shard's first logit
+    padding = torch.arange(first, first + width, device=local.device) >= vocab
+    local = local.masked_fill(padding, float("-inf"))
+    return DTensor.from_local(local, logits.device_mesh, logits.placements, run_check=False,
+                              shape=logits.shape, stride=logits.stride())
+
+
 class Decoder(nn.Module):
     """Token embedding (+ learned positions when `wpe` is set), the blocks, a final norm and the vocabulary head."""
 
@@ -112,12 +130,13 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg, block: Callable[[], Block], norm: Callable[[], nn.Module], learned_positions: bool):
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.vocab_size, rows = cfg.vocab_size, vocab_rows(cfg)
+        self.wte = nn.Embedding(rows, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned_positions else None
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): block() for i in range(cfg.n_layers)})
         self.ln_f = norm()
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, rows, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
@@ -132,6 +151,8 @@ class Decoder(nn.Module):
             h = layer(h)
         if self.lm_head is not None:
             h = self.lm_head(self.ln_f(h))
+            if h.shape[-1] != self.vocab_size:
+                h = _without_padding(h, self.vocab_size)
         return h
 
 
