@@ -112,6 +112,10 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
     torch.set_num_threads(rank_threads(spec.get("threads"), world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":  # NCCL binds to the current device: the rank's own, before its first collective
+            from plugins.parallel.mesh import pick_device
+
+            pick_device()
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
     tracker = stage_tracker(spec, rank)
     closes_run = bool((spec.get("tracking") or {}).get("end_run"))  # no orchestrator watches (SLURM): close it here

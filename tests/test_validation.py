@@ -71,6 +71,39 @@ def test_ort_kernels_need_cuda_and_ort_triton():
     assert problems_of("engine=torch", "triton=on") == []
 
 
+def test_a_cuda_machine_gives_each_local_rank_a_gpu_and_bf16_needs_ampere(monkeypatch):
+    """Rules of a CUDA machine, checked on this one with its answers faked: two GPUs, no bf16."""
+    from orchestrator.config import validate as v
+
+    monkeypatch.setattr(v, "_has_cuda", lambda: True)
+    monkeypatch.setattr(v, "_cuda_devices", lambda: 2)
+    monkeypatch.setattr(v, "_cuda_bf16", lambda: False)
+    (p,) = [p for p in problems_of("parallel=megatron_hp4", "precision=fp32") if p.key == "parallel"]
+    assert p.value == "dp1 hp4 pp1" and "4 ranks (dp*hp*pp) on a CUDA GPU of its own" in p.rule
+    assert "shows 2" in p.rule and "at most 2 rank(s)" in p.fix and "cluster.gpus_per_task=1" in p.fix
+    assert "CUDA_VISIBLE_DEVICES=" in p.fix
+    assert problems_of("parallel=ddp2", "precision=fp32") == []
+    assert problems_of("parallel=megatron_hp4", "precision=fp32", "cluster=slurm", "dry_run=true") == []
+    (p,) = problems_of("precision=bf16")
+    assert (p.key, p.value) == ("precision.name", "bf16") and "compute capability 8.0" in p.rule
+    assert "precision=fp16" in p.fix
+
+
+def test_each_rank_takes_the_gpu_it_sees_as_its_own(monkeypatch):
+    """cuda:LOCAL_RANK where a rank sees every GPU of its node; cuda:0 where SLURM shows each task only its own
+    (--gpus-per-task): LOCAL_RANK 3 there was an invalid device ordinal."""
+    from plugins.parallel import mesh
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    for visible, local, want in ((8, "3", 3), (1, "3", 0), (2, "3", 1), (4, "0", 0)):
+        monkeypatch.setattr(torch.cuda, "device_count", lambda n=visible: n)
+        monkeypatch.setenv("LOCAL_RANK", local)
+        assert mesh.pick_device() == torch.device("cuda", want)
+    assert chosen == [3, 0, 1, 0]
+
+
 @pytest.mark.parametrize("override,key,words", [
     ("parallel.dp=abc", "parallel.dp", "must be an integer"),
     ("dry_run=maybe", "dry_run", "must be true or false"),

@@ -443,6 +443,7 @@ def machine_problems(cfg: DictConfig) -> list[Problem]:
         problems.append(Problem("precision.name", cfg.precision.name, "engine=ort trains each unit as an fp32 ONNX "
                                 "graph (exported and differentiated in fp32): it has no mixed precision",
                                 "precision=fp32 (or auto), or engine=torch for bf16/fp16"))
+    problems += _gpu_count_problems(cfg)
     if cfg.precision.name == "bf16" and cfg.cluster.name != "slurm" and _has_cuda() and not _cuda_bf16():
         problems.append(Problem("precision.name", "bf16", "this machine's CUDA GPU has no bf16 support (it needs "
                                 "compute capability 8.0, Ampere, or newer)", "precision=fp16 (loss scaling) or "
@@ -579,12 +580,32 @@ def ort_install_problems(python: tuple[int, int] = tuple(sys.version_info[:2])) 
     return [Problem("engine", "ort", rule, fix)]
 
 
+def _gpu_count_problems(cfg: DictConfig) -> list[Problem]:
+    """On a CUDA machine the local cluster gives each rank a GPU of its own: NCCL refuses two ranks on one."""
+    p = cfg.parallel
+    world = p.dp * p.hp * p.pp
+    if cfg.cluster.name != "local" or world == 1 or not _has_cuda() or world <= _cuda_devices():
+        return []
+    gpus = _cuda_devices()
+    return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"cluster=local runs each of the layout's {world} "
+                    f"ranks (dp*hp*pp) on a CUDA GPU of its own, and this machine shows {gpus} "
+                    "(NCCL cannot put two ranks on one GPU)", f"a layout of at most {gpus} rank(s) (parallel=single "
+                    "for one), cluster=slurm cluster.gpus_per_task=1 to spread the ranks over more GPUs, or "
+                    f"CUDA_VISIBLE_DEVICES= to run the {world} ranks on the CPU")]
+
+
 def _has_cuda() -> bool:
     try:
         import torch
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def _cuda_bf16() -> bool:

@@ -39,11 +39,16 @@ def build_mesh(parallel, device: torch.device) -> tuple[Optional[DeviceMesh], Co
 
 
 def pick_device() -> torch.device:
-    """CUDA (one device per local rank) when present, else CPU."""
+    """CUDA (one device per local rank) when present, else CPU.
+
+    The local rank indexes the GPUs this process sees. Where every rank of a node sees all of them (cluster=local,
+    SLURM's --gpus-per-node), that is its own GPU; where SLURM binds GPUs per task (--gpus-per-task, which
+    cluster.gpus_per_task asks for), each rank sees only its own, as device 0, and `cuda:LOCAL_RANK` would be an
+    invalid device ordinal on every rank but the first of a node. The remainder serves both."""
     import os
 
     if torch.cuda.is_available():
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        return torch.device("cuda", local)
+        index = int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
