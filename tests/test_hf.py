@@ -150,10 +150,12 @@ def _losses(result) -> list[float]:
 
 
 def test_a_padded_vocabulary_trains_vocab_parallel_with_the_unpadded_loss(tmp_path):
-    """hp=2 with the logits vocab-sharded (the padding's columns masked to -inf on the shard that holds them):
-    the same losses as the unpadded model, and an hf/ folder with the real vocabulary."""
+    """hp=2 x pp=2 with the logits vocab-sharded on the last stage (the padding's columns masked to -inf on the shard
+    that holds them) and the padded embedding tied across the first and last stage: the same losses as the
+    unpadded model, and an hf/ folder with the real vocabulary."""
     folder = saved("gpt", tmp_path / "in")
-    args = [*FAMILIES["gpt"][0], "parallel=megatron_hp2", "parallel.loss_parallel=true", f"train.init_from=hf:{folder}",
+    args = [*FAMILIES["gpt"][0], "parallel=megatron_hp2", "parallel.pp=2", "parallel.microbatches=2",
+            "parallel.loss_parallel=true", f"train.init_from=hf:{folder}",
             "train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
             "train.checkpoint_every=0", "tracking=none"]
     results = {}

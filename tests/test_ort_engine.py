@@ -66,6 +66,19 @@ def test_ort_gradients_equal_torch(ort_dir):
     assert_grads_close(grads_o, grads_t)
 
 
+def test_a_padded_vocabulary_keeps_torchs_gradients(ort_dir):
+    """model.pad_vocab_to: ORT runs the blocks (their graphs hold no vocabulary, so the unpadded model's serve),
+    torch the padded embedding and head; the padding's rows get no gradient."""
+    cfg, spec, reference, ort_model = models("model.pad_vocab_to=128")
+    assert ort_model.wte.weight.shape[0] == 384
+    assert install([ort_model], spec, ort_dir, cfg.engine, None, torch.device("cpu"), 0) == {}
+    loss_t, grads_t = step(spec, reference)
+    loss_o, grads_o = step(spec, ort_model)
+    assert loss_o == pytest.approx(loss_t, rel=1e-5)
+    assert_grads_close(grads_o, grads_t)
+    assert grads_o["wte.weight"][320:].abs().max().item() == 0.0
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_ort_composes_with_recomputation(ort_dir, level):
     cfg, spec, reference, ort_model = models()
