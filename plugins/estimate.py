@@ -159,3 +159,6 @@ def matmul_rate(device: str, dtype: str, threads: int) -> float:
         return 2.0 * n**3 / best
     finally:
         torch.set_num_threads(before)
+        if device == "cuda":  # the planning process lives on beside rank 0: its cached blocks go back to the GPU
+            a = b = None
+            torch.cuda.empty_cache()

@@ -209,3 +209,18 @@ def test_gpu_benchmark_says_it_needs_cuda_and_runs_on_request_on_the_cpu():
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith(("fp32 ", "bf16 "))]
     assert len(lines) == 2 and all("optimizer fused" in line for line in lines)
+
+
+def test_the_gpu_suite_stops_at_once_without_a_gpu_and_says_where_to_run_it():
+    """gpu_tests/ (not collected by `pytest`) checks what needs a CUDA GPU; here it must refuse, not pass."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    if torch.cuda.is_available():
+        pytest.fail("this test checks the GPU suite's refusal on a machine without CUDA; run `pytest gpu_tests -n 0`")
+    done = subprocess.run([sys.executable, "-m", "pytest", "gpu_tests", "-n", "0", "-q", "-p", "no:cacheprovider"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "torch.cuda.is_available() is False" in done.stdout and "pytest gpu_tests -n 0" in done.stdout

@@ -50,8 +50,9 @@ def clip_grad_norm(named_params: list[tuple[str, torch.nn.Parameter]], max_norm:
     counted = [_local(p.grad) for n, p in named_params if p.grad is not None and n not in skip]
     weights = [1.0 / _copies(p.grad, ranks_per_stage) for n, p in named_params if p.grad is not None and n not in skip]
     if counted:
-        norms = torch.stack(torch._foreach_norm(counted, 2)).float()
-        sq = (norms.pow(2) * torch.tensor(weights, device=norms.device)).sum()
+        # weighted by python floats: torch.tensor(weights, device=cuda) would wait for the GPU (a pageable copy)
+        squares = torch._foreach_pow([n.float() for n in torch._foreach_norm(counted, 2)], 2)
+        sq = torch.stack(torch._foreach_mul(squares, weights)).sum()
     else:
         sq = torch.zeros((), device=grads[0].device if grads else "cpu")
     if world:
