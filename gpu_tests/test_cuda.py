@@ -55,7 +55,10 @@ def test_auto_precision_trains_in_bf16_on_the_gpu_and_reports_mfu_and_memory(tmp
     assert summary["precision"] == "bf16" and summary["device"] == torch.cuda.get_device_name()
     assert summary["optimizer_impl"] == "fused" and summary["attention_kernel"] in ("flash", "cudnn", "efficient")
     assert summary["memory_kind"] == "cuda" and summary["peak_memory_mb"] > 0
-    assert summary["peak_flops"] and 0 < summary["mfu"] < 1
+    if summary["peak_flops"]:  # a GPU of the peak table (H100, A100, ...); another gets no MFU rather than a guess
+        assert 0 < summary["mfu"] < 1
+    else:
+        assert summary["mfu"] is None
 
 
 def test_mixed_precision_losses_follow_fp32_on_the_gpu(tmp_path):
