@@ -51,9 +51,16 @@ def make_cfg(*overrides: str, runs_dir: Path | None = None):
         return compose(config_name="config", overrides=[*overrides, *extra], return_hydra_config=False)
 
 
+def cli_env(**extra: str) -> dict:
+    """The environment of a CLI run: this checkout first on the path (the caller's path kept behind it, e.g. wheels
+    unpacked aside) and wide rich tables, so that their lines can be matched."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "COLUMNS": "200", **extra}
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m orchestrator args...` in cwd; the run's files land in cwd/runs."""
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200", **(env or {})}
+    full_env = cli_env(**(env or {}))
     return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 

@@ -14,7 +14,7 @@ import mlflow
 import psutil
 import pytest
 
-from tests.conftest import QUICK, ROOT, run_cli
+from tests.conftest import QUICK, cli_env, run_cli
 
 pytestmark = pytest.mark.e2e
 STAGES = ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
@@ -114,7 +114,7 @@ def test_sigkill_during_training_resumes_with_the_same_loss_curve(tmp_path):
     killed.mkdir()
     assert run_cli(args, reference).returncode == 0
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=killed, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -160,7 +160,7 @@ def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
     """SIGINT to the orchestrator's process group, as a terminal's Ctrl-C sends it, during a 2-rank train stage."""
     args = ["parallel=ddp2", "train.steps=150", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
             "train.checkpoint_every=0", "train.eval_every=0", "tracking=mlflow"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -194,7 +194,7 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
     """kill -STOP one rank of two: the other waits in a collective (still beating); the stopped one is named."""
     args = ["parallel=ddp2", "train.steps=400", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
             "train.checkpoint_every=0", "cluster.heartbeat_timeout_s=10", "tracking=mlflow"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
@@ -222,7 +222,7 @@ def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
     """The store is created under a file lock (MLflow's migration races otherwise); the second invocation says
     whom it waits for, then takes the first one's results from the cache."""
     args = [*QUICK, "tracking=mlflow"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = cli_env()
     procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
     outs = [p.communicate(timeout=600)[0] for p in procs]

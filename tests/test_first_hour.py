@@ -3,7 +3,6 @@ folders, loading the trained model in one line."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import stat
 import subprocess
@@ -15,7 +14,7 @@ import torch
 import orchestrator
 from orchestrator.config.options import options_of
 from orchestrator.config.schema import GROUP_SCHEMAS
-from tests.conftest import QUICK, ROOT, run_cli
+from tests.conftest import QUICK, cli_env, run_cli
 
 
 def test_help_names_every_group_and_option_and_no_schema(workdir):
@@ -43,7 +42,7 @@ def test_a_default_run_its_folder_and_its_model_in_one_line(workdir):
     assert optimizer.state  # the moments came back too
 
     followed = subprocess.run([sys.executable, "-m", "orchestrator.follow", str(run_dir)], cwd=workdir, text=True,
-                              capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+                              capture_output=True, env=cli_env(), timeout=60)
     assert followed.returncode == 2 and "only a run submitted with cluster=slurm" in followed.stderr.lower()
 
 
@@ -53,7 +52,7 @@ def test_the_commands_a_dry_run_prints_run_when_pasted(workdir):
     command = next(line for line in result.stdout.splitlines() if line.startswith("tokenize: "))
     argv = command.split(": ", 1)[1].split()
     pasted = subprocess.run(argv, cwd=workdir, capture_output=True, text=True, timeout=300,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=cli_env())
     assert pasted.returncode == 0, pasted.stdout[-2000:] + pasted.stderr[-2000:]
     assert json.loads(Path(argv[-1]).read_text())["stage"] == "tokenize"
 

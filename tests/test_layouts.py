@@ -7,7 +7,6 @@ half of a 10-step run, so checkpoints taken at step 5 can be continued and compa
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -25,7 +24,7 @@ from plugins.data import build_batcher
 from plugins.fsio import read_json
 from plugins.models import get_model
 from plugins.optim import build_optimizer
-from tests.conftest import ROOT, make_cfg, requires_ort_training, run_cli
+from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -156,7 +155,7 @@ def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, workdir):
 
 def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
     args = [*COMMON, "parallel=ddp2", "train.steps=80", "train.checkpoint_every=10", "train.eval_every=40"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     scratch = tmp_path / "runs" / "cache" / "train"
@@ -287,7 +286,7 @@ def test_ort_gradients_match_torch(ort_runs, layout):
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
                              str(ROOT / "tests" / "grad_parity_rank.py"), str(transform),
                              *COMMON, "engine=ort", *LAYOUTS[layout]],
-                            capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            capture_output=True, text=True, timeout=600, env=cli_env())
     found = re.search(r'^(\{"worst".*)$', result.stdout, re.M)
     assert found, result.stdout[-2000:] + result.stderr[-3000:]
     parity = json.loads(found.group(1))

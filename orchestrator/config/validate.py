@@ -58,8 +58,6 @@ def memory_line(cfg: DictConfig) -> str:
 def time_line(cfg: DictConfig) -> str:
     """The plan's line on time: the step's FLOPs against this machine's matmul rate, measured now. A floor, not a
     forecast: the rest of a step (attention, norms, the optimizer, communication, pipeline bubbles) comes on top."""
-    import os
-
     import torch
 
     from plugins.estimate import matmul_rate, step_flops
@@ -377,7 +375,6 @@ def _init_from_problems(cfg: DictConfig) -> list[Problem]:
 
     from plugins import hf
     from plugins.fsio import read_json
-    from plugins.partition import build_plan
 
     path = cfg.train.init_from
     if not path:
@@ -563,7 +560,7 @@ def ort_install_problems(python: tuple[int, int] = tuple(sys.version_info[:2])) 
     this = ".".join(map(str, python))
     last = ".".join(map(str, LAST_PYTHON_WITH_WHEEL))
     no_wheel = python > LAST_PYTHON_WITH_WHEEL
-    install = f"pip install -e '.[ort]' (onnxruntime-training 1.19.2)"
+    install = "pip install -e '.[ort]' (onnxruntime-training 1.19.2)"
     fix = (f"engine=torch, or a Python {last} environment with {install}" if no_wheel
            else f"{install}, or engine=torch")
     why_no_wheel = (f"; onnxruntime-training publishes no wheel for Python {this} (its last release has wheels up to "
