@@ -82,7 +82,8 @@ def test_each_local_rank_gets_a_gpu_of_its_own(tmp_path):
     args = ["parallel=ddp2", "tracking=none", "precision=fp32", *STEPS]
     done = run_cli(args, tmp_path, timeout=900)
     if torch.cuda.device_count() < 2:
-        assert done.returncode == 2 and "CUDA GPU of its own" in done.stdout + done.stderr
+        said = " ".join(done.stderr.split())  # the refusal, its lines joined
+        assert done.returncode == 2 and "x parallel=" in said and "CUDA GPU of its own" in said, said
         return
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     single = losses(tmp_path / "one", run_debug(tmp_path / "one", "precision=fp32", *STEPS))
