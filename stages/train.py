@@ -122,13 +122,13 @@ def train(ctx: StageContext) -> None:
             skipped_in_a_row = skipped_in_a_row + 1 if window.rows[-1].get("skipped") else 0
             if step == start and kernels.compiled:  # the first step of an attempt compiles (or loads the cache)
                 _report_kernels(ctx, kernels, window.last_step_time())
-            if done - start == WARMUP_STEPS_EXCLUDED:
-                _synchronize(device)  # the warm-up steps' queued GPU work is not counted in the timed steps
+            # a window ends with the warm-up: its queued GPU work is timed with its own steps, not the timed ones
+            warmed_up = done - start == WARMUP_STEPS_EXCLUDED
             evaluating = done == steps or bool(eval_every and done % eval_every == 0)
             saved = done == steps or bool(checkpoint_every and done % checkpoint_every == 0)
             reason = preemption.stop_requested(bool(layout.world), control) if done < steps else None
             stalled = skipped_in_a_row >= t.max_nonfinite_skips
-            if evaluating or saved or reason or stalled or done % flush_every == 0:
+            if evaluating or saved or reason or stalled or warmed_up or done % flush_every == 0:
                 rows = window.flush()  # the only read-back from the device outside evaluation and fp16
                 diverged = _first_nonfinite(rows) or (rows[-1] if stalled else None)
                 if evaluating and not diverged:
@@ -314,15 +314,24 @@ def train_step(layout: Layout, optimizers, batch, step: int, lr: float, s: StepS
 class MetricsWindow:
     """Step records whose device values (loss, gradient norm) have not been read back yet. `flush` reads them all
     with one transfer and reduces the window over ranks with two collectives: the loss is a sum of rank
-    contributions, the idle share a mean, time and memory the worst rank's."""
+    contributions, the idle share a mean, time and memory the worst rank's.
+
+    Step times add up to the window's wall time, from its first step's start to the device finishing its last.
+    A step's own clock is host time: on a GPU the host runs ahead of the device (only a full launch queue stops
+    it), and the work still queued when the window is read back would otherwise be in no step (an overstated
+    tokens/s and MFU). So `flush` waits for the device and spreads the rest over the window's steps in proportion
+    to their host times; on a CPU the rest is what the loop does between steps (the next batch, progress)."""
 
     DEVICE_KEYS = ("loss", "grad_norm")
 
     def __init__(self, layout: Layout):
         self.layout = layout
         self.rows: list[dict] = []
+        self.started = 0.0  # perf_counter at the start of the window's first step
 
     def add(self, row: dict) -> None:
+        if not self.rows:
+            self.started = time.perf_counter() - row["step_time_s"]
         self.rows.append(row)
 
     def last_step_time(self) -> float:
@@ -332,6 +341,7 @@ class MetricsWindow:
         rows, self.rows = self.rows, []
         if not rows:
             return []
+        self._to_wall_time(rows)  # before the ranks compare times: each rank's own
         layout = self.layout
         losses = torch.stack([r["loss"].float() for r in rows])
         norms = torch.stack([r["grad_norm"].float() for r in rows])
@@ -351,6 +361,14 @@ class MetricsWindow:
             r["loss"], r["grad_norm"] = loss, norm
             r["tokens_per_s"] = r["tokens"] / r["step_time_s"]
         return rows
+
+    def _to_wall_time(self, rows: list[dict]) -> None:
+        _synchronize(self.layout.device)
+        host = sum(r["step_time_s"] for r in rows)
+        wall = time.perf_counter() - self.started
+        if host > 0 and wall > host:
+            for r in rows:
+                r["step_time_s"] *= wall / host
 
 
 def evaluate(layout: Layout, batcher, n_batches: int) -> float:

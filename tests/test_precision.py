@@ -188,6 +188,25 @@ def test_unknown_precision_exits_2_naming_the_options(workdir):
     assert "x precision=fp8" in result.stderr and "bf16" in result.stderr and "fp16" in result.stderr
 
 
+def test_step_times_add_up_to_the_windows_wall_time():
+    """Time that no step's own clock sees (on a GPU: the device finishing its queue, waited for at the read-back;
+    here a sleep stands in for it) is spread over the window's steps: tokens/s and MFU are not overstated."""
+    import time
+
+    from stages.train import MetricsWindow
+
+    cfg, layout, optimizers, batcher = _one_process("train.batch_size=2", "train.seq_len=16")
+    window, probe = MetricsWindow(layout), MemoryProbe(torch.device("cpu"))
+    t0 = time.perf_counter()
+    for step in range(3):
+        window.add(train_step(layout, optimizers, batcher.train_batch(step), step, 1e-3, StepSettings.of(cfg), probe))
+        time.sleep(0.2)
+    rows = window.flush()
+    wall = time.perf_counter() - t0
+    assert 0.6 <= sum(r["step_time_s"] for r in rows) <= wall
+    assert all(r["tokens_per_s"] == pytest.approx(r["tokens"] / r["step_time_s"]) for r in rows)
+
+
 def test_mfu_and_peaks():
     assert peak_flops(torch.device("cpu"), "bf16", False) is None
     assert mfu(124_000_000, 329_000.0, 989e12) == pytest.approx(0.2475, rel=1e-3)
