@@ -5,7 +5,8 @@ step, as the stage's batcher does) in the same precision:
 - stage: `stages.train.train_step` on the layout the stage builds (precision, attention kernel, fused AdamW,
   global-norm clipping, metrics read back every `log_every` steps through the stage's MetricsWindow), compiled
   per block with `plugins.kernels` when the mode compiles (triton=on's default scope);
-- hand loop: forward, loss, backward, AdamW(fused=True) step, zero_grad; `torch.autocast` for bf16;
+- hand loop: the batch copied through pinned memory without blocking (as nanoGPT's), forward, loss, backward,
+  AdamW(fused=True) step, zero_grad; `torch.autocast` for bf16;
   `torch.compile(model)` when the mode compiles; `loss.item()` every `log_every` steps.
 Rounds alternate (stage, loop, loop, stage, ...) after a warm-up round each (compilation included there); each
 round is timed between two `torch.cuda.synchronize()`. Printed per mode: tokens/s of both, the ratio
@@ -114,7 +115,9 @@ class HandLoop:
     def run(self, steps: int) -> None:
         for _ in range(steps):
             batch = self.batches[self.step % len(self.batches)]
-            x, y = batch.inputs.to(self.device), batch.labels.to(self.device)
+            x, y = batch.inputs, batch.labels
+            if self.device.type == "cuda":  # as nanoGPT's loop does: the host does not wait for the copy
+                x, y = (t.pin_memory().to(self.device, non_blocking=True) for t in (x, y))
             with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
                 logits = self.model(x)
             loss = self.loss_fn(logits, y) / batch.n_labels
