@@ -3,7 +3,6 @@ checked where CI cannot (it has no GPU). Small models: these check behaviour; be
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 from benchmarks.gpu import StageSide
 from plugins.data import build_batcher
 from plugins.parallel.mesh import pick_device
-from tests.conftest import cache_entry, make_cfg, run_cli, run_debug
+from tests.conftest import cache_entry, make_cfg, run_cli, run_debug, run_folder
 
 STEPS = ["train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", "train.log_every=5"]
 
@@ -50,7 +49,7 @@ def test_auto_precision_trains_in_bf16_on_the_gpu_and_reports_mfu_and_memory(tmp
     done = run_cli(["tracking=none", *STEPS], tmp_path, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "precision=auto: bf16" in done.stdout
-    run_dir = Path(re.search(r"^outputs: (\S+)", done.stdout, re.M).group(1))
+    run_dir = run_folder(done)
     summary = json.loads((run_dir / "stages/train/output/summary.json").read_text())
     assert summary["precision"] == "bf16" and summary["device"] == torch.cuda.get_device_name()
     assert summary["optimizer_impl"] == "fused" and summary["attention_kernel"] in ("flash", "cudnn", "efficient")
@@ -87,6 +86,6 @@ def test_each_local_rank_gets_a_gpu_of_its_own(tmp_path):
         return
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     single = losses(tmp_path / "one", run_debug(tmp_path / "one", "precision=fp32", *STEPS))
-    run_dir = Path(re.search(r"^outputs: (\S+)", done.stdout, re.M).group(1))
+    run_dir = run_folder(done)
     rows = (run_dir / "stages/train/output/metrics.jsonl").read_text().splitlines()
     assert relative([json.loads(r)["loss"] for r in rows], single) <= 1e-3

@@ -65,6 +65,13 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None =
                           capture_output=True, text=True, timeout=timeout)
 
 
+def run_folder(result: subprocess.CompletedProcess) -> Path:
+    """The run folder a CLI invocation printed (`outputs: <folder>`)."""
+    import re
+
+    return Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+
+
 DEBUG = ["cluster=debug", "tracking=none", *QUICK]
 
 

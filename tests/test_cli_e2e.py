@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import mlflow
 import psutil
 import pytest
 
-from tests.conftest import QUICK, cli_env, run_cli
+from tests.conftest import QUICK, cli_env, run_cli, run_folder
 
 pytestmark = pytest.mark.e2e
 STAGES = ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
@@ -242,7 +241,7 @@ def test_forked_and_executed_ranks_train_alike(tmp_path):
         (tmp_path / method).mkdir()
         result = run_cli([*args, f"cluster.start_method={method}"], tmp_path / method)
         assert result.returncode == 0, result.stdout + result.stderr
-        run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+        run_dir = run_folder(result)
         rows = (run_dir / "stages/train/output/metrics.jsonl").read_text().splitlines()
         losses[method] = [json.loads(row)["loss"] for row in rows]
         plan = json.loads((run_dir / "plan.json").read_text())

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 from orchestrator.config.validate import memory_line, partition_plan, time_line
 from plugins.estimate import estimate, step_flops
-from tests.conftest import make_cfg, run_cli
+from tests.conftest import make_cfg, run_cli, run_folder
 
 COMMON = ["model=gpt_small", "train.batch_size=8", "train.seq_len=256", "train.steps=3", "train.eval_every=0",
           "train.checkpoint_every=0", "tracking=none", "train.progress=false"]
@@ -47,7 +46,7 @@ def test_within_a_quarter_of_the_measured_peak(layout, workdir):
     args = [*COMMON, f"parallel={layout}"]
     result = run_cli(args, workdir)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    run_dir = run_folder(result)
     measured = json.loads((run_dir / "stages/train/output/summary.json").read_text())["peak_memory_growth_mb"]
     cfg = make_cfg(*args)
     estimated = estimate(cfg, partition_plan(cfg)).total / 2**20

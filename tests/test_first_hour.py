@@ -3,7 +3,6 @@ folders, loading the trained model in one line."""
 from __future__ import annotations
 
 import json
-import re
 import stat
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import torch
 import orchestrator
 from orchestrator.config.options import options_of
 from orchestrator.config.schema import GROUP_SCHEMAS
-from tests.conftest import QUICK, cli_env, run_cli
+from tests.conftest import QUICK, cli_env, run_cli, run_folder
 
 
 def test_help_names_every_group_and_option_and_no_schema(workdir):
@@ -29,7 +28,7 @@ def test_help_names_every_group_and_option_and_no_schema(workdir):
 def test_a_default_run_its_folder_and_its_model_in_one_line(workdir):
     result = run_cli([*QUICK, "tracking=none"], workdir)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    run_dir = run_folder(result)
     assert f"the trained model: {run_dir / 'stages/aggregate/output'}" in result.stdout
     assert not list(run_dir.rglob("*.log")) or all(p.stat().st_size > 0 for p in run_dir.rglob("*.log"))
     assert not (run_dir / "orchestrator.log").exists()

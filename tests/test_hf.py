@@ -4,7 +4,6 @@ aggregate's hf/ folder loads with AutoModelForCausalLM and gives the logits of o
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import validate
 from plugins import consolidate, hf
 from plugins.models import get_model
-from tests.conftest import make_cfg, run_cli
+from tests.conftest import make_cfg, run_cli, run_folder
 
 import transformers  # noqa: E402  (the [hf] extra, part of .[dev])
 
@@ -75,7 +74,7 @@ def test_round_trip_through_a_distributed_run(family, tmp_path):
             "tracking=none"]
     result = run_cli(args, work, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    run_dir = run_folder(result)
     aggregate = run_dir / "stages/aggregate/output"
     assert json.loads((aggregate / "manifest.json").read_text())["hf"] == "hf/"
     log = (run_dir / "stages/train/rank0.log").read_text()
@@ -144,7 +143,7 @@ def test_a_padded_vocabulary_gives_transformers_logits_and_saves_the_real_one(tm
 
 
 def _losses(result) -> list[float]:
-    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    run_dir = run_folder(result)
     train = run_dir / "stages/train/output"
     return [json.loads(line)["loss"] for line in (train / "metrics.jsonl").read_text().splitlines()]
 
@@ -165,6 +164,6 @@ def test_a_padded_vocabulary_trains_vocab_parallel_with_the_unpadded_loss(tmp_pa
         assert results[name].returncode == 0, results[name].stdout[-3000:] + results[name].stderr[-3000:]
     plain, padded = _losses(results["plain"]), _losses(results["padded"])
     assert len(padded) == 3 and padded == pytest.approx(plain, rel=1e-5, abs=0)
-    run_dir = Path(re.search(r"^outputs: (\S+)", results["padded"].stdout, re.M).group(1))
+    run_dir = run_folder(results["padded"])
     loaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "stages/aggregate/output/hf")
     assert loaded.config.vocab_size == 320

@@ -24,7 +24,7 @@ from plugins.data import build_batcher
 from plugins.fsio import read_json
 from plugins.models import get_model
 from plugins.optim import build_optimizer
-from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli
+from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli, run_folder
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,7 @@ ORT_RTOL = 1e-4  # engine=ort against engine=torch: ONNX Runtime's kernels round
 def outputs(result: subprocess.CompletedProcess) -> Path:
     """The run folder of a finished invocation (its stages/<name>/output links into the cache)."""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    return run_folder(result)
 
 
 def rows(run_dir: Path) -> list[dict]:

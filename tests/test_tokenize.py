@@ -13,7 +13,7 @@ import sysconfig
 from plugins.data import build_batcher, shards
 from plugins.data.batcher import tokenized
 from plugins.data.tokenizer import _bytes_backend, encode
-from tests.conftest import QUICK, cache_entry, make_cfg, run_cli, run_debug as run
+from tests.conftest import QUICK, cache_entry, make_cfg, run_cli, run_debug as run, run_folder
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +101,7 @@ def test_bpe_on_text_files_trains_and_its_hf_folder_generates(workdir, corpus):
     result = run_cli(args, workdir, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"tokenize\s+│ ran", result.stdout) and "(bpe, vocabulary 2,048)" in result.stdout
-    run_dir = Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
+    run_dir = run_folder(result)
     hf_dir = run_dir / "stages/aggregate/output/hf"
     assert (hf_dir / "tokenizer.json").is_file()
     generate = pipeline("text-generation", model=str(hf_dir), tokenizer=str(hf_dir))

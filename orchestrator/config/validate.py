@@ -581,9 +581,11 @@ def _gpu_count_problems(cfg: DictConfig) -> list[Problem]:
     """On a CUDA machine the local cluster gives each rank a GPU of its own: NCCL refuses two ranks on one."""
     p = cfg.parallel
     world = p.dp * p.hp * p.pp
-    if cfg.cluster.name != "local" or world == 1 or not _has_cuda() or world <= _cuda_devices():
+    if cfg.cluster.name != "local" or world == 1 or not _has_cuda():
         return []
     gpus = _cuda_devices()
+    if world <= gpus:
+        return []
     return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"cluster=local runs each of the layout's {world} "
                     f"ranks (dp*hp*pp) on a CUDA GPU of its own, and this machine shows {gpus} "
                     "(NCCL cannot put two ranks on one GPU)", f"a layout of at most {gpus} rank(s) (parallel=single "
