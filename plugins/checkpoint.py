@@ -14,7 +14,7 @@ import re
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from plugins.models.registry import set_full
 from plugins.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree,
                           verify_file_table)
 
@@ -38,7 +39,7 @@ def step_dir(root: Path, step: int) -> Path:
 
 
 @contextmanager
-def _quiet_single_process():
+def quiet_single_process():
     """DCP warns on every call without a process group that it "assumes" one process: that is our intent."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -103,7 +104,7 @@ def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]]
     _barrier()
     state = training_state(parts, aliases)
     try:
-        with _quiet_single_process():
+        with quiet_single_process():
             dcp.save(state, checkpoint_id=str(partial))
     except (OSError, RuntimeError) as e:
         remove_tree(partial)  # never leave a half-written folder (or a full disk) behind
@@ -143,17 +144,19 @@ def _explained(error: Exception, path: Path, state: dict) -> Exception:
     return error
 
 
-def load_full_weights(parts: Parts, state: dict[str, torch.Tensor], aliases: Optional[dict[str, str]] = None) -> None:
-    """Load a full (unsharded) state dict, keyed by our parameter names, into this rank's modules in whatever
-    layout they are: each keeps what it holds (its pipeline stage; its tensor- and data-parallel shards)."""
+def load_full_weights(parts: Parts, weights: Mapping[str, torch.Tensor], aliases: Optional[dict[str, str]] = None
+                      ) -> None:
+    """Load full (unsharded) weights, keyed by our parameter names, into this rank's modules in whatever layout
+    they are: each keeps what it holds (its pipeline stage; its tensor- and data-parallel shards). `weights` may
+    read each tensor when asked (plugins.hf.Weights): only the rank's own parameters are read, one at a time."""
     aliases = aliases or {}
-    full = StateDictOptions(full_state_dict=True)
     for module, _ in parts:
-        own = get_model_state_dict(module, options=_OPTIONS)
-        missing = [k for k in own if aliases.get(k, k) not in state]
+        own = list(module.named_parameters())
+        missing = [k for k, _ in own if aliases.get(k, k) not in weights]
         if missing:
             raise KeyError(f"the weights lack {len(missing)} parameter(s) of this model, e.g. {missing[0]}")
-        set_model_state_dict(module, {k: state[aliases.get(k, k)] for k in own}, options=full)
+        for k, p in own:
+            set_full(p, weights[aliases.get(k, k)])
 
 
 def load(path: Path, parts: Parts, aliases: Optional[dict[str, str]] = None) -> dict:
@@ -161,7 +164,7 @@ def load(path: Path, parts: Parts, aliases: Optional[dict[str, str]] = None) -> 
     layout wrote it; returns its manifest."""
     manifest = read_manifest(path)
     state = training_state(parts, aliases)
-    with _quiet_single_process():
+    with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
     apply_training_state(parts, state, aliases)
     return manifest

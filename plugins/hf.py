@@ -1,7 +1,8 @@
 """Hugging Face interop: a `save_pretrained` folder of a GPT-2 or Llama model in, a folder `transformers` loads out.
 
-Only files are read and written (config.json, safetensors), so importing needs neither `transformers` nor a
-network; the tests check both directions against `transformers` itself. Names map one to one, except GPT-2's
+Only files are read and written (config.json, safetensors, sharded as save_pretrained shards them), so importing
+needs neither `transformers` nor a network; the tests check both directions against `transformers` itself. Both
+directions go one tensor at a time: a rank imports only what it holds, and an export holds one shard. Names map one to one, except GPT-2's
 Conv1D layers, which store (in, out) where a Linear stores (out, in), and its fused q/k/v projection `c_attn`.
 Llama's q/k projections are stored by Hugging Face in the layout its rotate-half RoPE expects, which is ours.
 """
@@ -9,14 +10,17 @@ from __future__ import annotations
 
 import json
 import re
+from functools import partial
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+from plugins import safetensors_shards as shards
+from plugins.safetensors_shards import Reader
 
 PREFIX = "hf:"
+DEFAULT_SHARD_BYTES = 5 * 10**9  # save_pretrained's max_shard_size="5GB"
 ARCHITECTURES = {"GPT2LMHeadModel": "gpt", "LlamaForCausalLM": "llama"}
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
                     "silu": "silu"}
@@ -75,101 +79,139 @@ def differences(model_cfg, folder: Path) -> dict[str, tuple]:
                                               model_cfg.get(k) in (None, model_cfg.get("n_heads")))}
 
 
-def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    files = sorted(Path(folder).glob("*.safetensors"))
-    if not files:
-        raise HFError(f"{folder} holds no *.safetensors weights (save with safe_serialization=True)")
-    out = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            out.update({k: handle.get_tensor(k) for k in handle.keys()})
-    return out
-
-
 VOCAB_ROWS = ("wte.weight", "lm_head.weight")  # the parameters model.pad_vocab_to pads
+GPT2_CONV = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}  # stored (in, out)
+GPT2_NORMS = {"ln_1": "ln1", "ln_2": "ln2"}
+GPT2_TOP = ("wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight")
+LLAMA_NAMES = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
+               "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.fc1", "mlp.up_proj": "mlp.fc3",
+               "mlp.down_proj": "mlp.fc2", "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
+LLAMA_TOP = {"embed_tokens.weight": "wte.weight", "norm.weight": "ln_f.weight", "lm_head.weight": "lm_head.weight"}
 
 
-def load_state(folder: Path, vocab_rows: Optional[int] = None) -> dict[str, torch.Tensor]:
-    """The folder's weights under our parameter names (fp32); with vocab_rows, the embedding and head padded with
-    zero rows to that many (model.pad_vocab_to: the padding's logits never count)."""
+class Weights(Mapping[str, torch.Tensor]):
+    """A folder's weights under our parameter names, each read from the files when asked for (fp32, contiguous):
+    a rank that holds a shard of a layer reads that layer's tensors, never the whole model."""
+
+    def __init__(self, recipes: dict[str, Callable[[], torch.Tensor]]):
+        self._recipes = recipes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._recipes[name]().contiguous()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._recipes)
+
+    def __len__(self) -> int:
+        return len(self._recipes)
+
+
+def _reader(folder: Path) -> Reader:
+    """save_pretrained's model.safetensors or its sharded set; else whatever *.safetensors the folder holds."""
+    try:
+        return Reader(folder, "model" if shards.exists(folder, "model") else None)
+    except FileNotFoundError:
+        raise HFError(f"{folder} holds no *.safetensors weights (save with safe_serialization=True)") from None
+
+
+def load_state(folder: Path, vocab_rows: Optional[int] = None) -> Weights:
+    """The folder's weights under our parameter names (fp32), read lazily; with vocab_rows, the embedding and head
+    padded with zero rows to that many (model.pad_vocab_to: the padding's logits never count)."""
     family, cfg = read_config(folder)
-    hf = {re.sub(r"^(transformer|model)\.", "", k): v.float() for k, v in _hf_tensors(folder).items()}
-    ours: dict[str, torch.Tensor] = {}
+    reader = _reader(folder)
+    names = {re.sub(r"^(transformer|model)\.", "", k): k for k in reader}
+
+    def get(short: str) -> torch.Tensor:
+        return reader[names[short]].float()
+
+    recipes: dict[str, Callable[[], torch.Tensor]] = {}
     if family == "gpt":
         d = cfg["d_model"]
-        for k, v in hf.items():
-            m = re.match(r"h\.(\d+)\.(.+)$", k)
+        for short in names:
+            m = re.match(r"h\.(\d+)\.(.+)$", short)
             if not m:
-                name = {"wte.weight": "wte.weight", "wpe.weight": "wpe.weight", "ln_f.weight": "ln_f.weight",
-                        "ln_f.bias": "ln_f.bias", "lm_head.weight": "lm_head.weight"}.get(k)
-                if name:
-                    ours[name] = v
+                if short in GPT2_TOP:
+                    recipes[short] = partial(get, short)
                 continue
             i, rest = m.groups()
             pre = f"layers.{i}."
-            if rest.startswith("attn.c_attn."):
-                leaf = rest.rsplit(".", 1)[1]
-                q, kk, vv = (v.t() if leaf == "weight" else v).split(d, dim=0)
-                ours.update({pre + f"attn.wq.{leaf}": q, pre + f"attn.wk.{leaf}": kk, pre + f"attn.wv.{leaf}": vv})
-                continue
-            conv = {"attn.c_proj": "attn.wo", "mlp.c_fc": "mlp.fc1", "mlp.c_proj": "mlp.fc2"}
-            plain = {"ln_1": "ln1", "ln_2": "ln2"}
             module, leaf = rest.rsplit(".", 1)
-            if module in conv:
-                ours[pre + f"{conv[module]}.{leaf}"] = v.t() if leaf == "weight" else v
-            elif module in plain:
-                ours[pre + f"{plain[module]}.{leaf}"] = v
+            if module == "attn.c_attn":  # fused q/k/v, stored (in, 3 * out)
+                for j, x in enumerate("qkv"):
+                    recipes[pre + f"attn.w{x}.{leaf}"] = partial(_fused_part, get, short, leaf == "weight", d, j)
+            elif module in GPT2_CONV:
+                recipes[pre + f"{GPT2_CONV[module]}.{leaf}"] = partial(_conv, get, short, leaf == "weight")
+            elif module in GPT2_NORMS:
+                recipes[pre + f"{GPT2_NORMS[module]}.{leaf}"] = partial(get, short)
     else:
-        names = {"self_attn.q_proj": "attn.wq", "self_attn.k_proj": "attn.wk", "self_attn.v_proj": "attn.wv",
-                 "self_attn.o_proj": "attn.wo", "mlp.gate_proj": "mlp.fc1", "mlp.up_proj": "mlp.fc3",
-                 "mlp.down_proj": "mlp.fc2", "input_layernorm": "ln1", "post_attention_layernorm": "ln2"}
-        for k, v in hf.items():
-            m = re.match(r"layers\.(\d+)\.(.+)\.weight$", k)
-            if m and m.group(2) in names:
-                ours[f"layers.{m.group(1)}.{names[m.group(2)]}.weight"] = v
-            elif k in ("embed_tokens.weight", "norm.weight", "lm_head.weight"):
-                ours[{"embed_tokens.weight": "wte.weight", "norm.weight": "ln_f.weight"}.get(k, k)] = v
+        for short in names:
+            m = re.match(r"layers\.(\d+)\.(.+)\.weight$", short)
+            if m and m.group(2) in LLAMA_NAMES:
+                recipes[f"layers.{m.group(1)}.{LLAMA_NAMES[m.group(2)]}.weight"] = partial(get, short)
+            elif short in LLAMA_TOP:
+                recipes[LLAMA_TOP[short]] = partial(get, short)
     if cfg["tie_embeddings"]:
-        ours.pop("lm_head.weight", None)
+        recipes.pop("lm_head.weight", None)
     for k in VOCAB_ROWS:
-        if vocab_rows and k in ours and ours[k].shape[0] < vocab_rows:
-            ours[k] = torch.cat([ours[k], ours[k].new_zeros(vocab_rows - ours[k].shape[0], ours[k].shape[1])])
-    return {k: v.contiguous() for k, v in ours.items()}
+        if vocab_rows and k in recipes:
+            recipes[k] = partial(_padded, recipes[k], vocab_rows)
+    return Weights(recipes)
 
 
-def save_folder(folder: Path, state: dict[str, torch.Tensor], model_cfg) -> Optional[str]:
-    """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, from our full (fp32) state.
-    Returns why not when the model cannot be expressed (then nothing is written)."""
+def _fused_part(get, short: str, weight: bool, d: int, j: int) -> torch.Tensor:
+    fused = get(short)
+    return (fused.t() if weight else fused).split(d, dim=0)[j]
+
+
+def _conv(get, short: str, weight: bool) -> torch.Tensor:
+    return get(short).t() if weight else get(short)
+
+
+def _padded(make: Callable[[], torch.Tensor], rows: int) -> torch.Tensor:
+    t = make()
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) if t.shape[0] < rows else t
+
+
+def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Optional[str]:
+    """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, from our full (fp32) weights (a dict,
+    or a Reader of the aggregated files: read one Hugging Face tensor at a time, written in shards of at most
+    max_shard_bytes). Returns why not when the model cannot be expressed (then nothing is written)."""
     folder = Path(folder)
-    state = {k: (v[:model_cfg.vocab_size] if k in VOCAB_ROWS else v).detach().float().contiguous()
-             for k, v in state.items()}  # without model.pad_vocab_to's rows: Hugging Face has the real vocabulary
-    if model_cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    n, d = model_cfg.n_layers, model_cfg.d_model
+    d, n = model_cfg.d_model, model_cfg.n_layers
+
+    def ours(name: str, on_meta: bool) -> torch.Tensor:
+        if on_meta:  # shapes only: the sizes of the shards are planned before anything is read
+            shape = weights.shape(name) if isinstance(weights, Reader) else weights[name].shape  # no read
+            t = torch.empty(shape, device="meta")
+        else:
+            t = weights[name].detach().float()
+        # without model.pad_vocab_to's rows: Hugging Face has the real vocabulary
+        return t[:model_cfg.vocab_size] if name in VOCAB_ROWS else t
+
+    def bias(name: str, rows: int, on_meta: bool) -> torch.Tensor:
+        return ours(name, on_meta) if name in weights else torch.zeros(rows, device="meta" if on_meta else "cpu")
+
+    recipes: dict[str, Callable[[bool], torch.Tensor]] = {}
     if model_cfg.name == "gpt":
         act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}.get(model_cfg.activation)
         if act is None:
             return f"GPT-2 has no activation {model_cfg.activation!r}"
-        zeros = torch.zeros
-        hf = {"transformer.wte.weight": state["wte.weight"], "transformer.wpe.weight": state["wpe.weight"],
-              "transformer.ln_f.weight": state["ln_f.weight"],
-              "transformer.ln_f.bias": state.get("ln_f.bias", zeros(d))}
+        recipes.update({f"transformer.{k}": partial(ours, k) for k in ("wte.weight", "wpe.weight", "ln_f.weight")})
+        recipes["transformer.ln_f.bias"] = partial(bias, "ln_f.bias", d)
         for i in range(n):
             p, h = f"layers.{i}.", f"transformer.h.{i}."
-
-            def w(name, rows):
-                return state.get(p + name, zeros(rows))
-            hf[h + "attn.c_attn.weight"] = torch.cat([state[p + f"attn.w{x}.weight"] for x in "qkv"], 0).t().contiguous()
-            hf[h + "attn.c_attn.bias"] = torch.cat([w(f"attn.w{x}.bias", d) for x in "qkv"])
-            hf[h + "attn.c_proj.weight"] = state[p + "attn.wo.weight"].t().contiguous()
-            hf[h + "attn.c_proj.bias"] = w("attn.wo.bias", d)
-            hf[h + "mlp.c_fc.weight"] = state[p + "mlp.fc1.weight"].t().contiguous()
-            hf[h + "mlp.c_fc.bias"] = w("mlp.fc1.bias", model_cfg.d_ff)
-            hf[h + "mlp.c_proj.weight"] = state[p + "mlp.fc2.weight"].t().contiguous()
-            hf[h + "mlp.c_proj.bias"] = w("mlp.fc2.bias", d)
-            for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-                hf[h + f"{theirs}.weight"] = state[p + f"{ours}.weight"]
-                hf[h + f"{theirs}.bias"] = w(f"{ours}.bias", d)
+            recipes[h + "attn.c_attn.weight"] = lambda m, p=p: torch.cat([ours(p + f"attn.w{x}.weight", m)
+                                                                          for x in "qkv"], 0).t()
+            recipes[h + "attn.c_attn.bias"] = lambda m, p=p: torch.cat([bias(p + f"attn.w{x}.bias", d, m)
+                                                                        for x in "qkv"])
+            for theirs, mine in GPT2_CONV.items():
+                rows = model_cfg.d_ff if mine == "mlp.fc1" else d
+                recipes[h + f"{theirs}.weight"] = lambda m, k=p + f"{mine}.weight": ours(k, m).t()
+                recipes[h + f"{theirs}.bias"] = partial(bias, p + f"{mine}.bias", rows)
+            for theirs, mine in GPT2_NORMS.items():
+                recipes[h + f"{theirs}.weight"] = partial(ours, p + f"{mine}.weight")
+                recipes[h + f"{theirs}.bias"] = partial(bias, p + f"{mine}.bias", d)
         config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model_cfg.vocab_size,
                   "n_positions": model_cfg.max_seq_len, "n_embd": d, "n_layer": n, "n_head": model_cfg.n_heads,
                   "n_inner": model_cfg.d_ff, "activation_function": act, "layer_norm_epsilon": 1e-5,
@@ -178,13 +220,11 @@ def save_folder(folder: Path, state: dict[str, torch.Tensor], model_cfg) -> Opti
     else:
         if model_cfg.bias:
             return "Llama with biases cannot be written as a LlamaForCausalLM (attention_bias and mlp_bias differ)"
-        names = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
-                 "attn.wo": "self_attn.o_proj", "mlp.fc1": "mlp.gate_proj", "mlp.fc3": "mlp.up_proj",
-                 "mlp.fc2": "mlp.down_proj", "ln1": "input_layernorm", "ln2": "post_attention_layernorm"}
-        hf = {"model.embed_tokens.weight": state["wte.weight"], "model.norm.weight": state["ln_f.weight"]}
+        recipes.update({"model.embed_tokens.weight": partial(ours, "wte.weight"),
+                        "model.norm.weight": partial(ours, "ln_f.weight")})
         for i in range(n):
-            for ours, theirs in names.items():
-                hf[f"model.layers.{i}.{theirs}.weight"] = state[f"layers.{i}.{ours}.weight"]
+            for theirs, mine in LLAMA_NAMES.items():
+                recipes[f"model.layers.{i}.{theirs}.weight"] = partial(ours, f"layers.{i}.{mine}.weight")
         theta = float(model_cfg.rope_theta)
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model_cfg.vocab_size,
                   "hidden_size": d, "intermediate_size": model_cfg.d_ff, "num_hidden_layers": n,
@@ -195,8 +235,9 @@ def save_folder(folder: Path, state: dict[str, torch.Tensor], model_cfg) -> Opti
                   "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                   "tie_word_embeddings": bool(model_cfg.tie_embeddings), "bos_token_id": None, "eos_token_id": None}
     if not model_cfg.tie_embeddings:
-        hf["lm_head.weight"] = state["lm_head.weight"]
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(hf, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        recipes["lm_head.weight"] = partial(ours, "lm_head.weight")
+    entries = [shards.Entry(k, tuple(planned.shape), planned.dtype, partial(make, False))
+               for k, make in recipes.items() for planned in [make(True)]]
+    shards.write(folder, "model", entries, max_shard_bytes, metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n")
     return None

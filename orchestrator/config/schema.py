@@ -306,6 +306,19 @@ class ExportConfig:
 
 
 @dataclass
+class AggregateConfig:
+    shard_size_mb: float = key(5000, "largest safetensors file of the aggregated checkpoint and of its hf/ folder: "
+                                     "above it they are sharded with an index, as save_pretrained shards (its default "
+                                     "is 5 GB). Files only: the stage streams, its memory does not depend on it",
+                               min=0.001)
+    onnx: bool = key(True, "write the ONNX inference model (model.onnx) and check it in ONNX Runtime, which holds the "
+                           "weights once more; false skips it where that cannot fit the aggregating node")
+    onnx_external_data_mb: float = key(2000, "weights of model.onnx beyond this go to model.onnx.data (ONNX's external "
+                                             "data: protobuf cannot hold a model over 2 GiB); 0 puts them there always",
+                                       min=0.0, max=2000)
+
+
+@dataclass
 class TransformConfig:
     passes: List[str] = key(["layernorm_stats_outputs"], "ONNX passes applied in order (plugins/onnx/passes.py)")
 
@@ -325,6 +338,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
+    aggregate: AggregateConfig = field(default_factory=AggregateConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     tune: TuneConfig = MISSING
     dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)

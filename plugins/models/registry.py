@@ -41,9 +41,11 @@ class EngineUnit:
 @dataclass(frozen=True)
 class ModelSpec:
     build: Callable[[Any], nn.Module]
-    """cfg.model -> module with its parameters initialised (on the current default device)."""
+    """cfg.model -> module (on the current default device; built on the meta device for plans and layouts, then
+    split, sharded and materialised: init_weights gives the values)."""
     init_weights: Callable[[nn.Module, Any, int], None]
-    """(module, cfg.model, seed) -> None: deterministic, layout-independent initialisation."""
+    """(module, cfg.model, seed) -> None: deterministic, layout-independent initialisation of every parameter and
+    buffer. Parameters may be shards of any layout (DTensors): each takes its part of the full value (set_full)."""
     apply_memory: Callable[[nn.Module, int], nn.Module]
     """(module, memory level) -> module with activation recomputation applied."""
     partition: Callable[[str], Partition]
@@ -114,3 +116,54 @@ def build_on_meta(spec: ModelSpec, model_cfg) -> nn.Module:
     finally:
         for name, fn in saved.items():
             setattr(nn.init, name, fn)
+
+
+def materialise(module: nn.Module, device: torch.device) -> nn.Module:
+    """Storage on `device` for a module built on the meta device, after it was split and sharded: only what this
+    rank holds is allocated (TorchTitan's order: meta init, parallelize, to_empty, init_weights). Values are
+    undefined until init_weights or a checkpoint fills them. A plain tied parameter is given a new Parameter per
+    module by to_empty (DTensors are swapped in place): the ties are made again."""
+    ties = [(alias, names[0]) for names, _ in tie_groups(module) for alias in names[1:]]
+    module.to_empty(device=device)
+    for alias, canonical in ties:
+        owner, leaf = _owner(module, alias)
+        setattr(owner, leaf, module.get_parameter(canonical))
+    return module
+
+
+def tie_groups(module: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Every parameter once, with all the names it is reachable under (the first is named_parameters' name)."""
+    groups: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(p), ([], p))[0].append(name)
+    return list(groups.values())
+
+
+def _owner(module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    path, _, leaf = name.rpartition(".")
+    return (module.get_submodule(path) if path else module), leaf
+
+
+@torch.no_grad()
+def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Give a parameter its part of the full value: all of it, or a DTensor's local shard under any placement
+    (tensor-parallel, FSDP's, both), copied from a view of the full value at the shard's global offset (the
+    offsets DCP records for every chunk it saves). Only this one parameter's full value exists beside the shards."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offset = compute_local_shape_and_global_offset(full.shape, param.device_mesh, param.placements)
+        for dim, (size, start) in enumerate(zip(shape, offset)):
+            full = full.narrow(dim, start, size)
+        param = param.to_local()
+    param.copy_(full)
+
+
+@torch.no_grad()
+def set_constant(param: torch.Tensor, value: float) -> None:
+    """A constant fill (norm scales, biases): every shard of it is the same, no full value needed."""
+    from torch.distributed.tensor import DTensor
+
+    (param.to_local() if isinstance(param, DTensor) else param).fill_(value)

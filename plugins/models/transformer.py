@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
+from plugins.models.registry import EngineUnit, ModelSpec, Partition, set_constant, set_full, vocab_rows
 
 
 def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
@@ -162,21 +162,20 @@ def _name_seed(seed: int, name: str) -> int:
 
 def init_weights(model: nn.Module, cfg, seed: int) -> None:
     """GPT-2 initialisation (norm scales 1, biases 0, weights normal(init_std)); residual projections scaled by
-    1/sqrt(2 * n_layers)."""
+    1/sqrt(2 * n_layers). A random weight is drawn in full from its own generator, then this rank keeps its shard:
+    the values do not depend on the layout, and only one full weight exists at a time."""
     resid_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
+    for name, p in model.named_parameters():
+        if name.endswith(".bias"):
+            set_constant(p, 0.0)
+        elif re.search(r"ln\w*\.weight$", name):
+            set_constant(p, 1.0)
+        else:
             # a tied head is called lm_head.weight on a last pipeline stage without the embedding
             canonical = "wte.weight" if cfg.tie_embeddings and name == "lm_head.weight" else name
             g = torch.Generator().manual_seed(_name_seed(seed, canonical))
-            if name.endswith(".bias"):
-                value = torch.zeros(p.shape)
-            elif re.search(r"ln\w*\.weight$", name):
-                value = torch.ones(p.shape)
-            else:
-                std = resid_std if re.search(r"\.(wo|fc2)\.weight$", name) else cfg.init_std
-                value = torch.randn(p.shape, generator=g) * std
-            p.copy_(value.to(p.dtype))
+            std = resid_std if re.search(r"\.(wo|fc2)\.weight$", name) else cfg.init_std
+            set_full(p, torch.randn(p.shape, generator=g).mul_(std).to(p.dtype))
 
 
 def apply_memory(model: nn.Module, level: int) -> nn.Module:

@@ -5,7 +5,9 @@ numbers), so that the core install needs no ONNX Runtime at all.
 Two kinds of graph:
 - training graphs (`params_as_inputs=True`): parameters are graph inputs named by their module names,
   dropout in training mode, no constant folding: what ONNX Runtime's training engine consumes;
-- inference graphs (`params_as_inputs=False`): weights embedded, eval mode: a self-contained model.
+- inference graphs: weights embedded, eval mode: a self-contained model. `export_inference` traces the graph with
+  the parameters as inputs and writes the weights in afterwards, one at a time (plugins/onnx/weights.py): any size,
+  external data above a threshold, never the model and the graph's copy of its weights at once.
 
 The module is wrapped so the exporter sees flat tensors; the IOSchema restores the module's nesting.
 """
@@ -14,7 +16,8 @@ from __future__ import annotations
 import copy
 import io
 import warnings
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 import onnx
@@ -23,6 +26,7 @@ from torch import nn
 
 from plugins.onnx.io_schema import IOSchema, flatten, unflatten
 from plugins.onnx.passes import dropout_inference
+from plugins.onnx.weights import embed
 
 _WRAPPED = "module."
 
@@ -66,13 +70,15 @@ def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
 
 
 def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], output_names: Sequence[str],
-                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool, verbose: bool = False
-                  ) -> tuple[onnx.ModelProto, IOSchema]:
+                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool, verbose: bool = False,
+                  training: Optional[bool] = None) -> tuple[onnx.ModelProto, IOSchema]:
+    """training: dropout in training mode (default: for graphs with parameters as inputs, the training graphs)."""
     schema = describe(module, args, input_names, output_names, dynamic_axes)
     flat_args, _ = flatten(tuple(args), "input", item_names=list(input_names))
     f = io.BytesIO()
     was_training = module.training
-    module.train(params_as_inputs)
+    training = params_as_inputs if training is None else training
+    module.train(training)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
@@ -80,7 +86,7 @@ def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], ou
                 _FlatModule(module, schema), tuple(flat_args), f, dynamo=False,
                 input_names=schema.input_names, output_names=schema.output_names,
                 dynamic_axes=schema.dynamic_axes, opset_version=opset, do_constant_folding=not params_as_inputs,
-                training=torch.onnx.TrainingMode.TRAINING if params_as_inputs else torch.onnx.TrainingMode.EVAL,
+                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
                 export_params=not params_as_inputs, keep_initializers_as_inputs=params_as_inputs, verbose=verbose)
     finally:
         module.train(was_training)
@@ -104,20 +110,22 @@ def check_runtime() -> str:
     return f"onnxruntime {onnxruntime.__version__}"
 
 
-def run_graph(model: onnx.ModelProto, feeds: dict[str, torch.Tensor], threads: int = 1) -> list[np.ndarray]:
-    """The graph's outputs for these inputs, in ONNX Runtime if installed, else in onnx's reference evaluator."""
+def run_graph(model: Union[onnx.ModelProto, Path], feeds: dict[str, torch.Tensor], threads: int = 1) -> list[np.ndarray]:
+    """The graph's outputs for these inputs, in ONNX Runtime if installed, else in onnx's reference evaluator. A
+    path is opened where it lies, so that its external data is found beside it."""
     try:
         import onnxruntime as ort
     except ImportError:
         from onnx.reference import ReferenceEvaluator
 
-        session = ReferenceEvaluator(model)
+        session = ReferenceEvaluator(str(model) if isinstance(model, Path) else model)
         wanted = set(session.input_names)
         return session.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in wanted})
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
-    session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    source = str(model) if isinstance(model, Path) else model.SerializeToString()
+    session = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
     wanted = {i.name for i in session.get_inputs()}
     return session.run(None, {k: v.detach().cpu().numpy() for k, v in feeds.items() if k in wanted})
 
@@ -176,6 +184,45 @@ def export_model(module: nn.Module, spec, model_cfg, export_cfg, opset: int, par
     return export_checked(module, lambda b, t: spec.example_inputs(model_cfg, b, t), spec.input_names,
                           spec.output_names, spec.dynamic_axes, export_cfg, opset, model_cfg.max_seq_len,
                           params_as_inputs, verbose)
+
+
+def export_inference(build: Callable[[], nn.Module], weight: Callable[[str], torch.Tensor], spec, model_cfg, export_cfg,
+                     opset: int, path: Path, external_above_bytes: int) -> tuple[IOSchema, dict]:
+    """The whole model as a self-contained inference graph at path, at any size, checked like export_checked.
+
+    The graph is traced with the parameters as inputs (eval mode, nothing folded), so it holds no weights; the
+    torch model's outputs on the check's inputs are kept and the model dropped; then the weights are written into
+    the graph one at a time from weight(name) (inside, or as external data above external_above_bytes), and
+    the saved model runs in ONNX Runtime from its file. Peak memory: the model while it is traced, then ONNX
+    Runtime's copy of the weights, never both."""
+    import time
+
+    t0 = time.perf_counter()
+    module = build()
+    graph, schema = export_module(module, spec.example_inputs(model_cfg, export_cfg.sample_batch, export_cfg.sample_seq),
+                                  spec.input_names, spec.output_names, spec.dynamic_axes, opset,
+                                  params_as_inputs=True, training=False)
+    params = list(parameter_feeds(module, graph))
+    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, model_cfg.max_seq_len)
+    args = spec.example_inputs(model_cfg, batch, seq)
+    module.eval()
+    with torch.no_grad():
+        want, _ = flatten(module(*args), "out")
+    del module
+    stored = embed(graph, params, weight, path, external_above_bytes)
+    export_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    flat_args, _ = flatten(tuple(args), "input")
+    got = run_graph(Path(path), dict(zip(schema.input_names, flat_args)))
+    diff = max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
+    if not diff <= export_cfg.verify_atol:
+        raise RuntimeError(f"ONNX check failed: max |outputs({check_runtime()}) - outputs(torch)| = {diff:.3g} exceeds "
+                           f"export.verify_atol={export_cfg.verify_atol} (batch {batch}, sequence {seq})")
+    record = {"opset": opset, "nodes": len(graph.graph.node), "export_s": export_s, "check_s": time.perf_counter() - t0,
+              "weights_bytes": stored["bytes"], "external_data": stored["external_data"],
+              "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq,
+                        "runtime": check_runtime()}}
+    return schema, record
 
 
 UNIT_AXES = {"x": {0: "batch", 1: "sequence"}, "y": {0: "batch", 1: "sequence"}}

@@ -1,9 +1,11 @@
 """This rank's share of the model, built from the partition plan the transform stage wrote.
 
-`build_layout` makes the rank's pipeline stage module(s) (layers by global index, so parameter names are
-the same in every layout), initialises them by name, applies recomputation, tensor parallelism (the
-model's `parallelize`) and data parallelism (FSDP2), checks the result against the plan, and chooses the
-runner (microbatch loop or pipeline schedule). One process is the layout with every size 1.
+`build_layout` makes the rank's pipeline stage module(s) on the meta device (layers by global index, so
+parameter names are the same in every layout), applies recomputation, tensor parallelism (the model's
+`parallelize`) and data parallelism (FSDP2) there, then allocates only the rank's shards and initialises them
+by name (each weight drawn in full from its own seed, its shard kept: every layout starts from the same values),
+checks the result against the plan, and chooses the runner (microbatch loop or pipeline schedule). A rank's peak
+while building is its shards plus the largest single parameter. One process is the layout with every size 1.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from plugins.models.registry import build_on_meta, materialise
 from plugins.parallel.data import apply_dp
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
@@ -89,17 +92,19 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
     local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
     parts = []
     for st in local_stages:
-        module = spec.build(cfg.model)
+        # structure first, on the meta device: split, recomputation, hp and dp shard it there, so that only this
+        # rank's shards are ever allocated (materialise), then filled with the values every layout shares
+        module = build_on_meta(spec, cfg.model)
         if p.pp > 1:
             module = spec.split(module, st["layers"], st["embedding"], st["head"])
-        spec.init_weights(module, cfg.model, cfg.train.seed)
-        module.to(device)
         spec.apply_memory(module, cfg.memory.level)
         if p.hp > 1:
             spec.parallelize(module, mesh["hp"], p)
         if p.dp > 1:  # ONNX Runtime keeps pointers to the parameters from forward to backward
             apply_dp(module, mesh["dp"], p.dp_mode, spec.blocks(module),
                      reshard_after_forward=cfg.engine.name != "ort", mp_policy=precision.fsdp_policy())
+        materialise(module, device)
+        spec.init_weights(module, cfg.model, cfg.train.seed)
         parts.append(module)
     check_against_plan(parts, plan)
 

@@ -1,0 +1,72 @@
+"""One rank of the "a rank allocates only what it holds" check (run by tests with torch.distributed.run).
+
+Builds this rank's part of the layout (build_layout, as the train stage does) under torch's profiler, which sees
+every allocation and free of the CPU allocator, and prints one JSON line per rank: the peak of live bytes while
+building, the bytes of the parameters this rank holds (its shards), and the largest parameter of the model.
+
+    python -m torch.distributed.run --nproc_per_node=N tests/layout_memory_rank.py overrides...
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch._C._profiler import _EventType
+from torch.distributed.tensor import DTensor
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from plugins.models import build_on_meta, get_model  # noqa: E402
+from plugins.parallel.layout import build_layout  # noqa: E402
+from plugins.partition import build_plan  # noqa: E402
+from tests.conftest import make_cfg  # noqa: E402
+
+
+def peak_allocated(fn) -> tuple[int, object]:
+    """The peak of live CPU bytes allocated by fn (allocations and frees in time order), and fn's result."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    events = []
+
+    def walk(nodes):
+        for n in nodes:
+            if n.tag == _EventType.Allocation and n.extra_fields.device.type == "cpu":
+                events.append((n.start_time_ns, n.extra_fields.alloc_size))
+            walk(n.children)
+
+    walk(prof.profiler.kineto_results.experimental_event_tree())
+    live = peak = 0
+    for _, size in sorted(events):
+        live += size
+        peak = max(peak, live)
+    return peak, result
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    cfg = make_cfg(*sys.argv[1:])
+    spec = get_model(cfg.model.name)
+    plan = build_plan(cfg.model, cfg.parallel)
+    full = build_on_meta(spec, cfg.model)
+    largest = max(p.numel() * p.element_size() for p in full.parameters())
+    peak, layout = peak_allocated(lambda: build_layout(cfg, plan, spec, torch.device("cpu")))
+    held = 0
+    for _, p in layout.params:
+        local = p.to_local() if isinstance(p, DTensor) else p
+        held += local.numel() * local.element_size()
+    line = {"rank": dist.get_rank(), "peak": peak, "held": held, "largest": largest,
+            "model": sum(p.numel() * p.element_size() for p in full.parameters())}
+    lines = [None] * dist.get_world_size()
+    dist.all_gather_object(lines, line)
+    if dist.get_rank() == 0:
+        print(json.dumps(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""Models of any size: a rank allocates only what it holds, aggregation streams into sharded files that transformers,
+orchestrator.load and ONNX Runtime read, and the bytes that decide it are small here (shard and external-data
+thresholds of a few hundred KB force the code paths a 70B model takes)."""
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+import orchestrator
+from plugins import consolidate
+from plugins.dcp_reader import CheckpointReader
+from plugins.safetensors_shards import Reader, same_bits
+from tests.conftest import ROOT, cache_entry, cli_env, run_debug
+from tests.layout_memory_rank import peak_allocated
+
+WIDE = ["model.d_model=128", "model.d_ff=512", "model.n_layers=8"]  # parameters dominate what a rank allocates
+BOOKKEEPING = 16 * 2**10  # what building a layout allocates besides parameters (the mesh's rank tensor, ...)
+
+
+@pytest.mark.parametrize("layout", [["parallel.pp=4", "parallel.microbatches=4"], ["parallel.hp=2"],
+                                    ["parallel.dp=2", "parallel.hp=2", "parallel.pp=2", "parallel.microbatches=2"],
+                                    ["model=llama_tiny", "parallel.hp=2", "parallel.dp=2", "parallel.dp_mode=shard"]],
+                         ids=["pp4", "hp2", "dp2_hp2_pp2", "llama-hp2_dp2"])
+def test_a_rank_allocates_its_shards_and_at_most_one_full_parameter_besides(layout):
+    """TorchTitan's order (meta, split and shard, then allocate): building a rank's part of the layout never holds
+    more than its own parameters plus one full parameter (the one being initialised), measured by the profiler's
+    record of every allocation. Building the whole model first, as before, allocates all of it on every rank."""
+    world = math.prod(int(v) for v in re.findall(r"parallel\.(?:dp|hp|pp)=(\d+)", " ".join(layout)))
+    model = [] if any(a.startswith("model=") for a in layout) else WIDE
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc_per_node={world}", str(ROOT / "tests" / "layout_memory_rank.py"),
+                             *model, *layout], capture_output=True, text=True, timeout=600, env=cli_env())
+    found = re.search(r"^(\[\{.*)$", result.stdout, re.M)
+    assert found, result.stdout[-2000:] + result.stderr[-3000:]
+    for rank in json.loads(found.group(1)):
+        assert rank["held"] < rank["model"]
+        assert rank["peak"] <= rank["held"] + rank["largest"] + BOOKKEEPING, rank
+
+
+def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path):
+    """Aggregation's writer holds one read group (and the tensor being read back), never the state: with a 64 KB
+    group, the peak of live bytes stays far below the checkpoint's, and the files hold the checkpoint bit for bit."""
+    report = run_debug(tmp_path, "train.steps=2", "train.eval_every=0", "train.checkpoint_every=0")
+    source = CheckpointReader(cache_entry(tmp_path, report, "checkpoint"))
+    state = sum(math.prod(shape) * 4 for section in ("model", "optim") for shape, _ in source.tensors(section).values())
+    largest = max(math.prod(shape) * 4 for shape, _ in source.tensors("model").values())
+    peak, _ = peak_allocated(lambda: consolidate.write_from_checkpoint(tmp_path / "out", source, [], {},
+                                                                       max_shard_bytes=10**9, read_bytes=64 * 2**10))
+    assert peak <= 64 * 2**10 + 3 * largest + BOOKKEEPING < state / 4, (peak, state, largest)
+    written = Reader(tmp_path / "out", consolidate.MODEL)
+    want = source.read("model", list(written))
+    assert all(same_bits(written[k], want[k]) for k in written) and len(written) == len(source.tensors("model"))
+
+
+def test_small_thresholds_shard_the_files_and_put_the_onnx_weights_outside(tmp_path):
+    """aggregate.shard_size_mb=0.5 and onnx_external_data_mb=0 on the 1.7 MB default model: several safetensors
+    shards with an index (model, optimizer and hf/), model.onnx + model.onnx.data; transformers loads hf/,
+    orchestrator.load reads the shards bit for bit against the checkpoint, ONNX Runtime runs the model from its
+    external data, all with the torch model's logits."""
+    import onnxruntime as ort
+    import transformers
+
+    report = run_debug(tmp_path, "aggregate.shard_size_mb=0.5", "aggregate.onnx_external_data_mb=0")
+    assert report.exit_code == 0
+    out = cache_entry(tmp_path, report, "aggregate")
+    for folder, stem in ((out, "model"), (out, "optimizer"), (out / "hf", "model")):
+        index = json.loads((folder / f"{stem}.safetensors.index.json").read_text())
+        files = sorted(set(index["weight_map"].values()))
+        assert len(files) >= 3 and all(re.fullmatch(rf"{stem}-\d{{5}}-of-{len(files):05d}\.safetensors", f)
+                                       for f in files)
+        assert not (folder / f"{stem}.safetensors").exists()
+        assert max((folder / f).stat().st_size for f in files) <= 0.5e6 + 300e3  # a shard, or one larger tensor
+    assert (out / "model.onnx.data").stat().st_size > (out / "model.onnx").stat().st_size
+
+    model, optimizer = orchestrator.load(out, optimizer=True)
+    checkpoint = CheckpointReader(cache_entry(tmp_path, report, "checkpoint"))
+    want = checkpoint.read("model", list(checkpoint.tensors("model")))
+    assert all(same_bits(model.get_parameter(k).detach(), v) for k, v in want.items())
+    moments = checkpoint.read("optim", list(checkpoint.tensors("optim")))
+    param = dict(model.named_parameters())["layers.3.mlp.fc1.weight"]
+    assert same_bits(optimizer.state[param]["exp_avg"], moments["state.layers.3.mlp.fc1.weight.exp_avg"])
+
+    ids = torch.randint(0, 258, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = model(ids)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out / "hf").eval()(ids).logits
+    onnx_logits = ort.InferenceSession(str(out / "model.onnx")).run(None, {"input_ids": ids.numpy()})[0]
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    assert np.abs(onnx_logits - ours.numpy()).max() <= 1e-4
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["onnx"]["external_data"] == "model.onnx.data"
+    assert manifest["verification"]["eval_loss"] == pytest.approx(manifest["verification"]["train_final_eval_loss"],
+                                                                  rel=1e-6)
+
+
+def test_without_the_onnx_model_the_rest_is_aggregated(tmp_path):
+    report = run_debug(tmp_path, "train.steps=2", "train.eval_every=0", "aggregate.onnx=false")
+    assert report.exit_code == 0
+    out = cache_entry(tmp_path, report, "aggregate")
+    assert not (out / "model.onnx").exists() and (out / "model.safetensors").is_file() and (out / "hf").is_dir()
+    assert json.loads((out / "manifest.json").read_text())["onnx"] == "skipped (aggregate.onnx=false)"
