@@ -104,7 +104,8 @@ def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStag
     for s in ordered:
         key, material = stage_key(cfg, s, keys)
         keys[s.name] = key
-        cached, damage = cache.hit(s.name, key, checksums=cfg.cache_verify == "hash", set_aside=not cfg.dry_run)
+        cached, damage = cache.hit(s.name, key, checksums=cfg.cache_verify != "size", set_aside=not cfg.dry_run,
+                                   full=cfg.cache_verify == "full")
         note = ("damaged entry set aside" if not cfg.dry_run else "damaged entry will be set aside") if damage else None
         if not cached and s.progress and cache.scratch(s.name, key).is_dir():
             note = "; ".join(n for n in (note, s.progress(cache.scratch(s.name, key))) if n)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -27,28 +27,43 @@ def eval_loss(model, loss_fn, batcher, n_batches: int, autocast=contextlib.nullc
 
 
 @torch.no_grad()
+def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[torch.Tensor],
+                     autocast=contextlib.nullcontext, head: Optional[Callable[[int, torch.Tensor], None]] = None
+                     ) -> list[torch.Tensor]:
+    """A model's outputs for a list of inputs, computed one part at a time: `pieces` make its parts in order (the
+    embedding, each block, the head), each with its weights, and each is dropped before the next is made. The same
+    operations in the same order as the whole model's forward, so the same numbers, with one part's weights and the
+    inputs' hidden states in memory. head(i, output): the last part's output of input i is handed over and not kept
+    (the logits of one batch at a time)."""
+    makers = list(pieces)
+    hidden = list(inputs)
+    for i, make in enumerate(makers):
+        piece = make().eval()
+        with autocast():
+            if head is not None and i == len(makers) - 1:
+                for j, h in enumerate(hidden):
+                    head(j, piece(h))
+                hidden = []
+            else:
+                hidden = [piece(h) for h in hidden]
+        del piece
+    return hidden
+
+
 def eval_loss_by_piece(pieces: Iterable[Callable[[], nn.Module]], loss_fn, batcher, n_batches: int,
                        autocast=contextlib.nullcontext, tokens_per_chunk: int = 2**16) -> float:
-    """eval_loss's number for a model too big to hold: `pieces` make its parts in order (the embedding, each block,
-    the head), each with its weights; every part runs on the batches' hidden states and is dropped before the next
-    is made. The same operations in the same order as the whole model's forward, so the same result, with one
-    part's weights and the hidden states of a chunk of batches (at most tokens_per_chunk tokens, at least one batch)
-    in memory. Over several chunks the parts are made again for each."""
+    """eval_loss's number for a model too big to hold (forward_by_piece), the batches' hidden states in chunks of
+    at most tokens_per_chunk tokens (at least one batch); over several chunks the parts are made again for each."""
     batches = [batcher.eval_batch(i) for i in range(n_batches)]
     makers = list(pieces)
     total, count = 0.0, 0
     for chunk in _chunks(batches, tokens_per_chunk):
-        hidden = [b.inputs for b in chunk]
-        for i, make in enumerate(makers):
-            piece = make().eval()
-            with autocast():
-                if i < len(makers) - 1:
-                    hidden = [piece(h) for h in hidden]
-                else:  # the head: the logits of one batch at a time
-                    for h, b in zip(hidden, chunk):
-                        total += loss_fn(piece(h), b.labels).item()
-                        count += b.n_labels
-            del piece
+        def loss(j: int, logits: torch.Tensor, chunk=chunk) -> None:
+            nonlocal total, count
+            total += loss_fn(logits, chunk[j].labels).item()
+            count += chunk[j].n_labels
+
+        forward_by_piece(makers, [b.inputs for b in chunk], autocast, head=loss)
     return total / max(count, 1)
 
 

@@ -5,25 +5,31 @@ Everything streams, so a model of any size aggregates on a node that could never
    tensors at a time, each file read back and checked tensor by tensor against what the checkpoint held;
 2. the plain single-process model, read from those files one piece at a time (embedding, each block, head),
    scores the train stage's final eval loss;
-3. the ONNX inference model is traced, then given its weights one at a time (external data above
-   aggregate.onnx_external_data_mb) and checked in ONNX Runtime against the torch model's outputs;
+3. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
+   off, the weights written in one at a time (external data above aggregate.onnx_external_data_mb), checked in ONNX
+   Runtime against the plain model's outputs (made piece by piece);
 4. hf/ is written from the files, tensor by tensor, sharded like save_pretrained.
-Peak memory: ONNX Runtime's (or the traced model's) copy of the weights for step 3; one piece, or one read group
-and the largest tensor, otherwise. aggregate.onnx=false skips step 3.
+No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips
+it), else one piece, or one read group and the largest tensor. The file table of everything written is the cache
+entry's (_entry.json), checked on every reuse.
 """
 from __future__ import annotations
 
+import time
+
+import onnx
 import torch
 
 from plugins import checkpoint as ckpt
 from plugins import consolidate, hf
 from plugins.data import build_batcher
 from plugins.dcp_reader import CheckpointReader
-from plugins.evaluate import eval_loss_by_piece
-from plugins.fsio import atomic_write_json, file_table, link_tree, read_json
+from plugins.evaluate import eval_loss_by_piece, forward_by_piece
+from plugins.fsio import atomic_write_json, link_tree, read_json
 from plugins.models import get_model
 from plugins.models.registry import build_on_meta, materialise
-from plugins.onnx.exporter import export_inference
+from plugins.onnx.exporter import save_inference
+from plugins.onnx.io_schema import IOSchema
 from plugins.partition import aliases as plan_aliases
 from plugins.precision import Precision
 from plugins.safetensors_shards import Reader
@@ -45,6 +51,14 @@ def aggregate(ctx: StageContext) -> None:
     aliases = plan_aliases(manifest["partition_plan"])
     order = [name for name, _ in build_on_meta(spec, cfg.model).named_parameters()]
 
+    seconds: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(phase: str) -> None:
+        nonlocal clock
+        seconds[phase] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
     # 1. the checkpoint's state, streamed into safetensors shards (each verified as it is written)
     broken: list[str] = []
     files = consolidate.write_from_checkpoint(ctx.out, CheckpointReader(source), order,
@@ -54,6 +68,7 @@ def aggregate(ctx: StageContext) -> None:
     if broken:
         raise RuntimeError(f"the checkpoint of step {manifest['step']} holds non-finite weights ({len(broken)} "
                            f"tensor(s), e.g. {broken[0]}): training diverged; nothing was aggregated")
+    lap("safetensors")
     weights = Reader(ctx.out, consolidate.MODEL)
 
     def make(layers: list[int], first: bool, last: bool) -> torch.nn.Module:
@@ -62,16 +77,18 @@ def aggregate(ctx: StageContext) -> None:
         consolidate.load_weights(module, weights, aliases)
         return module
 
-    def whole() -> torch.nn.Module:
-        return make(list(range(cfg.model.n_layers)), True, True)
+    def pieces() -> list:
+        """The plain model in parts: the embedding, each block, the head (forward_by_piece)."""
+        n = cfg.model.n_layers
+        return [lambda: make([], True, False), *[lambda i=i: make([i], False, False) for i in range(n)],
+                lambda: make([], False, True)]
 
     # 2. the plain model, a piece at a time, scores the train stage's final eval loss
     precision = Precision(cfg.precision.name, "cpu")
-    pieces = [lambda: make([], True, False), *[lambda i=i: make([i], False, False) for i in range(cfg.model.n_layers)],
-              lambda: make([], False, True)]
-    loss = eval_loss_by_piece(pieces, spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
+    loss = eval_loss_by_piece(pieces(), spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
                               cfg.train.eval_batches, precision.autocast,
                               tokens_per_chunk=EVAL_CHUNK_BYTES // (4 * cfg.model.d_model))
+    lap("eval")
     trained = read_json(ctx.inputs["train"] / "summary.json")["final_eval_loss"]
     rtol = MIXED_EVAL_RTOL.get(precision.name, EVAL_RTOL[cfg.engine.name])
     if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too
@@ -79,13 +96,18 @@ def aggregate(ctx: StageContext) -> None:
                            f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
                            f"precision={precision.name})")
 
-    # 3. an ONNX model for inference, checked in an ONNX runtime (exporter.run_graph)
+    # 3. an ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the weights
+    # written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs, made piece by piece
     onnx_record = None
     if a.onnx:
-        schema, onnx_record = export_inference(whole, weights.__getitem__, spec,
-                                               cfg.model, cfg.export, cfg.engine.opset, ctx.out / "model.onnx",
-                                               int(a.onnx_external_data_mb * MB))
+        graph = onnx.load(ctx.inputs["export"] / "model.onnx")
+        schema = IOSchema.from_json(read_json(ctx.inputs["export"] / "io_schema.json"))
+        onnx_record = save_inference(graph, schema, weights.__getitem__,
+                                     lambda args: forward_by_piece(pieces(), list(args)),
+                                     lambda b, t: spec.example_inputs(cfg.model, b, t), cfg.export,
+                                     cfg.model.max_seq_len, ctx.out / "model.onnx", int(a.onnx_external_data_mb * MB))
         atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
+        lap("onnx")
 
     # 4. a folder transformers loads (AutoModelForCausalLM.from_pretrained(out / "hf"))
     hf_note = hf.save_folder(ctx.out / "hf", weights, cfg.model, int(a.shard_size_mb * MB))
@@ -93,6 +115,7 @@ def aggregate(ctx: StageContext) -> None:
         ctx.log.warning("no hf/ folder: %s", hf_note)
     elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
         link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / "hf")
+    lap("hf")
 
     onnx_diff = onnx_record["check"]["max_abs_diff"] if onnx_record else None
     record = {"source_step": manifest["step"], "source_trainer": manifest["trainer"],
@@ -102,13 +125,14 @@ def aggregate(ctx: StageContext) -> None:
                                "onnx_max_abs_diff": onnx_diff,
                                "onnx_check_runtime": onnx_record["check"]["runtime"] if onnx_record else None},
               "safetensors": files, "onnx": onnx_record or "skipped (aggregate.onnx=false)",
-              "hf": hf_note or "hf/",
-              "files": file_table(ctx.out)}
+              "hf": hf_note or "hf/", "seconds": seconds}
     atomic_write_json(ctx.out / "manifest.json", record)
     ctx.tracker.log_metrics({"eval_loss": loss, **({"onnx_max_abs_diff": onnx_diff} if onnx_record else {})})
     ctx.tracker.log_artifact(ctx.out / "manifest.json")
-    ctx.log.info("aggregated step %d: eval loss %.6f (train stage: %.6f), %s", manifest["step"], loss, trained,
-                 f"ONNX check {onnx_diff:.1e}" if onnx_record else "no ONNX model (aggregate.onnx=false)")
+    lap("manifest")
+    ctx.log.info("aggregated step %d: eval loss %.6f (train stage: %.6f), %s; %s", manifest["step"], loss, trained,
+                 f"ONNX check {onnx_diff:.1e}" if onnx_record else "no ONNX model (aggregate.onnx=false)",
+                 ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
 
 
 def nonfinite(t: torch.Tensor) -> bool:
@@ -124,7 +148,7 @@ def _summary(out) -> str:
 STAGE = Stage(
     name="aggregate",
     run=aggregate,
-    after=("checkpoint", "train", "tokenize"),
+    after=("checkpoint", "train", "tokenize", "export"),
     reads=("model", "optimizer", "data", "train", "export", "aggregate", "engine.opset", "engine.name",
            "precision.name"),
     code=("plugins.checkpoint", "plugins.consolidate", "plugins.models", "plugins.onnx", "plugins.data",

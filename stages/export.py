@@ -9,9 +9,11 @@ length are dynamic axes.
 from __future__ import annotations
 
 import onnx
+import torch
 
 from plugins.fsio import atomic_write_json, read_json
-from plugins.models import get_model
+from plugins.models import build_on_meta, get_model
+from plugins.models.registry import materialise
 from plugins.onnx.exporter import export_model, export_unit
 from stages.base import Stage, StageContext
 
@@ -20,7 +22,7 @@ def export(ctx: StageContext) -> None:
     mcfg, ecfg, opset = ctx.cfg.model, ctx.cfg.export, ctx.cfg.engine.opset
     verbose = ctx.cfg.engine.get("log_level") == "VERBOSE"
     spec = get_model(mcfg.name)
-    model = spec.build(mcfg)
+    model = materialise(build_on_meta(spec, mcfg), torch.device("cpu"))  # torch's default init would be overwritten
     spec.init_weights(model, mcfg, seed=0)  # weights are graph inputs: their values do not enter the graph
     graph, schema, record = export_model(model, spec, mcfg, ecfg, opset, params_as_inputs=True, verbose=verbose)
     onnx.save(graph, ctx.out / "model.onnx")

@@ -93,6 +93,38 @@ def test_damaged_cache_entry_is_set_aside_and_rebuilt(tmp_path, stage, victim, c
     assert all(cache.verify(n, r.key) == [] for n, r in again.results.items())
 
 
+def test_an_untouched_entry_is_not_hashed_again_and_any_write_to_it_is(tmp_path, monkeypatch):
+    """cache_verify=hash at read speed: the hit after a verified one hashes nothing (the stamps match), a byte flipped
+    with its modification time put back is still caught (the change time moved), and full hashes everything."""
+    import orchestrator.cache
+    import plugins.fsio
+
+    monkeypatch.setattr(orchestrator.cache, "RACY_NS", 0)  # these runs follow each other within seconds
+    first = run(tmp_path, name="first")
+    assert run(tmp_path, name="second").results["aggregate"].status == "cached"  # hashed, stamps recorded
+    hashed: list[str] = []
+    real = plugins.fsio.sha256_file
+    monkeypatch.setattr(plugins.fsio, "sha256_file", lambda p, *a: hashed.append(str(p)) or real(p, *a))
+    third = run(tmp_path, name="third")
+    assert {r.status for r in third.results.values()} == {"cached"} and hashed == []
+
+    victim = entry(tmp_path, first, "aggregate") / "model.safetensors"
+    before = victim.stat()
+    flip(victim)
+    import os
+
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert victim.stat().st_mtime_ns == before.st_mtime_ns and victim.stat().st_size == before.st_size
+    fourth = run(tmp_path, name="fourth")
+    assert fourth.results["aggregate"].status == "ran" and hashed[0] == str(victim)
+    aggregate = tmp_path / "runs" / "cache" / "aggregate"
+    assert all(Path(p).is_relative_to(aggregate) for p in hashed)  # the rest: the rebuilt entry's publication
+
+    hashed.clear()
+    assert run(tmp_path, "cache_verify=full", name="full").results["aggregate"].status == "cached"
+    assert len(hashed) > 10 and any(p.endswith("model.safetensors") for p in hashed)
+
+
 def test_size_only_verification_skips_hashing_but_catches_truncation(tmp_path):
     first = run(tmp_path, name="first")
     victim = entry(tmp_path, first, "aggregate") / "model.safetensors"

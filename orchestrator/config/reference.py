@@ -12,7 +12,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from orchestrator.config.options import CONF, option_using, options_of
-from orchestrator.config.schema import GROUP_SCHEMAS, Config, ExportConfig, SweepConfig, TrainConfig, TransformConfig
+from orchestrator.config.schema import GROUP_SCHEMAS, Config, AggregateConfig, ExportConfig, SweepConfig, TrainConfig, TransformConfig
 
 
 
@@ -72,6 +72,7 @@ def reference_markdown(conf: Path = CONF) -> str:
     default_cfg = _compose(conf)
     for section, schemas in [*GROUP_SCHEMAS.items(), ("train", {"train": TrainConfig}),
                              ("export", {"export": ExportConfig}), ("transform", {"transform": TransformConfig}),
+                             ("aggregate", {"aggregate": AggregateConfig}),
                              ("sweep", {"sweep": SweepConfig})]:
         lines += _table(conf, default_cfg, section, schemas)
     top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir", "cache_verify")]

@@ -345,9 +345,11 @@ class Config:
     runs_dir: str = key("runs", "outputs: run folders, cache/, mlflow.db (relative to the working directory)",
                         content=False)
     cache_verify: str = key("hash", "how a cache hit is checked against its _entry.json before it is reused: hash "
-                                    "(size and sha256 of every file; about 1 s per GB) or size (sizes only, for huge "
-                                    "entries); a damaged entry is set aside and its stage runs again",
-                            choices=("hash", "size"), content=False)
+                                    "(sizes, and the sha256 of every file written since it last verified: a stat per "
+                                    "untouched file, a disk's read speed for changed ones), full (the sha256 of every "
+                                    "file on every hit, about 1 s per GB: also catches damage that bypasses the "
+                                    "filesystem, such as bit rot) or size (sizes only); a damaged entry is set aside "
+                                    "and its stage runs again", choices=("hash", "full", "size"), content=False)
     cache_dir: str = key("${runs_dir}/cache", "the content-addressed store of every stage's outputs (also ORT's cache "
                                               "directory: exported and transformed graphs live here)", content=False)
 

@@ -5,9 +5,9 @@ numbers), so that the core install needs no ONNX Runtime at all.
 Two kinds of graph:
 - training graphs (`params_as_inputs=True`): parameters are graph inputs named by their module names,
   dropout in training mode, no constant folding: what ONNX Runtime's training engine consumes;
-- inference graphs: weights embedded, eval mode: a self-contained model. `export_inference` traces the graph with
-  the parameters as inputs and writes the weights in afterwards, one at a time (plugins/onnx/weights.py): any size,
-  external data above a threshold, never the model and the graph's copy of its weights at once.
+- inference graphs (`params_as_inputs=False`): weights embedded, eval mode: a self-contained model. At any size,
+  `save_inference` makes one from a training graph instead: dropout off, the weights written in afterwards one at a
+  time (plugins/onnx/weights.py; external data above a threshold), so no model is held to make it.
 
 The module is wrapped so the exporter sees flat tensors; the IOSchema restores the module's nesting.
 """
@@ -17,7 +17,7 @@ import copy
 import io
 import warnings
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Sequence, Union
 
 import numpy as np
 import onnx
@@ -70,15 +70,13 @@ def _strip_wrapper_prefix(model: onnx.ModelProto) -> None:
 
 
 def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], output_names: Sequence[str],
-                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool, verbose: bool = False,
-                  training: Optional[bool] = None) -> tuple[onnx.ModelProto, IOSchema]:
-    """training: dropout in training mode (default: for graphs with parameters as inputs, the training graphs)."""
+                  dynamic_axes: dict[str, dict[int, str]], opset: int, params_as_inputs: bool, verbose: bool = False
+                  ) -> tuple[onnx.ModelProto, IOSchema]:
     schema = describe(module, args, input_names, output_names, dynamic_axes)
     flat_args, _ = flatten(tuple(args), "input", item_names=list(input_names))
     f = io.BytesIO()
     was_training = module.training
-    training = params_as_inputs if training is None else training
-    module.train(training)
+    module.train(params_as_inputs)
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notices
@@ -86,7 +84,7 @@ def export_module(module: nn.Module, args: tuple, input_names: Sequence[str], ou
                 _FlatModule(module, schema), tuple(flat_args), f, dynamo=False,
                 input_names=schema.input_names, output_names=schema.output_names,
                 dynamic_axes=schema.dynamic_axes, opset_version=opset, do_constant_folding=not params_as_inputs,
-                training=torch.onnx.TrainingMode.TRAINING if training else torch.onnx.TrainingMode.EVAL,
+                training=torch.onnx.TrainingMode.TRAINING if params_as_inputs else torch.onnx.TrainingMode.EVAL,
                 export_params=not params_as_inputs, keep_initializers_as_inputs=params_as_inputs, verbose=verbose)
     finally:
         module.train(was_training)
@@ -148,9 +146,7 @@ def max_abs_diff(model: onnx.ModelProto, schema: IOSchema, module: nn.Module, ar
             want, _ = flatten(module(*args), "out")
     finally:
         module.train(was_training)
-    if len(got) != len(want):
-        raise AssertionError(f"graph returns {len(got)} outputs, the module {len(want)}")
-    return max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
+    return _max_diff(got, want)
 
 
 def export_checked(module: nn.Module, make_inputs, input_names: Sequence[str], output_names: Sequence[str],
@@ -186,43 +182,41 @@ def export_model(module: nn.Module, spec, model_cfg, export_cfg, opset: int, par
                           params_as_inputs, verbose)
 
 
-def export_inference(build: Callable[[], nn.Module], weight: Callable[[str], torch.Tensor], spec, model_cfg, export_cfg,
-                     opset: int, path: Path, external_above_bytes: int) -> tuple[IOSchema, dict]:
-    """The whole model as a self-contained inference graph at path, at any size, checked like export_checked.
-
-    The graph is traced with the parameters as inputs (eval mode, nothing folded), so it holds no weights; the
-    torch model's outputs on the check's inputs are kept and the model dropped; then the weights are written into
-    the graph one at a time from weight(name) (inside, or as external data above external_above_bytes), and
-    the saved model runs in ONNX Runtime from its file. Peak memory: the model while it is traced, then ONNX
-    Runtime's copy of the weights, never both."""
+def save_inference(graph: onnx.ModelProto, schema: IOSchema, weight: Callable[[str], torch.Tensor],
+                   reference: Callable[[tuple], list[torch.Tensor]], make_inputs, export_cfg, max_seq: int, path: Path,
+                   external_above_bytes: int) -> dict:
+    """A training graph (parameters as inputs, from export_model) turned into a self-contained inference model at
+    path, at any size: dropout in inference mode, the weights written in one at a time from weight(name) (inside, or
+    as external data above external_above_bytes: plugins/onnx/weights.py), then run in ONNX Runtime from its file on
+    other shapes than the traced ones and checked against reference(args), the torch model's outputs. Nothing here
+    holds the model: reference computes its outputs as it likes (one piece at a time)."""
     import time
 
     t0 = time.perf_counter()
-    module = build()
-    graph, schema = export_module(module, spec.example_inputs(model_cfg, export_cfg.sample_batch, export_cfg.sample_seq),
-                                  spec.input_names, spec.output_names, spec.dynamic_axes, opset,
-                                  params_as_inputs=True, training=False)
-    params = list(parameter_feeds(module, graph))
-    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, model_cfg.max_seq_len)
-    args = spec.example_inputs(model_cfg, batch, seq)
-    module.eval()
-    with torch.no_grad():
-        want, _ = flatten(module(*args), "out")
-    del module
+    dropout_inference(graph)
+    params = [i.name for i in graph.graph.input if i.name not in set(schema.input_names)]
     stored = embed(graph, params, weight, path, external_above_bytes)
-    export_s = time.perf_counter() - t0
+    save_s = time.perf_counter() - t0
     t0 = time.perf_counter()
+    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, max_seq)
+    args = make_inputs(batch, seq)
     flat_args, _ = flatten(tuple(args), "input")
     got = run_graph(Path(path), dict(zip(schema.input_names, flat_args)))
-    diff = max(float(np.abs(g - w.numpy()).max()) for g, w in zip(got, want))
+    want, _ = flatten(reference(args), "out")
+    diff = _max_diff(got, want)
     if not diff <= export_cfg.verify_atol:
         raise RuntimeError(f"ONNX check failed: max |outputs({check_runtime()}) - outputs(torch)| = {diff:.3g} exceeds "
                            f"export.verify_atol={export_cfg.verify_atol} (batch {batch}, sequence {seq})")
-    record = {"opset": opset, "nodes": len(graph.graph.node), "export_s": export_s, "check_s": time.perf_counter() - t0,
-              "weights_bytes": stored["bytes"], "external_data": stored["external_data"],
-              "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq,
-                        "runtime": check_runtime()}}
-    return schema, record
+    return {"nodes": len(graph.graph.node), "save_s": save_s, "check_s": time.perf_counter() - t0,
+            "weights_bytes": stored["bytes"], "external_data": stored["external_data"],
+            "check": {"max_abs_diff": diff, "atol": export_cfg.verify_atol, "batch": batch, "sequence": seq,
+                      "runtime": check_runtime()}}
+
+
+def _max_diff(got: list[np.ndarray], want: list[torch.Tensor]) -> float:
+    if len(got) != len(want):
+        raise AssertionError(f"graph returns {len(got)} outputs, the module {len(want)}")
+    return max(float(np.abs(g - w.detach().numpy()).max()) for g, w in zip(got, want))
 
 
 UNIT_AXES = {"x": {0: "batch", 1: "sequence"}, "y": {0: "batch", 1: "sequence"}}

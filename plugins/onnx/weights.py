@@ -22,16 +22,24 @@ ALIGN = 4096  # each external tensor starts on a page: ONNX Runtime can map it i
 def embed(model: onnx.ModelProto, names: list[str], weight: Callable[[str], torch.Tensor], path: Path,
           external_above_bytes: int) -> dict:
     """Make the graph inputs `names` initializers with the values weight(name), and save the model at path.
-    Returns {"bytes": weights' bytes, "external_data": the data file's name or None}."""
+
+    A weight the graph reads only through a Transpose (how the exporter writes every Linear when weights are inputs)
+    is stored transposed under that node's output name and the node dropped: what constant folding would have done,
+    and what ONNX Runtime would otherwise do at every load, holding each weight twice. Returns {"bytes": the
+    initializers' bytes, "external_data": the data file's name or None}."""
     path = Path(path)
     inputs = {i.name: i for i in model.graph.input}
-    sizes = {n: _numel(inputs[n]) * _itemsize(inputs[n]) for n in names}
-    external = sum(sizes.values()) > external_above_bytes
+    folded = _fold_transposes(model, set(names), inputs)
+    used = {i for node in model.graph.node for i in node.input} | {o.name for o in model.graph.output}
+    stored = [(n, n, False) for n in names if n in used] + [(new, source, True) for new, source in folded.items()]
+    size = sum(_numel(inputs[source]) * _itemsize(inputs[source]) for _, source, _ in stored)
+    external = size > external_above_bytes
     data_name = f"{path.name}.data"
     offset = 0
     with open(path.with_name(data_name), "wb") if external else contextlib.nullcontext() as data:
-        for name in names:
-            value = weight(name).detach().cpu().contiguous().numpy()
+        for name, source, transpose in stored:
+            value = weight(source).detach().cpu()
+            value = (value.t() if transpose else value).contiguous().numpy()
             tensor = onnx.TensorProto(name=name, dims=list(value.shape), data_type=np_dtype_to_tensor_dtype(value.dtype))
             if external:
                 data.write(b"\0" * (-offset % ALIGN))
@@ -50,7 +58,22 @@ def embed(model: onnx.ModelProto, names: list[str], weight: Callable[[str], torc
     del model.graph.input[:]
     model.graph.input.extend(kept)
     onnx.save(model, path)
-    return {"bytes": sum(sizes.values()), "external_data": data_name if external else None}
+    return {"bytes": size, "external_data": data_name if external else None}
+
+
+def _fold_transposes(model: onnx.ModelProto, params: set[str], inputs: dict) -> dict[str, str]:
+    """Drop every 2-D Transpose of a parameter; returns {its output's name: the parameter} (stored transposed)."""
+    folded, keep = {}, []
+    for node in model.graph.node:
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        if node.op_type == "Transpose" and node.input[0] in params and perm == [1, 0] and \
+                len(inputs[node.input[0]].type.tensor_type.shape.dim) == 2:
+            folded[node.output[0]] = node.input[0]
+        else:
+            keep.append(node)
+    del model.graph.node[:]
+    model.graph.node.extend(keep)
+    return folded
 
 
 def _numel(value_info: onnx.ValueInfoProto) -> int:
