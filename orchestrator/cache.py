@@ -5,8 +5,8 @@
                                    checked against it, and a damaged entry is moved to <stage>/.damaged/
   <root>/<stage>/<key>.work/out/   the output being written by the current attempt (cleared per attempt)
   <root>/<stage>/<key>.work/scratch/   state that survives a failed attempt (periodic checkpoints)
-  <root>/<stage>/.verified/<key>.json   the stamps of an entry's files when they last hashed true (fsio.stamp)
   <root>/.locks/<stage>-<key>.lock one writer per key, across processes (sweep points, users)
+  <root>/.verified/<stage>-<key>.json  the stamps of an entry's files when they last hashed true (fsio.stamp)
 
 Verification at read speed: a hit (cache_verify=hash) hashes only the files whose stamp differs from the one
 recorded when they last verified, so an untouched entry costs a stat per file, and any write to a file (a flipped
@@ -77,7 +77,7 @@ class Cache:
         return not problems, problems
 
     def _stamps_path(self, stage: str, key: str) -> Path:
-        return self.root / stage / ".verified" / f"{key}.json"
+        return self.root / ".verified" / f"{stage}-{key}.json"
 
     def _unchanged(self, stage: str, key: str) -> frozenset[str]:
         """The entry's files whose stamps are those recorded when they last verified (none if _entry.json changed)."""

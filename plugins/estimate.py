@@ -16,7 +16,9 @@ a buffer of the rank's full gradients that the reduction goes through.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Optional
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 RUNTIME_CPU = 100 * 2**20
@@ -124,6 +126,17 @@ def available_bytes(cfg) -> tuple[int, str]:
     return psutil.virtual_memory().available // ranks, f"available RAM / {ranks} rank(s)"
 
 
+def host_bytes(cfg) -> tuple[int, str]:
+    """What a one-process stage (export, aggregate) may use, and where the figure comes from: host memory, not a
+    GPU's (those stages work on the CPU)."""
+    import psutil
+
+    if cfg.cluster.name == "slurm":
+        gb = cfg.cluster.get("mem_per_task_gb")
+        return (int(gb * 2**30), "cluster.mem_per_task_gb") if gb else (0, "unknown on SLURM (cluster.mem_per_task_gb)")
+    return psutil.virtual_memory().available, "available RAM"
+
+
 def step_flops(cfg, n_parameters: int) -> float:
     """Forward + backward FLOPs of one optimizer step: 6 per parameter and token (every matmul, the head included;
     the embedding lookups are counted too, a small excess) plus attention's scores and weighted sum, 12 * layers *
@@ -162,3 +175,58 @@ def matmul_rate(device: str, dtype: str, threads: int) -> float:
         if device == "cuda":  # the planning process lives on beside rank 0: its cached blocks go back to the GPU
             a = b = None
             torch.cuda.empty_cache()
+
+
+STAGE_RUNTIME = 320 * 2**20  # a one-process stage: torch, onnx and ONNX Runtime imported, measured 0.27-0.33 GB
+READ_GROUP = 64 * 2**20     # plugins.safetensors_shards.READ_BYTES: tensors the aggregate writer holds at once
+EXPORT_CHECK = 1.5           # the export check: the weights, ONNX Runtime's feeds and the trace (1.4x measured)
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """What a one-process stage needs: its peak memory (and what makes it), and the bytes it writes."""
+    peak: int
+    what: str
+    writes: int = 0
+
+
+def _bytes_of(shape: list[int]) -> int:
+    return 4 * math.prod(shape)  # fp32
+
+
+def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, StageCost]:
+    """Peak memory and bytes written of the stages around training (each one process; plugins.estimate.estimate
+    covers a train rank). The terms follow what each stage holds:
+      export     the weights its check runs with (the model's own up to CHECK_WEIGHTS_BYTES, else a two-layer
+                 twin's: the graph itself is traced on the meta device) in torch and in ONNX Runtime;
+      checkpoint nothing that grows with the model (files are hashed and linked, streamed);
+      aggregate  ONNX Runtime's copy of the weights for the ONNX model's check (aggregate.onnx), else the larger of
+                 the writer's read group (+ a tensor being read back) and one piece of the piece-by-piece
+                 evaluation (one block's weights, the eval batches' hidden states, one batch's logits);
+    plus STAGE_RUNTIME each. onnx: whether the aggregate makes the ONNX model (default: aggregate.onnx)."""
+    params = plan["parameters"]
+    weights = sum(_bytes_of(p["shape"]) for p in params.values() if not p["tied_to"])
+    checkpoint = weights * (1 + OPTIMIZER_STATES.get(cfg.optimizer.name, 2))
+    largest = max(_bytes_of(p["shape"]) for p in params.values())
+    block = sum(_bytes_of(p["shape"]) for name, p in params.items() if name.startswith("layers.0."))
+    m, t = cfg.model, cfg.train
+    from plugins.models.registry import vocab_rows
+
+    eval_tokens = min(t.eval_batches * t.batch_size * t.seq_len, max(2**30 // (4 * m.d_model), t.batch_size * t.seq_len))
+    pieces = 2 * block + eval_tokens * m.d_model * 4 * 2 + t.batch_size * t.seq_len * vocab_rows(m) * 4 * 2
+    streaming = max(READ_GROUP + 2 * largest, pieces)
+    onnx = weights if (cfg.aggregate.onnx if onnx is None else onnx) else 0
+    from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES
+
+    checked = weights if weights <= CHECK_WEIGHTS_BYTES else weights - max(m.n_layers - 2, 0) * block
+    hf = weights
+    return {
+        "export": StageCost(STAGE_RUNTIME + int(EXPORT_CHECK * checked), "the model checked in ONNX Runtime"
+                            if checked == weights else "a two-layer twin checked in ONNX Runtime; the graph traced "
+                                                       "on the meta device"),
+        "checkpoint": StageCost(STAGE_RUNTIME, "files hashed and linked, streamed", checkpoint),
+        "aggregate": StageCost(STAGE_RUNTIME + max(onnx, streaming),
+                               "ONNX Runtime's copy of the weights" if onnx > streaming else
+                               "one read group or one block of the piece-by-piece evaluation",
+                               checkpoint + hf + onnx),
+    }

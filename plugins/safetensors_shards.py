@@ -33,7 +33,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}
 _NAMES = {v: k for k, v in _DTYPES.items()}
-READ_BYTES = 256 * 2**20  # tensors made (read from a checkpoint) in one go, at most: the writer's working memory
+READ_BYTES = 64 * 2**20  # tensors made (read from a checkpoint) in one go, at most: the writer's working memory
 
 
 @dataclass(frozen=True)

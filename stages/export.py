@@ -2,7 +2,9 @@
 
 Writes the training graph of the whole model (parameters as graph inputs), and one graph per unit of a
 block (attention, MLP: what the ONNX Runtime engine trains; every layer has the same structure, so one
-export serves all), each with its input/output schema and a record of its check. The key holds only what
+export serves all), each with its input/output schema and a record of its check. A model whose weights exceed
+CHECK_WEIGHTS_BYTES is traced on the meta device (the same graph, byte for byte, with no weights in memory) and
+checked on a two-layer twin: the stage's memory does not grow with the model. The key holds only what
 shapes the graphs: the model config, the export options, the opset and this code; batch and sequence
 length are dynamic axes.
 """
@@ -10,11 +12,12 @@ from __future__ import annotations
 
 import onnx
 import torch
+from omegaconf import OmegaConf
 
 from plugins.fsio import atomic_write_json, read_json
 from plugins.models import build_on_meta, get_model
 from plugins.models.registry import materialise
-from plugins.onnx.exporter import export_model, export_unit
+from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES, export_model, export_module, export_unit
 from stages.base import Stage, StageContext
 
 
@@ -22,9 +25,21 @@ def export(ctx: StageContext) -> None:
     mcfg, ecfg, opset = ctx.cfg.model, ctx.cfg.export, ctx.cfg.engine.opset
     verbose = ctx.cfg.engine.get("log_level") == "VERBOSE"
     spec = get_model(mcfg.name)
-    model = materialise(build_on_meta(spec, mcfg), torch.device("cpu"))  # torch's default init would be overwritten
-    spec.init_weights(model, mcfg, seed=0)  # weights are graph inputs: their values do not enter the graph
-    graph, schema, record = export_model(model, spec, mcfg, ecfg, opset, params_as_inputs=True, verbose=verbose)
+    weights = sum(p.numel() * 4 for p in build_on_meta(spec, mcfg).parameters())
+    # the check needs weights: the model's own up to CHECK_WEIGHTS_BYTES, else a twin with two of its layers (the
+    # graph differs only in how often the block repeats, and the unit graphs below check the block itself; the
+    # whole graph is checked again with the trained weights when the aggregate stage makes the inference model)
+    checked_cfg = mcfg if weights <= CHECK_WEIGHTS_BYTES else OmegaConf.merge(mcfg, {"n_layers": min(2, mcfg.n_layers)})
+    model = materialise(build_on_meta(spec, checked_cfg), torch.device("cpu"))  # torch's default init is not needed
+    spec.init_weights(model, checked_cfg, seed=0)  # weights are graph inputs: their values do not enter the graph
+    graph, schema, record = export_model(model, spec, checked_cfg, ecfg, opset, params_as_inputs=True, verbose=verbose)
+    record["checked_on"] = "the model" if checked_cfg is mcfg else \
+        f"a {checked_cfg.n_layers}-layer twin (the model's {weights / 2**30:,.1f} GB of weights are checked at aggregate)"
+    if checked_cfg is not mcfg:  # the model's own graph, traced on the meta device: no weights at all
+        inputs = tuple(t.to("meta") for t in spec.example_inputs(mcfg, ecfg.sample_batch, ecfg.sample_seq))
+        graph, schema = export_module(build_on_meta(spec, mcfg), inputs, spec.input_names, spec.output_names,
+                                      spec.dynamic_axes, opset, params_as_inputs=True, verbose=verbose)
+        record.update(nodes=len(graph.graph.node), graph_inputs=len(graph.graph.input))
     onnx.save(graph, ctx.out / "model.onnx")
     atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
     records = {"model": record}

@@ -2,9 +2,11 @@
 
 Builds this rank's part of the layout (build_layout, as the train stage does) under torch's profiler, which sees
 every allocation and free of the CPU allocator, and prints one JSON line per rank: the peak of live bytes while
-building, the bytes of the parameters this rank holds (its shards), and the largest parameter of the model.
+building, the bytes of the parameters this rank holds (its shards), and the largest parameter of the model. With
+--hf=<folder> or --dcp=<checkpoint>, also the peak while loading those weights into the built layout (what
+`train.init_from` does), in "load_peak".
 
-    python -m torch.distributed.run --nproc_per_node=N tests/layout_memory_rank.py overrides...
+    python -m torch.distributed.run --nproc_per_node=N tests/layout_memory_rank.py [--hf=DIR|--dcp=DIR] overrides...
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ def peak_allocated(fn) -> tuple[int, object]:
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    cfg = make_cfg(*sys.argv[1:])
+    source = next((a for a in sys.argv[1:] if a.startswith("--")), None)
+    cfg = make_cfg(*[a for a in sys.argv[1:] if not a.startswith("--")])
     spec = get_model(cfg.model.name)
     plan = build_plan(cfg.model, cfg.parallel)
     full = build_on_meta(spec, cfg.model)
@@ -61,11 +64,29 @@ def main() -> None:
         held += local.numel() * local.element_size()
     line = {"rank": dist.get_rank(), "peak": peak, "held": held, "largest": largest,
             "model": sum(p.numel() * p.element_size() for p in full.parameters())}
+    if source:
+        kind, path = source[2:].split("=", 1)
+        line["load_peak"], _ = peak_allocated(lambda: load(kind, Path(path), cfg, layout))
     lines = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     if dist.get_rank() == 0:
         print(json.dumps(lines))
     dist.destroy_process_group()
+
+
+def load(kind: str, path: Path, cfg, layout) -> None:
+    """What train.init_from does with a Hugging Face folder (weights) or a DCP checkpoint (weights and optimizer)."""
+    from plugins import checkpoint as ckpt
+    from plugins import hf
+    from plugins.models.registry import vocab_rows
+    from plugins.optim import build_optimizer
+
+    if kind == "hf":
+        ckpt.load_full_weights([(p, None) for p in layout.parts], hf.load_state(path, vocab_rows(cfg.model)),
+                               layout.aliases)
+    else:
+        parts = [(p, build_optimizer(cfg.optimizer, p, torch.device("cpu"))) for p in layout.parts]
+        ckpt.load(path, parts, layout.aliases)
 
 
 if __name__ == "__main__":

@@ -34,14 +34,77 @@ def test_a_rank_allocates_its_shards_and_at_most_one_full_parameter_besides(layo
     record of every allocation. Building the whole model first, as before, allocates all of it on every rank."""
     world = math.prod(int(v) for v in re.findall(r"parallel\.(?:dp|hp|pp)=(\d+)", " ".join(layout)))
     model = [] if any(a.startswith("model=") for a in layout) else WIDE
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc_per_node={world}", str(ROOT / "tests" / "layout_memory_rank.py"),
-                             *model, *layout], capture_output=True, text=True, timeout=600, env=cli_env())
-    found = re.search(r"^(\[\{.*)$", result.stdout, re.M)
-    assert found, result.stdout[-2000:] + result.stderr[-3000:]
-    for rank in json.loads(found.group(1)):
+    for rank in _rank_lines(world, *model, *layout):
         assert rank["held"] < rank["model"]
         assert rank["peak"] <= rank["held"] + rank["largest"] + BOOKKEEPING, rank
+
+
+def _rank_lines(world: int, *args: str) -> list[dict]:
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+                             str(ROOT / "tests" / "layout_memory_rank.py"), *args], capture_output=True, text=True,
+                            timeout=600, env=cli_env())
+    found = re.search(r"^(\[\{.*)$", result.stdout, re.M)
+    assert found, result.stdout[-2000:] + result.stderr[-3000:]
+    return json.loads(found.group(1))
+
+
+def test_train_init_from_loads_into_the_shards_one_tensor_at_a_time(tmp_path):
+    """train.init_from=hf:<folder> and a DCP checkpoint written by one process, loaded into hp2 x pp2: each rank reads
+    one tensor at a time into its shards (a fused GPT-2 q/k/v with the part it takes), never the model. A DCP load
+    also makes the rank's optimizer state: torch's _init_optim_state runs one step with zero gradients (gradients,
+    AdamW's two moments and the step's temporaries: 3.7x the rank's parameters measured, what every training step
+    allocates too), then DCP reads the saved tensors into it; the full state (3x the model) is never near."""
+    from tests.test_hf import FAMILIES, saved
+
+    folder = saved("gpt", tmp_path / "hf")
+    layout = [*FAMILIES["gpt"][0], "parallel.hp=2", "parallel.pp=2", "parallel.microbatches=2"]
+    for rank in _rank_lines(4, f"--hf={folder}", *layout):
+        assert rank["load_peak"] <= 2 * rank["largest"] + BOOKKEEPING < rank["model"] / 4, rank
+    report = run_debug(tmp_path, *FAMILIES["gpt"][0], "train.steps=2", "train.eval_every=0",
+                       "train.checkpoint_every=0")
+    checkpoint = cache_entry(tmp_path, report, "checkpoint")
+    for rank in _rank_lines(4, f"--dcp={checkpoint}", *layout):
+        assert rank["load_peak"] <= 5 * rank["held"] + 2 * rank["largest"] + BOOKKEEPING < 3 * rank["model"], rank
+
+
+def test_the_plan_states_every_stage_and_refuses_what_cannot_fit_before_anything_runs(tmp_path):
+    """The 0.52B model (2.08 GB of weights) against what a SLURM task may use: at 2 GB the single train rank and the
+    aggregate's ONNX check (ONNX Runtime's copy of the weights) are refused, the latter's fix naming
+    aggregate.onnx=false; with pp=10 only the ONNX check is, and aggregate.onnx=false clears it (export needs no
+    model: its graph is traced on the meta device); at 0.5 GB the export stage's check is refused too."""
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.validate import memory_line, validate
+    from tests.conftest import make_cfg
+
+    big = ["model.d_model=2048", "model.n_layers=10", "model.n_heads=16", "model.d_ff=8192", "model.vocab_size=8192",
+           "model.max_seq_len=64", "train.seq_len=32", "train.batch_size=10", "cluster=slurm", "tracking=none",
+           f"cache_dir={tmp_path}"]
+
+    def refused(*args: str) -> dict[str, list]:
+        """key -> the problems validation names for it (none: the config is accepted)."""
+        try:
+            validate(make_cfg(*big, *args))
+        except ConfigError as e:
+            found: dict[str, list] = {}
+            for p in e.problems:
+                if p.key != "cluster":  # SLURM's commands are on this machine or not
+                    found.setdefault(p.key, []).append(p)
+            return found
+        return {}
+
+    problems = refused("cluster.mem_per_task_gb=2")
+    assert set(problems) == {"parallel", "aggregate.onnx"}
+    (onnx_check,) = problems["aggregate.onnx"]
+    assert "ONNX check" in onnx_check.rule and "aggregate.onnx=false" in onnx_check.fix
+    deep = ["cluster.mem_per_task_gb=2", "parallel.pp=10", "parallel.microbatches=10"]
+    assert set(refused(*deep)) == {"aggregate.onnx"}
+    assert refused(*deep, "aggregate.onnx=false") == {}
+    rules = [p.rule for p in refused("cluster.mem_per_task_gb=0.5", "aggregate.onnx=false")["model"]]
+    assert any(r.startswith("the export stage needs about") and "twin" in r for r in rules)
+    assert any(r.startswith("the aggregate stage needs about") for r in rules)
+    line = memory_line(make_cfg(*big, *deep))
+    assert re.search(r"one process each: export [\d.]+ GB .*; checkpoint [\d.]+ GB .*; aggregate [\d.]+ GB", line)
+    assert re.search(r"disk: checkpoints 5\.8\d GB each, the aggregate's files", line)
 
 
 def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path):
@@ -106,3 +169,31 @@ def test_without_the_onnx_model_the_rest_is_aggregated(tmp_path):
     out = cache_entry(tmp_path, report, "aggregate")
     assert not (out / "model.onnx").exists() and (out / "model.safetensors").is_file() and (out / "hf").is_dir()
     assert json.loads((out / "manifest.json").read_text())["onnx"] == "skipped (aggregate.onnx=false)"
+
+
+def test_a_model_over_the_check_size_is_traced_on_meta_and_checked_on_a_twin(tmp_path, monkeypatch):
+    """Above CHECK_WEIGHTS_BYTES (0 here) the export stage holds no model: its graph is traced on the meta device
+    (byte for byte the graph a real model gives) and checked on a two-layer twin; the aggregate stage checks the
+    whole graph with the trained weights."""
+    import onnx
+
+    import stages.export
+    from plugins.models import build_on_meta, get_model
+    from plugins.models.registry import materialise
+    from plugins.onnx.exporter import export_model
+    from tests.conftest import make_cfg
+
+    monkeypatch.setattr(stages.export, "CHECK_WEIGHTS_BYTES", 0)
+    report = run_debug(tmp_path, "train.steps=2", "train.eval_every=0")
+    assert report.exit_code == 0
+    export = cache_entry(tmp_path, report, "export")
+    record = json.loads((export / "export.json").read_text())["model"]
+    assert record["checked_on"].startswith("a 2-layer twin") and record["check"]["max_abs_diff"] <= 1e-4
+    cfg = make_cfg()
+    spec = get_model("gpt")
+    real = materialise(build_on_meta(spec, cfg.model), torch.device("cpu"))
+    spec.init_weights(real, cfg.model, 0)
+    graph, _, _ = export_model(real, spec, cfg.model, cfg.export, cfg.engine.opset, params_as_inputs=True)
+    assert onnx.load(export / "model.onnx").SerializeToString() == graph.SerializeToString()
+    manifest = json.loads((cache_entry(tmp_path, report, "aggregate") / "manifest.json").read_text())
+    assert manifest["verification"]["onnx_max_abs_diff"] <= 1e-4

@@ -313,9 +313,10 @@ class AggregateConfig:
                                min=0.001)
     onnx: bool = key(True, "write the ONNX inference model (model.onnx) and check it in ONNX Runtime, which holds the "
                            "weights once more; false skips it where that cannot fit the aggregating node")
-    onnx_external_data_mb: float = key(2000, "weights of model.onnx beyond this go to model.onnx.data (ONNX's external "
-                                             "data: protobuf cannot hold a model over 2 GiB); 0 puts them there always",
-                                       min=0.0, max=2000)
+    onnx_external_data_mb: float = key(100, "weights of model.onnx beyond this go to model.onnx.data (ONNX's external "
+                                            "data), which ONNX Runtime maps instead of copying: inside the protobuf a "
+                                            "load holds them several times over, and protobuf cannot hold more than "
+                                            "2 GiB at all; 0 puts them there always", min=0.0, max=2000)
 
 
 @dataclass

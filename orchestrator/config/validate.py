@@ -49,10 +49,19 @@ def _memory(cfg: DictConfig):
 
 
 def memory_line(cfg: DictConfig) -> str:
-    """The plan's line on memory: the estimate per rank against what a rank may use."""
+    """The plan's lines on memory: the estimate per train rank against what a rank may use, then what the stages
+    around training need (one process each) and write."""
+    from plugins.estimate import host_bytes, stage_costs
+
     est, avail, where = _memory(cfg)
     of = f" of {avail / 2**30:,.1f} GB ({where})" if avail else f" ({where})"
-    return f"memory: {est.describe()}{of}"
+    costs = stage_costs(cfg, partition_plan(cfg))
+    host, host_where = host_bytes(cfg)
+    stages = "; ".join(f"{name} {c.peak / 2**30:,.2f} GB ({c.what})" for name, c in costs.items())
+    return (f"memory: {est.describe()}{of}\n  one process each: {stages}" +
+            (f", of {host / 2**30:,.1f} GB ({host_where})" if host else f" ({host_where})") +
+            f"\n  disk: checkpoints {costs['checkpoint'].writes / 2**30:,.2f} GB each, the aggregate's files "
+            f"{costs['aggregate'].writes / 2**30:,.2f} GB")
 
 
 def time_line(cfg: DictConfig) -> str:
@@ -104,6 +113,37 @@ def _memory_problems(cfg: DictConfig) -> list[Problem]:
     fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
     return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"the estimated peak per rank, {est.describe()}, "
                     f"exceeds the {avail / 2**30:,.1f} GB a rank may use ({where})", "; ".join(fixes))]
+
+
+def _stage_memory_problems(cfg: DictConfig) -> list[Problem]:
+    """A stage around training whose one process cannot fit the memory it may use is refused before training starts,
+    not found out after the GPU hours are spent."""
+    from plugins.estimate import host_bytes, stage_costs
+
+    avail, where = host_bytes(cfg)
+    if not avail:
+        return []
+    costs = stage_costs(cfg, partition_plan(cfg))
+    gb = 2**30
+    problems = []
+    export = costs["export"]
+    if export.peak > avail:
+        problems.append(Problem("model", cfg.model.name, f"the export stage needs about {export.peak / gb:,.1f} GB "
+                                f"({export.what}), more than the {avail / gb:,.1f} GB it may use ({where})",
+                                "a node with more memory (cluster.mem_per_task_gb on SLURM)"))
+    agg = costs["aggregate"]
+    if agg.peak > avail:
+        without = stage_costs(cfg, partition_plan(cfg), onnx=False)["aggregate"]
+        if cfg.aggregate.onnx and without.peak <= avail:
+            problems.append(Problem("aggregate.onnx", True, f"the aggregate stage's ONNX check needs about "
+                                    f"{agg.peak / gb:,.1f} GB ({agg.what}), more than the {avail / gb:,.1f} GB it may "
+                                    f"use ({where})", f"aggregate.onnx=false (the safetensors and hf/ files then "
+                                    f"need {without.peak / gb:,.1f} GB), or a node with more memory"))
+        else:
+            problems.append(Problem("model", cfg.model.name, f"the aggregate stage needs about {agg.peak / gb:,.1f} GB "
+                                    f"({agg.what}), more than the {avail / gb:,.1f} GB it may use ({where})",
+                                    "a node with more memory (cluster.mem_per_task_gb on SLURM)"))
+    return problems
 
 
 def warnings(cfg: DictConfig) -> list[str]:
@@ -428,7 +468,7 @@ def _hf_init_problems(cfg: DictConfig) -> list[Problem]:
 # -- what this machine can run -------------------------------------------------------------------------------------
 
 def machine_problems(cfg: DictConfig) -> list[Problem]:
-    problems = _folder_problems(cfg) + _tracking_problems(cfg) + _memory_problems(cfg)
+    problems = _folder_problems(cfg) + _tracking_problems(cfg) + _memory_problems(cfg) + _stage_memory_problems(cfg)
     ort, triton = cfg.engine.name == "ort", cfg.triton.enabled
     if ort and triton and not (_has_cuda() and _ort_has_triton()):
         missing = "no CUDA device" if not _has_cuda() else "an onnxruntime-training build without CUDA and Triton"
@@ -498,20 +538,25 @@ def _folder_problems(cfg: DictConfig) -> list[Problem]:
 
 
 def _disk_problems(cfg: DictConfig) -> list[Problem]:
-    """Room for the checkpoints: fp32 weights and two optimizer moments per parameter, train.keep_checkpoints of
-    them while training plus the published one and the aggregate's copy."""
+    """Room for the checkpoints (fp32 weights and optimizer state): train.keep_checkpoints of them while training
+    plus the published one (the checkpoint stage links it, no copy on the same disk), and the aggregate's files
+    (the checkpoint again as safetensors, hf/ and the ONNX model's weights)."""
+    from plugins.estimate import stage_costs
+
     where = Path(cfg.cache_dir).expanduser().absolute()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
-    per_checkpoint = int(partition_plan(cfg)["n_parameters"] * 4 * 3 * 1.1) + 4 * 2**20  # + metadata
-    needed = per_checkpoint * (cfg.train.keep_checkpoints + 2)
+    costs = stage_costs(cfg, partition_plan(cfg))
+    per_checkpoint = int(costs["checkpoint"].writes * 1.1) + 4 * 2**20  # + DCP's metadata
+    needed = per_checkpoint * (cfg.train.keep_checkpoints + 1) + costs["aggregate"].writes
     if free >= needed:
         return []
     return [Problem("cache_dir", cfg.cache_dir, f"the checkpoints of this model need about {needed / 2**20:,.0f} MB "
                     f"({per_checkpoint / 2**20:,.0f} MB each: fp32 weights and optimizer state; train.keep_checkpoints="
-                    f"{cfg.train.keep_checkpoints} while training, the final one and the aggregate); {where} has "
-                    f"{free / 2**20:,.0f} MB free", "free space, cache_dir= a larger disk, or train.keep_checkpoints=1")]
+                    f"{cfg.train.keep_checkpoints} while training, the final one, and the aggregate's "
+                    f"{costs['aggregate'].writes / 2**20:,.0f} MB); {where} has {free / 2**20:,.0f} MB free",
+                    "free space, cache_dir= a larger disk, or train.keep_checkpoints=1")]
 
 
 TRACKING_TIMEOUT_S = 5.0  # an MLflow server that does not answer this fast is reported before launch

@@ -29,6 +29,7 @@ from plugins.onnx.passes import dropout_inference
 from plugins.onnx.weights import embed
 
 _WRAPPED = "module."
+CHECK_WEIGHTS_BYTES = 2**30  # the export stage checks the whole graph with the model's own weights up to this size
 
 
 class _FlatModule(nn.Module):
