@@ -1,5 +1,5 @@
 """The memory estimate (plugins/estimate.py) against what training really takes, per layout: the worst rank's peak
-RSS growth on a CPU (its peak minus what the process held before the model existed), or the CUDA allocator's peak.
+RSS on a CPU (what `top` shows), or the CUDA allocator's peak.
 
     python benchmarks/memory_estimate.py [models=gpt_small,gpt2_124m] [layouts=single,ddp2,megatron_hp2,pipeline_pp2]
                                          [batch=8] [seq=256] [steps=3]
@@ -29,7 +29,7 @@ def measured_mb(args: list[str], workdir: Path) -> float:
     if out.returncode:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-2000:])
     run_dir = Path(re.search(r"^outputs: (\S+)", out.stdout, re.M).group(1))
-    return json.loads((run_dir / "stages/train/output/summary.json").read_text())["peak_memory_growth_mb"]
+    return json.loads((run_dir / "stages/train/output/summary.json").read_text())["peak_memory_mb"]
 
 
 def main(argv: list[str]) -> None:

@@ -139,7 +139,8 @@ def measure_size(size: str, work: Path) -> dict:
     row = {"size": size, **estimates(args), "checkpoint_bytes": sum(f["bytes"] for f in manifest["files"].values()),
            "aggregate_bytes": sum(p.stat().st_size for p in agg_dir.rglob("*") if p.is_file()),
            "peaks": {stage_of(k): v for k, v in sampled["peaks"].items()}, "seconds": stage_times(result.stdout),
-           "aggregate_phases": aggregate["seconds"], **verify_speed(cache_root)}
+           "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["hf"] * 2**20,
+           **verify_speed(cache_root)}
     row["weights_bytes"] = row["n_parameters"] * 4
     shutil.rmtree(work / "runs", ignore_errors=True)
     return row
@@ -188,7 +189,8 @@ def projection(rows: list[dict]) -> list[str]:
         ckpt = costs["checkpoint"].writes
         lines.append(f"  {name}: {plan['n_parameters'] / 1e9:,.1f}B parameters, checkpoint {ckpt / 1e9:,.0f} GB; "
                      f"train {estimate(cfg, plan).total / GB:,.1f} GB per rank; export {costs['export'].peak / GB:,.0f}"
-                     f" GB; aggregate {costs['aggregate'].peak / GB:,.0f} GB ({costs['aggregate'].what}), "
+                     f" GB; aggregate {costs['aggregate'].peak / GB:,.0f} GB ({costs['aggregate'].what}; "
+                     f"{stage_costs(cfg, plan, onnx=False)['aggregate'].peak / GB:,.1f} GB with aggregate.onnx=false), "
                      f"{_dur(ckpt / agg_rate)}, writes {costs['aggregate'].writes / 1e9:,.0f} GB; checkpoint stage "
                      f"{_dur(ckpt / ckpt_rate)}; a cache hit {_dur(big['hit_s'])} against a full hash's "
                      f"{_dur(ckpt / hash_rate)}")
@@ -217,6 +219,8 @@ def main() -> None:
             est = row.get(stage)
             print(f"  {stage:<10} {sec:7.1f} s  peak {peak / GB:6.2f} GB = {peak / base:5.2f}x the "
                   f"{'checkpoint' if base == c else 'weights'}" + (f"  (plan: {est / GB:.2f} GB)" if est else ""))
+        print(f"  aggregate before its ONNX check (safetensors, eval, hf/): peak {row['aggregate_streaming_peak'] / GB:.2f}"
+              f" GB = {row['aggregate_streaming_peak'] / c:.2f}x the checkpoint")
         print(f"  checkpoint {c / row['seconds']['checkpoint'] / 1e6:,.0f} MB/s; aggregate "
               f"{c / row['seconds']['aggregate'] / 1e6:,.0f} MB/s of checkpoint (phases: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in row["aggregate_phases"].items()) + ")")

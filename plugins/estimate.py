@@ -8,11 +8,15 @@ does), times the tokens in flight (one microbatch without a pipeline; up to pp o
 1F1B, every microbatch under GPipe), plus the logits and their gradient on the last stage. Recomputation (memory
 level 1, 2) keeps a layer's input (level 1) or the unit inputs (level 2) and one layer's worth during backward.
 
-The peak comes at the start of backward, when every activation is alive and no gradient yet (gradients appear as
-activations are freed; the optimizer frees them after its step): parameters + optimizer state + the larger of
-activations and gradients, plus the runtime (autograd, the allocator's arenas, the data pages read: on a CPU about
-100 MB per process, measured; on a GPU the allocator's peak excludes the CUDA context), and with data parallelism
-a buffer of the rank's full gradients that the reduction goes through.
+On a GPU the peak comes at the start of backward, when every activation is alive and no gradient yet (gradients
+appear as activations are freed, and the caching allocator gives their blocks to the gradients): parameters +
+optimizer state + the larger of activations and gradients (the allocator's peak excludes the CUDA context). On a
+CPU what a process frees stays in its heap, so its RSS, what `top` shows and the plan promises, holds activations
+and gradients both, and the optimizer step's temporaries on top (half the parameters' bytes, measured), plus the
+process itself (torch imported, 0.22 GB) and autograd's and the data pages' share (0.1 GB): at 0.2B parameters the
+worst train rank measured 0.98x (pp=8), 0.99x (hp=4) and 0.87x (one process) of this. With data parallelism a
+buffer of unsharded gradients that the reduction goes through: the rank's all under replicate, one FSDP unit (a
+block, or the root's embedding and head) under shard.
 """
 from __future__ import annotations
 
@@ -21,8 +25,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-RUNTIME_CPU = 100 * 2**20
+# a rank on a CPU: the process itself (torch imported: 0.22 GB of RSS measured before the model exists) and what
+# training adds besides tensors (autograd, the allocator's arenas, the data pages read: about 0.1 GB measured)
+RUNTIME_CPU = 320 * 2**20
 OPTIMIZER_STATES = {"adamw": 2, "sgd": 1}   # fp32 tensors per parameter
+STEP_TEMPORARIES = 0.5                       # the optimizer step's temporaries, per parameter byte held (measured)
 
 
 @dataclass(frozen=True)
@@ -32,17 +39,26 @@ class Estimate:
     optimizer: int
     activations: int
     runtime: int = 0
+    temporaries: int = 0
+    cpu: bool = False
 
     @property
     def total(self) -> int:
-        """The peak: activations and gradients are not alive at once (see the module's note)."""
+        """The peak. On a GPU activations and gradients are not alive at once (see the module's note) and the
+        caching allocator reuses the one's blocks for the other; on a CPU freed memory stays in the process's heap,
+        so its RSS holds both, and the optimizer step's temporaries on top."""
+        if self.cpu:
+            return self.parameters + self.optimizer + self.gradients + self.activations + self.temporaries + \
+                self.runtime
         return self.parameters + self.optimizer + max(self.activations, self.gradients) + self.runtime
 
     def describe(self) -> str:
         gb = 2**30
+        both = (f"activations {self.activations / gb:,.2f}, gradients {self.gradients / gb:,.2f}, step temporaries "
+                f"{self.temporaries / gb:,.2f}") if self.cpu else \
+            f"activations {self.activations / gb:,.2f} or gradients {self.gradients / gb:,.2f}"
         return (f"{self.total / gb:,.2f} GB per rank at its peak (parameters {self.parameters / gb:,.2f}, optimizer "
-                f"state {self.optimizer / gb:,.2f}, activations {self.activations / gb:,.2f} or gradients "
-                f"{self.gradients / gb:,.2f}, runtime {self.runtime / gb:,.2f})")
+                f"state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f})")
 
 
 def _held_by_rank(plan: dict) -> dict[int, int]:
@@ -77,8 +93,11 @@ def estimate(cfg, plan: dict) -> Estimate:
     shard = p.dp if p.dp_mode == "shard" else 1
     parameters = held * 4 // shard
     gradients = parameters
-    # data parallelism reduces the rank's full (unsharded) gradients through a buffer of their size
-    reduce_buffer = held * 4 if p.dp > 1 else 0
+    # data parallelism reduces unsharded gradients through a buffer of their size: the rank's all of them under
+    # replicate (one unit), one FSDP unit at a time under shard (a block, or what the root keeps: embedding, head)
+    block = 4 * sum(math.prod(q["shard_shape"]) for name, q in plan["parameters"].items() if name.startswith("layers.0."))
+    unit = max(block, held * 4 - (m.n_layers // p.pp) * block) if p.dp_mode == "shard" else held * 4
+    reduce_buffer = unit if p.dp > 1 else 0
     optimizer = parameters * OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
 
     compute = BYTES.get(cfg.precision.name, 4)
@@ -107,8 +126,9 @@ def estimate(cfg, plan: dict) -> Estimate:
     activations = int(tokens_per_microbatch * (in_flight * layer_bytes + logits))
     import torch
 
-    runtime = 0 if torch.cuda.is_available() and cfg.cluster.name != "slurm" else RUNTIME_CPU
-    return Estimate(parameters, gradients, optimizer, activations, runtime + reduce_buffer)
+    cpu = not (torch.cuda.is_available() and cfg.cluster.name != "slurm")
+    return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
+                    int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu)
 
 
 def available_bytes(cfg) -> tuple[int, str]:
@@ -179,7 +199,8 @@ def matmul_rate(device: str, dtype: str, threads: int) -> float:
 
 STAGE_RUNTIME = 320 * 2**20  # a one-process stage: torch, onnx and ONNX Runtime imported, measured 0.27-0.33 GB
 READ_GROUP = 64 * 2**20     # plugins.safetensors_shards.READ_BYTES: tensors the aggregate writer holds at once
-EXPORT_CHECK = 1.5           # the export check: the weights, ONNX Runtime's feeds and the trace (1.4x measured)
+EXPORT_CHECK = 1.75          # the export check, per byte of the weights it runs with (1.5-1.75x measured)
+ORT_COPY = 1.2               # ONNX Runtime checking model.onnx, per byte of its weights (1.15-1.2x measured)
 
 
 @dataclass(frozen=True)
@@ -212,10 +233,13 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
     m, t = cfg.model, cfg.train
     from plugins.models.registry import vocab_rows
 
-    eval_tokens = min(t.eval_batches * t.batch_size * t.seq_len, max(2**30 // (4 * m.d_model), t.batch_size * t.seq_len))
-    pieces = 2 * block + eval_tokens * m.d_model * 4 * 2 + t.batch_size * t.seq_len * vocab_rows(m) * 4 * 2
+    from plugins.evaluate import piece_budgets
+
+    chunk, head = piece_budgets(m.d_model, vocab_rows(m))
+    hidden = min(t.eval_batches, max(1, chunk // (t.batch_size * t.seq_len))) * t.batch_size * t.seq_len
+    pieces = 2 * block + hidden * m.d_model * 4 * 2 + min(head, t.batch_size * t.seq_len) * vocab_rows(m) * 8
     streaming = max(READ_GROUP + 2 * largest, pieces)
-    onnx = weights if (cfg.aggregate.onnx if onnx is None else onnx) else 0
+    onnx = int(ORT_COPY * weights) if (cfg.aggregate.onnx if onnx is None else onnx) else 0
     from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES
 
     checked = weights if weights <= CHECK_WEIGHTS_BYTES else weights - max(m.n_layers - 2, 0) * block
@@ -228,5 +252,5 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
         "aggregate": StageCost(STAGE_RUNTIME + max(onnx, streaming),
                                "ONNX Runtime's copy of the weights" if onnx > streaming else
                                "one read group or one block of the piece-by-piece evaluation",
-                               checkpoint + hf + onnx),
+                               checkpoint + hf + (weights if onnx else 0)),
     }

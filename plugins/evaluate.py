@@ -26,15 +26,24 @@ def eval_loss(model, loss_fn, batcher, n_batches: int, autocast=contextlib.nullc
     return total / max(count, 1)
 
 
+HIDDEN_BYTES = 2**30  # the eval batches' hidden states held at once by the piece-by-piece evaluation (a batch at least)
+LOGITS_BYTES = 2**28  # the logits (and their log-softmax) of the tokens its head scores at once
+
+
+def piece_budgets(d_model: int, vocab_rows: int) -> tuple[int, int]:
+    """(tokens_per_chunk, tokens_per_head) of eval_loss_by_piece for a model of this width and vocabulary."""
+    return HIDDEN_BYTES // (4 * d_model), max(1, LOGITS_BYTES // (8 * vocab_rows))
+
+
 @torch.no_grad()
 def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[torch.Tensor],
-                     autocast=contextlib.nullcontext, head: Optional[Callable[[int, torch.Tensor], None]] = None
-                     ) -> list[torch.Tensor]:
+                     autocast=contextlib.nullcontext,
+                     head: Optional[Callable[[int, nn.Module, torch.Tensor], None]] = None) -> list[torch.Tensor]:
     """A model's outputs for a list of inputs, computed one part at a time: `pieces` make its parts in order (the
     embedding, each block, the head), each with its weights, and each is dropped before the next is made. The same
     operations in the same order as the whole model's forward, so the same numbers, with one part's weights and the
-    inputs' hidden states in memory. head(i, output): the last part's output of input i is handed over and not kept
-    (the logits of one batch at a time)."""
+    inputs' hidden states in memory. head(i, last part, its input i): the last part is applied by the caller (the
+    logits of a few tokens at a time) instead of kept."""
     makers = list(pieces)
     hidden = list(inputs)
     for i, make in enumerate(makers):
@@ -42,7 +51,7 @@ def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[tor
         with autocast():
             if head is not None and i == len(makers) - 1:
                 for j, h in enumerate(hidden):
-                    head(j, piece(h))
+                    head(j, piece, h)
                 hidden = []
             else:
                 hidden = [piece(h) for h in hidden]
@@ -51,16 +60,21 @@ def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[tor
 
 
 def eval_loss_by_piece(pieces: Iterable[Callable[[], nn.Module]], loss_fn, batcher, n_batches: int,
-                       autocast=contextlib.nullcontext, tokens_per_chunk: int = 2**16) -> float:
+                       autocast=contextlib.nullcontext, tokens_per_chunk: int = 2**16,
+                       tokens_per_head: int = 2**12) -> float:
     """eval_loss's number for a model too big to hold (forward_by_piece), the batches' hidden states in chunks of
-    at most tokens_per_chunk tokens (at least one batch); over several chunks the parts are made again for each."""
+    at most tokens_per_chunk tokens (at least one batch; over several chunks the parts are made again for each), and
+    the head's logits for at most tokens_per_head tokens at a time (the head is position-wise: its logits do not
+    depend on how the tokens are grouped, and the summed loss adds up over groups)."""
     batches = [batcher.eval_batch(i) for i in range(n_batches)]
     makers = list(pieces)
     total, count = 0.0, 0
     for chunk in _chunks(batches, tokens_per_chunk):
-        def loss(j: int, logits: torch.Tensor, chunk=chunk) -> None:
+        def loss(j: int, head: nn.Module, h: torch.Tensor, chunk=chunk) -> None:
             nonlocal total, count
-            total += loss_fn(logits, chunk[j].labels).item()
+            flat, labels = h.reshape(1, -1, h.shape[-1]), chunk[j].labels.reshape(1, -1)
+            for t in range(0, flat.shape[1], tokens_per_head):
+                total += loss_fn(head(flat[:, t:t + tokens_per_head]), labels[:, t:t + tokens_per_head]).item()
             count += chunk[j].n_labels
 
         forward_by_piece(makers, [b.inputs for b in chunk], autocast, head=loss)

@@ -5,16 +5,18 @@ Everything streams, so a model of any size aggregates on a node that could never
    tensors at a time, each file read back and checked tensor by tensor against what the checkpoint held;
 2. the plain single-process model, read from those files one piece at a time (embedding, each block, head),
    scores the train stage's final eval loss;
-3. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
+3. hf/ is written from the files, tensor by tensor, sharded like save_pretrained;
+4. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
    off, the weights written in one at a time (external data above aggregate.onnx_external_data_mb), checked in ONNX
-   Runtime against the plain model's outputs (made piece by piece);
-4. hf/ is written from the files, tensor by tensor, sharded like save_pretrained.
-No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips
-it), else one piece, or one read group and the largest tensor. The file table of everything written is the cache
+   Runtime against the plain model's outputs (made piece by piece).
+No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 4 (aggregate.onnx=false skips
+it), else one piece, or one read group and the largest tensor; the manifest records the process's peak after each
+step (peak_rss_mb), so the streaming steps' own peak is the one after step 3. The file table of everything written is the cache
 entry's (_entry.json), checked on every reuse.
 """
 from __future__ import annotations
 
+import resource
 import time
 
 import onnx
@@ -24,10 +26,10 @@ from plugins import checkpoint as ckpt
 from plugins import consolidate, hf
 from plugins.data import build_batcher
 from plugins.dcp_reader import CheckpointReader
-from plugins.evaluate import eval_loss_by_piece, forward_by_piece
+from plugins.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
 from plugins.fsio import atomic_write_json, link_tree, read_json
 from plugins.models import get_model
-from plugins.models.registry import build_on_meta, materialise
+from plugins.models.registry import build_on_meta, materialise, vocab_rows
 from plugins.onnx.exporter import save_inference
 from plugins.onnx.io_schema import IOSchema
 from plugins.partition import aliases as plan_aliases
@@ -39,7 +41,6 @@ from stages.base import Stage, StageContext
 # (bf16/fp16: the same autocast here, but maybe other kernels: the train stage may have run on a GPU)
 EVAL_RTOL = {"torch": 1e-5, "ort": 1e-4}
 MIXED_EVAL_RTOL = {"bf16": 2e-2, "fp16": 5e-3}
-EVAL_CHUNK_BYTES = 2**30  # hidden states of the eval batches held at once by the piece-by-piece evaluation
 MB = 10**6
 
 
@@ -52,11 +53,13 @@ def aggregate(ctx: StageContext) -> None:
     order = [name for name, _ in build_on_meta(spec, cfg.model).named_parameters()]
 
     seconds: dict[str, float] = {}
+    peak_rss_mb: dict[str, float] = {}  # the process's peak so far after each phase (the phases run in this order)
     clock = time.perf_counter()
 
     def lap(phase: str) -> None:
         nonlocal clock
         seconds[phase] = time.perf_counter() - clock
+        peak_rss_mb[phase] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         clock = time.perf_counter()
 
     # 1. the checkpoint's state, streamed into safetensors shards (each verified as it is written)
@@ -87,7 +90,7 @@ def aggregate(ctx: StageContext) -> None:
     precision = Precision(cfg.precision.name, "cpu")
     loss = eval_loss_by_piece(pieces(), spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
                               cfg.train.eval_batches, precision.autocast,
-                              tokens_per_chunk=EVAL_CHUNK_BYTES // (4 * cfg.model.d_model))
+                              *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)))
     lap("eval")
     trained = read_json(ctx.inputs["train"] / "summary.json")["final_eval_loss"]
     rtol = MIXED_EVAL_RTOL.get(precision.name, EVAL_RTOL[cfg.engine.name])
@@ -96,7 +99,15 @@ def aggregate(ctx: StageContext) -> None:
                            f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
                            f"precision={precision.name})")
 
-    # 3. an ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the weights
+    # 3. a folder transformers loads (AutoModelForCausalLM.from_pretrained(out / "hf"))
+    hf_note = hf.save_folder(ctx.out / "hf", weights, cfg.model, int(a.shard_size_mb * MB))
+    if hf_note:
+        ctx.log.warning("no hf/ folder: %s", hf_note)
+    elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
+        link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / "hf")
+    lap("hf")
+
+    # 4. an ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the weights
     # written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs, made piece by piece
     onnx_record = None
     if a.onnx:
@@ -109,14 +120,6 @@ def aggregate(ctx: StageContext) -> None:
         atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
         lap("onnx")
 
-    # 4. a folder transformers loads (AutoModelForCausalLM.from_pretrained(out / "hf"))
-    hf_note = hf.save_folder(ctx.out / "hf", weights, cfg.model, int(a.shard_size_mb * MB))
-    if hf_note:
-        ctx.log.warning("no hf/ folder: %s", hf_note)
-    elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
-        link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / "hf")
-    lap("hf")
-
     onnx_diff = onnx_record["check"]["max_abs_diff"] if onnx_record else None
     record = {"source_step": manifest["step"], "source_trainer": manifest["trainer"],
               "model_config": dict(cfg.model), "optimizer": cfg.optimizer.name,
@@ -125,7 +128,7 @@ def aggregate(ctx: StageContext) -> None:
                                "onnx_max_abs_diff": onnx_diff,
                                "onnx_check_runtime": onnx_record["check"]["runtime"] if onnx_record else None},
               "safetensors": files, "onnx": onnx_record or "skipped (aggregate.onnx=false)",
-              "hf": hf_note or "hf/", "seconds": seconds}
+              "hf": hf_note or "hf/", "seconds": seconds, "peak_rss_mb": peak_rss_mb}
     atomic_write_json(ctx.out / "manifest.json", record)
     ctx.tracker.log_metrics({"eval_loss": loss, **({"onnx_max_abs_diff": onnx_diff} if onnx_record else {})})
     ctx.tracker.log_artifact(ctx.out / "manifest.json")
