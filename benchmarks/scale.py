@@ -140,6 +140,7 @@ def measure_size(size: str, work: Path) -> dict:
            "aggregate_bytes": sum(p.stat().st_size for p in agg_dir.rglob("*") if p.is_file()),
            "peaks": {stage_of(k): v for k, v in sampled["peaks"].items()}, "seconds": stage_times(result.stdout),
            "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["hf"] * 2**20,
+           "safetensors_peak": aggregate["peak_rss_mb"]["safetensors"] * 2**20,
            **verify_speed(cache_root)}
     row["weights_bytes"] = row["n_parameters"] * 4
     shutil.rmtree(work / "runs", ignore_errors=True)
@@ -179,11 +180,12 @@ def projection(rows: list[dict]) -> list[str]:
              "Llama-3 70B, 8 nodes: hp=8 x pp=8, 8 microbatches of 1 sequence": [
                  *llama, "model.d_model=8192", "model.n_layers=80", "model.n_heads=64", "model.d_ff=28672",
                  "parallel.hp=8", "parallel.pp=8", "parallel.microbatches=8", "train.batch_size=8"]}
-    lines = [f"projection (on paper: the plan's estimate per train rank; the other stages scaled from the "
+    lines = [f"projection (on paper: the plan's estimate per train rank, on GPUs in bf16; the other stages scaled from the "
              f"{big['size']} run's per-byte figures: checkpoint {ckpt_rate / 1e6:,.0f} MB/s, aggregate "
              f"{agg_rate / 1e6:,.0f} MB/s of checkpoint, full hash {hash_rate / 1e6:,.0f} MB/s, on this VM's disk)"]
     for name, args in cases.items():
-        cfg = make_cfg(*args, "cluster=slurm", "cluster.mem_per_task_gb=80")
+        cfg = make_cfg(*args, "cluster=slurm", "cluster.gpus_per_task=1", "cluster.mem_per_task_gb=80",
+                       "precision=bf16")
         plan = partition_plan(cfg)
         costs = stage_costs(cfg, plan)
         ckpt = costs["checkpoint"].writes
@@ -198,7 +200,7 @@ def projection(rows: list[dict]) -> list[str]:
 
 
 def _dur(s: float) -> str:
-    return f"{s:,.1f} s" if s < 120 else f"{s / 60:,.0f} min"
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.1f} s" if s < 120 else f"{s / 60:,.0f} min"
 
 
 def main() -> None:
@@ -219,8 +221,9 @@ def main() -> None:
             est = row.get(stage)
             print(f"  {stage:<10} {sec:7.1f} s  peak {peak / GB:6.2f} GB = {peak / base:5.2f}x the "
                   f"{'checkpoint' if base == c else 'weights'}" + (f"  (plan: {est / GB:.2f} GB)" if est else ""))
-        print(f"  aggregate before its ONNX check (safetensors, eval, hf/): peak {row['aggregate_streaming_peak'] / GB:.2f}"
-              f" GB = {row['aggregate_streaming_peak'] / c:.2f}x the checkpoint")
+        print(f"  aggregate's safetensors step (the DCP shards streamed into files, read back): peak "
+              f"{row['safetensors_peak'] / GB:.2f} GB; with the eval and hf/ (before the ONNX check): "
+              f"{row['aggregate_streaming_peak'] / GB:.2f} GB = {row['aggregate_streaming_peak'] / c:.2f}x the checkpoint")
         print(f"  checkpoint {c / row['seconds']['checkpoint'] / 1e6:,.0f} MB/s; aggregate "
               f"{c / row['seconds']['aggregate'] / 1e6:,.0f} MB/s of checkpoint (phases: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in row["aggregate_phases"].items()) + ")")

@@ -126,7 +126,8 @@ def estimate(cfg, plan: dict) -> Estimate:
     activations = int(tokens_per_microbatch * (in_flight * layer_bytes + logits))
     import torch
 
-    cpu = not (torch.cuda.is_available() and cfg.cluster.name != "slurm")
+    # ranks on GPUs: this machine's, or a SLURM job's that asks for them
+    cpu = not cfg.cluster.get("gpus_per_task") if cfg.cluster.name == "slurm" else not torch.cuda.is_available()
     return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
                     int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu)
 
