@@ -1,24 +1,23 @@
 """Planning: order the stages, compute each one's content key, and look it up in the cache.
 
 A stage's key is the hash of what determines its output: the content of the config subtrees it reads
-(keys marked `content=False` in the schema left out), its upstream stages' keys, the source code of the
-stage and of the plugins it declares, and any extra fingerprint (e.g. of the data files). Equal keys mean
+(keys marked `content=False` in the schema left out), its upstream stages' keys, the source of every project
+module the stage reaches through its imports (orchestrator/code_keys.py), and any extra fingerprint (e.g. of the data files). Equal keys mean
 equal outputs, so an unchanged stage is never run twice and a sweep shares what its points have in common.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.cache import Cache
+from orchestrator.code_keys import code_material
 from stages.base import Resources, Stage
 
 KEY_LENGTH = 20
@@ -51,26 +50,12 @@ def content_view(node: Any) -> Any:
     return node
 
 
-@lru_cache(maxsize=None)
-def source_hash(module: str) -> str:
-    """sha256 over the source files of a module, or of every module in a package."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise ImportError(f"cannot find the source of {module}")
-    origin = Path(spec.origin)
-    files = sorted(origin.parent.rglob("*.py")) if origin.name == "__init__.py" else [origin]
-    h = hashlib.sha256()
-    for f in files:
-        h.update(f.relative_to(origin.parent).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
-    return h.hexdigest()
-
-
 def stage_key(cfg: DictConfig, stage: Stage, input_keys: dict[str, str]) -> tuple[str, dict]:
     material = {
         "stage": stage.name,
         "config": {path: content_view(OmegaConf.select(cfg, path, throw_on_missing=True)) for path in stage.reads},
         "inputs": {name: input_keys[name] for name in stage.after},
-        "code": {m: source_hash(m)[:16] for m in (stage.module, *stage.code)},
+        "code": code_material(stage.module),
         "extra": stage.fingerprint(cfg) if stage.fingerprint else None,
     }
     digest = hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()

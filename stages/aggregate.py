@@ -154,7 +154,5 @@ STAGE = Stage(
     after=("checkpoint", "train", "tokenize", "export"),
     reads=("model", "optimizer", "data", "train", "export", "aggregate", "engine.opset", "engine.name",
            "precision.name"),
-    code=("plugins.checkpoint", "plugins.consolidate", "plugins.models", "plugins.onnx", "plugins.data",
-          "plugins.evaluate", "plugins.precision", "plugins.hf", "plugins.dcp_reader", "plugins.safetensors_shards"),
     summary=_summary,
 )

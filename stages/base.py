@@ -64,8 +64,6 @@ class Stage:
     """upstream stages: their output keys enter this stage's key, their folders are its inputs."""
     reads: tuple[str, ...] = ()
     """config paths (e.g. "model", "train") whose content enters the key."""
-    code: tuple[str, ...] = ()
-    """modules/packages whose source enters the key, besides the stage's own module."""
     resources: Callable[[Any], Resources] = lambda cfg: Resources()
     fingerprint: Optional[Callable[[Any], Any]] = None
     """extra key material computed from the config (e.g. a fingerprint of the data files)."""

@@ -39,6 +39,5 @@ STAGE = Stage(
     name="checkpoint",
     run=checkpoint,
     after=("train",),
-    code=("plugins.checkpoint", "plugins.fsio"),
     summary=_summary,
 )

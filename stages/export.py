@@ -69,6 +69,5 @@ STAGE = Stage(
     name="export",
     run=export,
     reads=("model", "export", "engine.opset"),
-    code=("plugins.models", "plugins.onnx"),
     summary=_summary,
 )

@@ -40,7 +40,6 @@ STAGE = Stage(
     name="tokenize",
     run=tokenize,
     reads=("data", "model.vocab_size"),
-    code=("plugins.data",),
     fingerprint=data_fingerprint,
     summary=_summary,
 )

@@ -88,6 +88,5 @@ STAGE = Stage(
     run=transform,
     after=("export",),
     reads=("model", "parallel", "transform", "engine"),
-    code=("plugins.onnx", "plugins.partition", "plugins.models", "plugins.engines"),
     summary=_summary,
 )

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cache import Cache
-from orchestrator.dag import plan, source_hash
+from orchestrator.dag import plan
 from plugins.fsio import verify_file_table
 from stages import all_stages
 from stages.base import Stage
@@ -77,15 +77,36 @@ def test_data_files_enter_the_key(tmp_path):
 
 
 def test_code_enters_the_key(tmp_path, monkeypatch):
-    cfg = make_cfg()
-    stages = all_stages()
-    before = {ps.name: ps.key for ps in plan(cfg, stages, Cache(tmp_path))}
-    real = source_hash.__wrapped__
-    source_hash.cache_clear()
-    monkeypatch.setattr("orchestrator.dag.source_hash",
-                        lambda m: "edited" if m == "plugins.optim" else real(m))
-    after = {ps.name: ps.key for ps in plan(cfg, stages, Cache(tmp_path))}
-    assert before["transform"] == after["transform"] and before["train"] != after["train"]
+    """A module a stage reaches only through other modules' imports enters its key: plugins/fsio.py (every stage
+    reaches it, most through plugins they import) and plugins/partition.py (transform, and train and aggregate
+    through plugins.parallel and the aggregate's imports) edited in a copy of the tree give new keys to the stages
+    that reach them and leave the others' as they were. (Hand-kept lists had fsio in the checkpoint stage's only.)"""
+    import shutil
+
+    import orchestrator.code_keys as code_keys
+
+    copy, checkout = tmp_path / "tree", code_keys.ROOT
+    for package in code_keys.PACKAGES:
+        shutil.copytree(checkout / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    cfg, stages = make_cfg(), all_stages()
+
+    def keys(root) -> dict[str, str]:
+        monkeypatch.setattr(code_keys, "ROOT", root)
+        code_keys.source_hash.cache_clear()  # sources are read once per process: here they change in between
+        code_keys.reached.cache_clear()
+        return {ps.name: ps.key for ps in plan(cfg, stages, Cache(tmp_path / "cache"))}
+
+    original = keys(checkout)
+    assert keys(copy) == original  # the same sources, the same keys
+    fsio = copy / "plugins" / "fsio.py"
+    fsio.write_text(fsio.read_text() + "# an edit\n")
+    edited = keys(copy)
+    assert all(edited[name] != original[name] for name in original), (edited, original)
+    fsio.write_text((checkout / "plugins" / "fsio.py").read_text())
+    partition = copy / "plugins" / "partition.py"
+    partition.write_text(partition.read_text() + "# an edit\n")
+    edited = keys(copy)
+    assert [n for n in original if edited[n] == original[n]] == ["tokenize", "export"]
 
 
 def test_cycles_and_unknown_upstreams_are_rejected(tmp_path):
