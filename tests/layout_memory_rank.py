@@ -3,10 +3,10 @@
 Builds this rank's part of the layout (build_layout, as the train stage does) under torch's profiler, which sees
 every allocation and free of the CPU allocator, and prints one JSON line per rank: the peak of live bytes while
 building, the bytes of the parameters this rank holds (its shards), and the largest parameter of the model. With
---hf=<folder> or --dcp=<checkpoint>, also the peak while loading those weights into the built layout (what
-`train.init_from` does), in "load_peak".
+--hf=<folder> and/or --dcp=<checkpoint>, also the peak while loading those weights into the built layout (what
+`train.init_from` does), in "load_peak_hf" and "load_peak_dcp".
 
-    python -m torch.distributed.run --nproc_per_node=N tests/layout_memory_rank.py [--hf=DIR|--dcp=DIR] overrides...
+    python -m torch.distributed.run --nproc_per_node=N tests/layout_memory_rank.py [--hf=DIR] [--dcp=DIR] overrides...
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def peak_allocated(fn) -> tuple[int, object]:
 def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    source = next((a for a in sys.argv[1:] if a.startswith("--")), None)
+    sources = [a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--")]
     cfg = make_cfg(*[a for a in sys.argv[1:] if not a.startswith("--")])
     spec = get_model(cfg.model.name)
     plan = build_plan(cfg.model, cfg.parallel)
@@ -64,9 +64,8 @@ def main() -> None:
         held += local.numel() * local.element_size()
     line = {"rank": dist.get_rank(), "peak": peak, "held": held, "largest": largest,
             "model": sum(p.numel() * p.element_size() for p in full.parameters())}
-    if source:
-        kind, path = source[2:].split("=", 1)
-        line["load_peak"], _ = peak_allocated(lambda: load(kind, Path(path), cfg, layout))
+    for kind, path in sources:
+        line[f"load_peak_{kind}"], _ = peak_allocated(lambda: load(kind, Path(path), cfg, layout))
     lines = [None] * dist.get_world_size()
     dist.all_gather_object(lines, line)
     if dist.get_rank() == 0:
