@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from plugins.models.registry import set_full
+from plugins.models.registry import load_full
 from plugins.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree,
                           verify_file_table)
 
@@ -149,14 +149,8 @@ def load_full_weights(parts: Parts, weights: Mapping[str, torch.Tensor], aliases
     """Load full (unsharded) weights, keyed by our parameter names, into this rank's modules in whatever layout
     they are: each keeps what it holds (its pipeline stage; its tensor- and data-parallel shards). `weights` may
     read each tensor when asked (plugins.hf.Weights): only the rank's own parameters are read, one at a time."""
-    aliases = aliases or {}
     for module, _ in parts:
-        own = list(module.named_parameters())
-        missing = [k for k, _ in own if aliases.get(k, k) not in weights]
-        if missing:
-            raise KeyError(f"the weights lack {len(missing)} parameter(s) of this model, e.g. {missing[0]}")
-        for k, p in own:
-            set_full(p, weights[aliases.get(k, k)])
+        load_full(module, weights, aliases)
 
 
 def load(path: Path, parts: Parts, aliases: Optional[dict[str, str]] = None) -> dict:

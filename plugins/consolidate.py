@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from plugins import safetensors_shards as shards
 from plugins.dcp_reader import CheckpointReader
-from plugins.models.registry import set_full, tie_groups
+from plugins.models.registry import load_full
 from plugins.safetensors_shards import Entry, Reader
 
 MODEL, OPTIMIZER = "model", "optimizer"      # file stems
@@ -78,7 +78,7 @@ def save(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimiz
 def load(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Load weights into model (every parameter must be there, under any name of its tie group) and, if given, the
     optimizer state. Either layout (one file, or shards and their index) and either name of a tied pair."""
-    load_weights(model, Reader(folder, MODEL))
+    load_full(model, Reader(folder, MODEL))
     if optimizer is not None:
         reader = Reader(folder, OPTIMIZER)
         flat: dict = _decode(json.loads(reader.metadata()["param_groups"]))
@@ -86,20 +86,6 @@ def load(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimiz
         # materialise the optimizer's state, then overwrite it with the saved values
         get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
         set_optimizer_state_dict(model, optimizer, flat, options=_OPTIONS)
-
-
-def load_weights(module: nn.Module, weights: Mapping[str, torch.Tensor], aliases: Optional[dict[str, str]] = None
-                 ) -> None:
-    """Each parameter of module (whole or a shard) from the full weights, read one at a time; a tied parameter
-    from whichever of its names the weights hold, or the weight it copies (aliases: a pipeline stage's head is
-    `lm_head.weight`, stored as the `wte.weight` it is tied to)."""
-    aliases = aliases or {}
-    for names, param in tie_groups(module):
-        candidates = [*names, *(aliases[n] for n in names if n in aliases)]
-        stored = next((n for n in candidates if n in weights), None)
-        if stored is None:
-            raise KeyError(f"the weights lack {names[0]}" + (f" (tied: {', '.join(names[1:])})" if names[1:] else ""))
-        set_full(param, weights[stored])
 
 
 def tensors(folder: Path, stem: str) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from plugins.dcp_reader import CheckpointReader
 from plugins.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
 from plugins.fsio import atomic_write_json, link_tree, read_json
 from plugins.models import get_model
-from plugins.models.registry import build_on_meta, materialise, vocab_rows
+from plugins.models.registry import build_on_meta, load_full, materialise, vocab_rows
 from plugins.onnx.exporter import save_inference
 from plugins.onnx.io_schema import IOSchema
 from plugins.partition import aliases as plan_aliases
@@ -77,7 +77,7 @@ def aggregate(ctx: StageContext) -> None:
     def make(layers: list[int], first: bool, last: bool) -> torch.nn.Module:
         """A part of the plain model (pipeline split's contract), with its weights from the files."""
         module = materialise(spec.split(build_on_meta(spec, cfg.model), layers, first, last), torch.device("cpu"))
-        consolidate.load_weights(module, weights, aliases)
+        load_full(module, weights, aliases)
         return module
 
     def pieces() -> list:

@@ -161,6 +161,25 @@ def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
     param.copy_(full)
 
 
+def load_full(module: nn.Module, weights, aliases: Optional[dict[str, str]] = None) -> None:
+    """Each parameter of module (whole or a shard of any layout) from full weights keyed by parameter name, read one
+    at a time (weights may read each tensor when asked); a tied parameter from whichever of its names the weights
+    hold, or from the weight it copies (aliases: a pipeline stage's head is `lm_head.weight`, stored as the
+    `wte.weight` it is tied to). Every parameter must be found: none is left uninitialised."""
+    aliases = aliases or {}
+    found, missing = [], []
+    for names, param in tie_groups(module):
+        candidates = [*names, *(aliases[n] for n in names if n in aliases)]
+        stored = next((n for n in candidates if n in weights), None)
+        (missing if stored is None else found).append((names, stored, param))
+    if missing:
+        names = missing[0][0]
+        raise KeyError(f"the weights lack {len(missing)} parameter(s) of this model, e.g. {names[0]}" +
+                       (f" (tied: {', '.join(names[1:])})" if names[1:] else ""))
+    for _, stored, param in found:
+        set_full(param, weights[stored])
+
+
 @torch.no_grad()
 def set_constant(param: torch.Tensor, value: float) -> None:
     """A constant fill (norm scales, biases): every shard of it is the same, no full value needed."""
