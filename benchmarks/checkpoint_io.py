@@ -41,15 +41,15 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
     from torch.distributed.tensor import DTensor
 
     sys.path.insert(0, str(ROOT))
-    from plugins import checkpoint as ckpt
-    from plugins import consolidate
+    from storage import checkpoint as ckpt
+    from storage import consolidate
     from plugins.data import build_batcher
-    from plugins.dcp_reader import CheckpointReader
-    from plugins.fsio import read_json, remove_tree, verify_file_table
+    from storage.dcp_reader import CheckpointReader
+    from storage.fsio import read_json, remove_tree, verify_file_table
     from plugins.models import get_model
-    from plugins.optim import build_optimizer
+    from runtime.optim import build_optimizer
     from plugins.parallel.layout import build_layout
-    from plugins.partition import build_plan
+    from planning.partition import build_plan
     from tests.conftest import make_cfg
 
     torch.set_num_threads(1 if "WORLD_SIZE" in os.environ else 2)

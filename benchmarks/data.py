@@ -26,11 +26,11 @@ from plugins.data import Batcher, shards  # noqa: E402
 from plugins.data.batcher import encoded, tokenized  # noqa: E402
 from plugins.data.registry import get_source, split_named  # noqa: E402
 from plugins.data.tokenizer import make  # noqa: E402
-from plugins.metrics import MemoryProbe  # noqa: E402
+from runtime.metrics import MemoryProbe  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from plugins.optim import build_optimizer  # noqa: E402
+from runtime.optim import build_optimizer  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
-from plugins.partition import build_plan  # noqa: E402
+from planning.partition import build_plan  # noqa: E402
 from stages.train import StepSettings, train_step  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 

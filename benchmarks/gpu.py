@@ -4,7 +4,7 @@ Both sides train the same registry model on the same batches (prepared on the CP
 step, as the stage's batcher does) in the same precision:
 - stage: `stages.train.train_step` on the layout the stage builds (precision, attention kernel, fused AdamW,
   global-norm clipping, metrics read back every `log_every` steps through the stage's MetricsWindow), compiled
-  per block with `plugins.kernels` when the mode compiles (triton=on's default scope);
+  per block with `runtime.kernels` when the mode compiles (triton=on's default scope);
 - hand loop: the batch copied through pinned memory without blocking (as nanoGPT's), forward, loss, backward,
   AdamW(fused=True) step, zero_grad; `torch.autocast` for bf16;
   `torch.compile(model)` when the mode compiles; `loss.item()` every `log_every` steps.
@@ -37,14 +37,14 @@ from benchmarks.support.cli import arguments  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from plugins.data import build_batcher  # noqa: E402
-from plugins.kernels import apply_kernels  # noqa: E402
-from plugins.metrics import MemoryProbe  # noqa: E402
+from runtime.kernels import apply_kernels  # noqa: E402
+from runtime.metrics import MemoryProbe  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from plugins.optim import build_optimizer, describe_impl  # noqa: E402
+from runtime.optim import build_optimizer, describe_impl  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
-from plugins.partition import build_plan  # noqa: E402
-from plugins.precision import LossScaler, configure, mfu, peak_flops  # noqa: E402
-from plugins.sdpa import attention_kernel  # noqa: E402
+from planning.partition import build_plan  # noqa: E402
+from runtime.precision import LossScaler, configure, mfu, peak_flops  # noqa: E402
+from runtime.sdpa import attention_kernel  # noqa: E402
 from stages.train import MetricsWindow, StepSettings, train_step  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 

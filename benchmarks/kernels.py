@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.support.cli import arguments  # noqa: E402
-from plugins.kernels import apply_kernels  # noqa: E402
+from runtime.kernels import apply_kernels  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 

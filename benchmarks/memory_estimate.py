@@ -1,4 +1,4 @@
-"""The memory estimate (plugins/estimate.py) against what training really takes, per layout: the worst rank's peak
+"""The memory estimate (planning/estimate.py) against what training really takes, per layout: the worst rank's peak
 RSS on a CPU (what `top` shows), or the CUDA allocator's peak.
 
     python benchmarks/memory_estimate.py [models=gpt_small,gpt2_124m] [layouts=single,ddp2,megatron_hp2,pipeline_pp2]
@@ -18,8 +18,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.cli import arguments  # noqa: E402
 
-from plugins.estimate import estimate  # noqa: E402
-from plugins.partition import build_plan  # noqa: E402
+from planning.estimate import estimate  # noqa: E402
+from planning.partition import build_plan  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 

@@ -26,10 +26,10 @@ from benchmarks.support.cli import arguments  # noqa: E402
 from orchestrator.run import orchestrate  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
 from plugins.engines.ort.engine import install  # noqa: E402
-from plugins.fsio import read_json  # noqa: E402
-from plugins.metrics import MemoryProbe  # noqa: E402
+from storage.fsio import read_json  # noqa: E402
+from runtime.metrics import MemoryProbe  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from plugins.optim import build_optimizer  # noqa: E402
+from runtime.optim import build_optimizer  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from stages.train import StepSettings, train_step  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402

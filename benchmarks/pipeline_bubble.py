@@ -51,7 +51,7 @@ def simulate_rank() -> None:
 
     sys.path.insert(0, str(ROOT))
     from plugins.parallel.pipeline import PipelineRunner, Timeline
-    from plugins.partition import pipeline_stages
+    from planning.partition import pipeline_stages
 
     pp, schedule, chunks, m = int(os.environ["PP"]), os.environ["SCHEDULE"], int(os.environ["CHUNKS"]), int(os.environ["M"])
     # the same model in p*v stages: a chunk does 1/v of a rank's work (so step times compare across schedules)

@@ -30,9 +30,9 @@ from benchmarks.support.cli import arguments  # noqa: E402
 from orchestrator.config.resolve import resolve_auto  # noqa: E402
 from orchestrator.tracking import Invocation, MlflowStageTracker  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
-from plugins.fsio import atomic_write_json  # noqa: E402
+from storage.fsio import atomic_write_json  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from plugins.partition import build_plan  # noqa: E402
+from planning.partition import build_plan  # noqa: E402
 from stages.base import StageContext  # noqa: E402
 from stages.tokenize import tokenize  # noqa: E402
 from stages.train import train  # noqa: E402

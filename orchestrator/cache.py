@@ -23,7 +23,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from plugins.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree, stamp,
+from storage.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree, stamp,
                           verify_file_table)
 
 ENTRY_FILE = "_entry.json"

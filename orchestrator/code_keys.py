@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("stages", "plugins", "orchestrator")  # what a stage may reach (imports point down: stages, plugins)
+PACKAGES = ("stages", "plugins", "storage", "planning", "runtime", "orchestrator")  # what a stage may reach
 
 
 def module_file(module: str, root: Path) -> Optional[Path]:

@@ -8,11 +8,11 @@ import torch
 from omegaconf import OmegaConf
 
 from orchestrator.cache import ENTRY_FILE
-from plugins import consolidate
-from plugins.fsio import read_json
+from storage import consolidate
+from storage.fsio import read_json
 from plugins.models import get_model
 from plugins.models.registry import build_on_meta, materialise
-from plugins.optim import build_optimizer
+from runtime.optim import build_optimizer
 
 
 def aggregate_entry(path: Union[str, Path]) -> Path:

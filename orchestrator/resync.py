@@ -17,7 +17,7 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from orchestrator.report import console
-from plugins.fsio import read_json
+from storage.fsio import read_json
 
 ARTIFACT_SUFFIXES = (".json", ".jsonl", ".png", ".txt", ".yaml")
 SUMMARIES = ("summary.json", "manifest.json", "index.json")

@@ -26,7 +26,7 @@ from orchestrator.report import Report, StageResult, console, plan_table, plan_t
 from orchestrator.tracking import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import memory_line, time_line, validate, warnings
-from plugins.fsio import atomic_write_json, disk_space, read_json
+from storage.fsio import atomic_write_json, disk_space, read_json
 from stages import all_stages
 
 ATTEMPT_FILE = "attempt.json"

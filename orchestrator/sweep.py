@@ -27,8 +27,8 @@ from rich.table import Table
 from orchestrator.cache import Cache
 from orchestrator.config.errors import ConfigError
 from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
-from plugins.fsio import atomic_write_json, read_json
-from plugins.threads import cores_shared_by
+from storage.fsio import atomic_write_json, read_json
+from runtime.threads import cores_shared_by
 
 
 @dataclass

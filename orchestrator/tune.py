@@ -24,7 +24,7 @@ from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import SCHEDULES, validate
 from orchestrator.report import console, styled
 from orchestrator.run import orchestrate
-from plugins.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json, read_json
 
 TRIAL_KEYS = ("parallel.dp", "parallel.hp", "parallel.pp", "parallel.dp_mode", "parallel.pp_schedule",
               "parallel.pp_chunks", "parallel.microbatches", "memory.level")
@@ -96,7 +96,7 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
     """The trial's config (its settings and estimate filled in), or None with trial.why said (a layout rule, or
     memory even with recomputation)."""
     from orchestrator.config.validate import partition_plan
-    from plugins.estimate import estimate
+    from planning.estimate import estimate
 
     for level in (0, 1):
         settings = {**trial.settings, "memory.level": level}

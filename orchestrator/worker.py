@@ -23,9 +23,9 @@ from omegaconf import OmegaConf
 
 from orchestrator.cache import Cache
 from orchestrator.tracking import stage_tracker
-from plugins import preemption
-from plugins.preemption import Preempted
-from plugins.threads import rank_threads
+from runtime import preemption
+from runtime.preemption import Preempted
+from runtime.threads import rank_threads
 from stages import get_stage
 from stages.base import StageContext
 

@@ -22,19 +22,19 @@ import time
 import onnx
 import torch
 
-from plugins import checkpoint as ckpt
-from plugins import consolidate, hf
+from storage import checkpoint as ckpt
+from storage import consolidate, hf
 from plugins.data import build_batcher
-from plugins.dcp_reader import CheckpointReader
-from plugins.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
-from plugins.fsio import atomic_write_json, link_tree, read_json
+from storage.dcp_reader import CheckpointReader
+from runtime.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
+from storage.fsio import atomic_write_json, link_tree, read_json
 from plugins.models import get_model
 from plugins.models.registry import build_on_meta, load_full, materialise, vocab_rows
 from plugins.onnx.exporter import save_inference
 from plugins.onnx.io_schema import IOSchema
-from plugins.partition import aliases as plan_aliases
-from plugins.precision import Precision
-from plugins.safetensors_shards import Reader
+from planning.partition import aliases as plan_aliases
+from runtime.precision import Precision
+from storage.safetensors_shards import Reader
 from stages.base import Stage, StageContext
 
 # the train stage evaluated in its layout (other reduction orders), engine (ONNX Runtime's kernels) and precision

@@ -6,8 +6,8 @@ can load (`parallel=...` may differ) and the input of aggregation.
 """
 from __future__ import annotations
 
-from plugins import checkpoint as ckpt
-from plugins.fsio import link_tree
+from storage import checkpoint as ckpt
+from storage.fsio import link_tree
 from stages.base import Stage, StageContext
 
 

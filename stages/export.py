@@ -14,7 +14,7 @@ import onnx
 import torch
 from omegaconf import OmegaConf
 
-from plugins.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json, read_json
 from plugins.models import build_on_meta, get_model
 from plugins.models.registry import materialise
 from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES, export_model, export_module, export_unit

@@ -10,7 +10,7 @@ import time
 
 from plugins.data import data_fingerprint, shards
 from plugins.data.batcher import encoded
-from plugins.fsio import read_json
+from storage.fsio import read_json
 from stages.base import Stage, StageContext
 
 

@@ -20,20 +20,21 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from plugins import checkpoint as ckpt
-from plugins import hf, preemption
+from storage import checkpoint as ckpt
+from runtime import preemption
+from storage import hf
 from plugins.data import build_batcher
-from plugins.kernels import KernelReport, apply_kernels
-from plugins.fsio import atomic_write_json, link_tree, read_json, remove_tree
-from plugins.metrics import MemoryProbe, MetricsLog, plot_loss_curve, plot_pipeline_timeline
+from runtime.kernels import KernelReport, apply_kernels
+from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree
+from runtime.metrics import MemoryProbe, MetricsLog, plot_loss_curve, plot_pipeline_timeline
 from plugins.models import get_model
 from plugins.models.registry import vocab_rows
-from plugins.optim import build_optimizer, describe_impl, lr_factor, set_lr
+from runtime.optim import build_optimizer, describe_impl, lr_factor, set_lr
 from plugins.parallel.layout import Layout, build_layout
 from plugins.parallel.mesh import pick_device
-from plugins.profiling import StepProfiler
-from plugins.precision import LossScaler, build_scaler, configure as configure_precision, mfu, peak_flops
-from plugins.sdpa import attention_kernel
+from runtime.profiling import StepProfiler
+from runtime.precision import LossScaler, build_scaler, configure as configure_precision, mfu, peak_flops
+from runtime.sdpa import attention_kernel
 from stages.base import Resources, Stage, StageContext
 
 WARMUP_STEPS_EXCLUDED = 3  # first steps of an attempt are slower (allocator, caches): not in tokens/s

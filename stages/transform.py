@@ -12,10 +12,10 @@ import time
 import onnx
 
 from plugins.engines.ort.graphs import OrtGraphError, build_gradient_graph, param_inputs, partition_for_hp
-from plugins.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json, read_json
 from plugins.models import build_on_meta, get_model
 from plugins.onnx.passes import apply_passes
-from plugins.partition import build_plan
+from planning.partition import build_plan
 from stages.base import Stage, StageContext
 
 

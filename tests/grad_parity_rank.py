@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.data import build_batcher  # noqa: E402
 from plugins.engines.ort.engine import install  # noqa: E402
-from plugins.fsio import read_json  # noqa: E402
+from storage.fsio import read_json  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.models import build_on_meta, get_model  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
-from plugins.partition import build_plan  # noqa: E402
+from planning.partition import build_plan  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 
@@ -75,10 +75,10 @@ def main() -> None:
 
 def load(kind: str, path: Path, cfg, layout) -> None:
     """What train.init_from does with a Hugging Face folder (weights) or a DCP checkpoint (weights and optimizer)."""
-    from plugins import checkpoint as ckpt
-    from plugins import hf
+    from storage import checkpoint as ckpt
+    from storage import hf
     from plugins.models.registry import vocab_rows
-    from plugins.optim import build_optimizer
+    from runtime.optim import build_optimizer
 
     if kind == "hf":
         ckpt.load_full_weights([(p, None) for p in layout.parts], hf.load_state(path, vocab_rows(cfg.model)),

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from plugins import checkpoint as ckpt
-from plugins import consolidate
+from storage import checkpoint as ckpt
+from storage import consolidate
 from plugins.models import get_model
-from plugins.optim import build_optimizer
+from runtime.optim import build_optimizer
 from tests.conftest import make_cfg
 
 

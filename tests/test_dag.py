@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator.cache import Cache
 from orchestrator.dag import plan
-from plugins.fsio import verify_file_table
+from storage.fsio import verify_file_table
 from stages import all_stages
 from stages.base import Stage
 from tests.conftest import make_cfg
@@ -77,8 +77,8 @@ def test_data_files_enter_the_key(tmp_path):
 
 
 def test_code_enters_the_key(tmp_path, monkeypatch):
-    """A module a stage reaches only through other modules' imports enters its key: plugins/fsio.py (every stage
-    reaches it, most through plugins they import) and plugins/partition.py (transform, and train and aggregate
+    """A module a stage reaches only through other modules' imports enters its key: storage/fsio.py (every stage
+    reaches it, most through plugins they import) and planning/partition.py (transform, and train and aggregate
     through plugins.parallel and the aggregate's imports) edited in a copy of the tree give new keys to the stages
     that reach them and leave the others' as they were. (Hand-kept lists had fsio in the checkpoint stage's only.)"""
     import shutil
@@ -98,12 +98,12 @@ def test_code_enters_the_key(tmp_path, monkeypatch):
 
     original = keys(checkout)
     assert keys(copy) == original  # the same sources, the same keys
-    fsio = copy / "plugins" / "fsio.py"
+    fsio = copy / "storage" / "fsio.py"
     fsio.write_text(fsio.read_text() + "# an edit\n")
     edited = keys(copy)
     assert all(edited[name] != original[name] for name in original), (edited, original)
-    fsio.write_text((checkout / "plugins" / "fsio.py").read_text())
-    partition = copy / "plugins" / "partition.py"
+    fsio.write_text((checkout / "storage" / "fsio.py").read_text())
+    partition = copy / "planning" / "partition.py"
     partition.write_text(partition.read_text() + "# an edit\n")
     edited = keys(copy)
     assert [n for n in original if edited[n] == original[n]] == ["tokenize", "export"]

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from orchestrator.config.validate import memory_line, partition_plan, time_line
-from plugins.estimate import estimate, step_flops
+from planning.estimate import estimate, step_flops
 from tests.conftest import make_cfg, run_cli, run_folder
 
 COMMON = ["model=gpt_small", "train.batch_size=8", "train.seq_len=256", "train.steps=3", "train.eval_every=0",

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import validate
-from plugins import consolidate, hf
+from storage import consolidate, hf
 from plugins.models import get_model
 from tests.conftest import make_cfg, run_cli, run_folder
 

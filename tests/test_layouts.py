@@ -18,12 +18,12 @@ import psutil
 import pytest
 import torch
 
-from plugins import checkpoint as ckpt
-from plugins import consolidate
+from storage import checkpoint as ckpt
+from storage import consolidate
 from plugins.data import build_batcher
-from plugins.fsio import read_json
+from storage.fsio import read_json
 from plugins.models import get_model
-from plugins.optim import build_optimizer
+from runtime.optim import build_optimizer
 from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli, run_folder
 
 pytestmark = pytest.mark.e2e

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from orchestrator.cluster.local import LocalExecutor
 from orchestrator.worker import HEARTBEAT_S
-from plugins.threads import cores_shared_by, rank_threads, usable_cores
+from runtime.threads import cores_shared_by, rank_threads, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,8 +12,8 @@ from plugins.data import Batcher, Corpus, build_batcher
 from plugins.data.registry import split_named
 from plugins.data.tokenizer import EOS, PAD, decode, encode, encode_documents
 from plugins.models import get_model, model_names
-from plugins.optim import build_optimizer, lr_factor
-from plugins.partition import build_plan, pipeline_stages
+from runtime.optim import build_optimizer, lr_factor
+from planning.partition import build_plan, pipeline_stages
 from tests.conftest import make_cfg
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import orchestrator
-from plugins import consolidate
-from plugins.dcp_reader import CheckpointReader
-from plugins.safetensors_shards import Reader, same_bits
+from storage import consolidate
+from storage.dcp_reader import CheckpointReader
+from storage.safetensors_shards import Reader, same_bits
 from tests.conftest import ROOT, cache_entry, cli_env, run_debug
 from tests.layout_memory_rank import peak_allocated
 

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from plugins import consolidate
-from plugins.fsio import read_json
+from storage import consolidate
+from storage.fsio import read_json
 from plugins.models import get_model
 from tests.conftest import DEBUG, cache_entry as entry, killed_after, make_cfg, run_debug as run
 

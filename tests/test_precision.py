@@ -14,14 +14,14 @@ from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate
 from orchestrator.run import orchestrate
 from plugins.data import build_batcher
-from plugins.fsio import read_json
+from storage.fsio import read_json
 from plugins.models import get_model
-from plugins.optim import build_optimizer
+from runtime.optim import build_optimizer
 from plugins.parallel.layout import build_layout
-from plugins.partition import build_plan
-from plugins.precision import LossScaler, Precision, auto_precision, mfu, peak_flops
+from planning.partition import build_plan
+from runtime.precision import LossScaler, Precision, auto_precision, mfu, peak_flops
 from stages.train import StepSettings, train_step
-from plugins.metrics import MemoryProbe
+from runtime.metrics import MemoryProbe
 from tests.conftest import DEBUG, QUICK, cache_entry, killed_after, make_cfg, run_cli, run_debug as run
 
 

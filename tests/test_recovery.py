@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from orchestrator.report import console
-from plugins import checkpoint as ckpt
-from plugins.fsio import read_json
+from storage import checkpoint as ckpt
+from storage.fsio import read_json
 from tests.conftest import cache_entry as entry, killed_after, run_debug as run
 
 
@@ -97,14 +97,14 @@ def test_an_untouched_entry_is_not_hashed_again_and_any_write_to_it_is(tmp_path,
     """cache_verify=hash at read speed: the hit after a verified one hashes nothing (the stamps match), a byte flipped
     with its modification time put back is still caught (the change time moved), and full hashes everything."""
     import orchestrator.cache
-    import plugins.fsio
+    import storage.fsio
 
     monkeypatch.setattr(orchestrator.cache, "RACY_NS", 0)  # these runs follow each other within seconds
     first = run(tmp_path, name="first")
     assert run(tmp_path, name="second").results["aggregate"].status == "cached"  # hashed, stamps recorded
     hashed: list[str] = []
-    real = plugins.fsio.sha256_file
-    monkeypatch.setattr(plugins.fsio, "sha256_file", lambda p, *a: hashed.append(str(p)) or real(p, *a))
+    real = storage.fsio.sha256_file
+    monkeypatch.setattr(storage.fsio, "sha256_file", lambda p, *a: hashed.append(str(p)) or real(p, *a))
     third = run(tmp_path, name="third")
     assert {r.status for r in third.results.values()} == {"cached"} and hashed == []
 
@@ -190,7 +190,7 @@ def test_skip_mode_drops_nonfinite_steps_and_stops_after_too_many(tmp_path):
 def test_aggregate_names_nonfinite_weights_instead_of_a_mismatch():
     import torch
 
-    from plugins.safetensors_shards import same_bits
+    from storage.safetensors_shards import same_bits
     from stages.aggregate import nonfinite
 
     nan = torch.tensor([1.0, float("nan")])

@@ -21,7 +21,7 @@ from rich.text import Text
 from orchestrator.cache import Cache, link_output
 from orchestrator.report import Report, StageResult, console, result_table, styled
 from orchestrator.cluster.slurm_queue import ACTIVE_STATES, JOBS_FILE, SubmittedStage, cancel, job_states, release
-from plugins.fsio import read_json
+from storage.fsio import read_json
 
 FAILED_STATES = {"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 TRACEBACK_LINES = 40

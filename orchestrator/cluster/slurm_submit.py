@@ -21,7 +21,7 @@ from orchestrator.dag import PlannedStage
 from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.tracking import Invocation, config_params
-from plugins.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json, read_json
 
 
 class SlurmView:

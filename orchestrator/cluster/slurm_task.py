@@ -17,7 +17,7 @@ from submitit.helpers import TorchDistributedEnvironment
 
 from orchestrator.cluster.slurm_queue import release
 from orchestrator.worker import execute
-from plugins import preemption
+from runtime import preemption
 
 REQUEUE_TAG = "slurm.requeues"
 

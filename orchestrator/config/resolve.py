@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 def resolve_auto(cfg: DictConfig) -> list[str]:
     """Fill in the config's `auto` values in place; one line per choice made, for the plan."""
-    from plugins.precision import auto_precision
+    from runtime.precision import auto_precision
 
     notes = []
     if cfg.precision.name == "auto":

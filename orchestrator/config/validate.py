@@ -14,7 +14,7 @@ from typing import Iterable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
-from plugins.threads import rank_threads, usable_cores
+from runtime.threads import rank_threads, usable_cores
 
 # What each pipeline schedule needs: (chunks rule, minimum microbatches as a function of pp and chunks)
 SCHEDULES = {
@@ -32,7 +32,7 @@ _PLANS: dict[str, dict] = {}
 
 def partition_plan(cfg: DictConfig) -> dict:
     """The layout's partition plan (built on the meta device: no memory), once per model and layout."""
-    from plugins.partition import build_plan
+    from planning.partition import build_plan
 
     key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True),
                       OmegaConf.to_container(cfg.parallel, resolve=True)], sort_keys=True)
@@ -43,7 +43,7 @@ def partition_plan(cfg: DictConfig) -> dict:
 
 def _memory(cfg: DictConfig):
     """The estimate per rank, what a rank may use (0: unknown) and where that figure comes from."""
-    from plugins.estimate import available_bytes, estimate
+    from planning.estimate import available_bytes, estimate
 
     return (estimate(cfg, partition_plan(cfg)), *available_bytes(cfg))
 
@@ -51,7 +51,7 @@ def _memory(cfg: DictConfig):
 def memory_line(cfg: DictConfig) -> str:
     """The plan's lines on memory: the estimate per train rank against what a rank may use, then what the stages
     around training need (one process each) and write."""
-    from plugins.estimate import host_bytes, stage_costs
+    from planning.estimate import host_bytes, stage_costs
 
     est, avail, where = _memory(cfg)
     of = f" of {avail / 2**30:,.1f} GB ({where})" if avail else f" ({where})"
@@ -69,7 +69,7 @@ def time_line(cfg: DictConfig) -> str:
     forecast: the rest of a step (attention, norms, the optimizer, communication, pipeline bubbles) comes on top."""
     import torch
 
-    from plugins.estimate import matmul_rate, step_flops
+    from planning.estimate import matmul_rate, step_flops
 
     if cfg.cluster.name == "slurm":
         return "time: not estimated here (the stages run on the cluster's nodes)"
@@ -118,7 +118,7 @@ def _memory_problems(cfg: DictConfig) -> list[Problem]:
 def _stage_memory_problems(cfg: DictConfig) -> list[Problem]:
     """A stage around training whose one process cannot fit the memory it may use is refused before training starts,
     not found out after the GPU hours are spent."""
-    from plugins.estimate import host_bytes, stage_costs
+    from planning.estimate import host_bytes, stage_costs
 
     avail, where = host_bytes(cfg)
     if not avail:
@@ -413,13 +413,13 @@ def _init_from_problems(cfg: DictConfig) -> list[Problem]:
     """train.init_from names a complete checkpoint of a model with this model's parameters (any layout)."""
     from pathlib import Path
 
-    from plugins import hf
-    from plugins.fsio import read_json
+    from storage import hf
+    from storage.fsio import read_json
 
     path = cfg.train.init_from
     if not path:
         return []
-    from plugins.checkpoint import MANIFEST  # torch's DCP: 0.7 s of imports, only when a checkpoint is named
+    from storage.checkpoint import MANIFEST  # torch's DCP: 0.7 s of imports, only when a checkpoint is named
     if path.startswith(hf.PREFIX):
         return _hf_init_problems(cfg)
     manifest_path = Path(path) / MANIFEST
@@ -445,7 +445,7 @@ def _init_from_problems(cfg: DictConfig) -> list[Problem]:
 
 def _hf_init_problems(cfg: DictConfig) -> list[Problem]:
     """train.init_from=hf:<folder>: a supported architecture whose sizes are model.*'s."""
-    from plugins import hf
+    from storage import hf
 
     path, folder = cfg.train.init_from, hf.folder_of(cfg.train.init_from)
     if not folder.is_dir():
@@ -541,7 +541,7 @@ def _disk_problems(cfg: DictConfig) -> list[Problem]:
     """Room for the checkpoints (fp32 weights and optimizer state): train.keep_checkpoints of them while training
     plus the published one (the checkpoint stage links it, no copy on the same disk), and the aggregate's files
     (the checkpoint again as safetensors, hf/ and the ONNX model's weights)."""
-    from plugins.estimate import stage_costs
+    from planning.estimate import stage_costs
 
     where = Path(cfg.cache_dir).expanduser().absolute()
     while not where.exists():

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from plugins.data.registry import Corpus
-from plugins.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json, read_json
 
 INDEX = "index.json"
 

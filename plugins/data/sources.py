@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from plugins.data.registry import Corpus, DataSource, register_source, split_sizes
-from plugins.fsio import sha256_file
+from storage.fsio import sha256_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet")

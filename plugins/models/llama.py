@@ -1,7 +1,7 @@
 """Llama (Llama 2/3's architecture): rotary positions, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases.
 
 Parameter names follow the GPT family's (wq/wk/wv/wo, fc1 = gate, fc3 = up, fc2 = down, ln1/ln2/ln_f), so the
-decoder's layouts, engine units and checkpoints serve both; plugins/hf.py maps them to Hugging Face's names.
+decoder's layouts, engine units and checkpoints serve both; storage/hf.py maps them to Hugging Face's names.
 """
 from __future__ import annotations
 

@@ -22,8 +22,8 @@ from plugins.parallel.data import apply_dp
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
 from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
-from plugins.partition import aliases as plan_aliases
-from plugins.precision import Precision
+from planning.partition import aliases as plan_aliases
+from runtime.precision import Precision
 
 
 @dataclass

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from plugins.engines.ort.graphs import OrtGraphError
 from plugins.engines.ort.megatron import CopyToHP, ReduceFromHP
 from plugins.engines.ort.runtime import SEVERITY, OrtUnit
-from plugins.fsio import read_json
+from storage.fsio import read_json
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

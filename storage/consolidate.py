@@ -1,5 +1,5 @@
 """The consolidated (aggregated) checkpoint: one full model and its optimizer state, no pickle, in Hugging Face's
-sharded safetensors layout (plugins.safetensors_shards):
+sharded safetensors layout (storage.safetensors_shards):
 
   model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json
       every weight once (a tied pair stored once, under the name of the weight it copies)
@@ -22,10 +22,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
-from plugins import safetensors_shards as shards
-from plugins.dcp_reader import CheckpointReader
+from storage import safetensors_shards as shards
+from storage.dcp_reader import CheckpointReader
 from plugins.models.registry import load_full
-from plugins.safetensors_shards import Entry, Reader
+from storage.safetensors_shards import Entry, Reader
 
 MODEL, OPTIMIZER = "model", "optimizer"      # file stems
 MODEL_FILE = "model.safetensors"             # the single-file form

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from plugins.checkpoint import quiet_single_process
+from storage.checkpoint import quiet_single_process
 
 
 class CheckpointReader:

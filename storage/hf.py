@@ -16,8 +16,8 @@ from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
-from plugins import safetensors_shards as shards
-from plugins.safetensors_shards import Reader
+from storage import safetensors_shards as shards
+from storage.safetensors_shards import Reader
 
 PREFIX = "hf:"
 DEFAULT_SHARD_BYTES = 5 * 10**9  # save_pretrained's max_shard_size="5GB"

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from plugins.models.registry import load_full
-from plugins.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree,
+from storage.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree,
                           verify_file_table)
 
 MANIFEST = "manifest.json"
@@ -148,7 +148,7 @@ def load_full_weights(parts: Parts, weights: Mapping[str, torch.Tensor], aliases
                       ) -> None:
     """Load full (unsharded) weights, keyed by our parameter names, into this rank's modules in whatever layout
     they are: each keeps what it holds (its pipeline stage; its tensor- and data-parallel shards). `weights` may
-    read each tensor when asked (plugins.hf.Weights): only the rank's own parameters are read, one at a time."""
+    read each tensor when asked (storage.hf.Weights): only the rank's own parameters are read, one at a time."""
     for module, _ in parts:
         load_full(module, weights, aliases)
 

@@ -199,7 +199,7 @@ def matmul_rate(device: str, dtype: str, threads: int) -> float:
 
 
 STAGE_RUNTIME = 320 * 2**20  # a one-process stage: torch, onnx and ONNX Runtime imported, measured 0.27-0.33 GB
-READ_GROUP = 64 * 2**20     # plugins.safetensors_shards.READ_BYTES: tensors the aggregate writer holds at once
+READ_GROUP = 64 * 2**20     # storage.safetensors_shards.READ_BYTES: tensors the aggregate writer holds at once
 EXPORT_CHECK = 1.75          # the export check, per byte of the weights it runs with (1.5-1.75x measured)
 ORT_COPY = 1.2               # ONNX Runtime checking model.onnx, per byte of its weights (1.15-1.2x measured)
 
@@ -217,7 +217,7 @@ def _bytes_of(shape: list[int]) -> int:
 
 
 def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, StageCost]:
-    """Peak memory and bytes written of the stages around training (each one process; plugins.estimate.estimate
+    """Peak memory and bytes written of the stages around training (each one process; planning.estimate.estimate
     covers a train rank). The terms follow what each stage holds:
       export     the weights its check runs with (the model's own up to CHECK_WEIGHTS_BYTES, else a two-layer
                  twin's: the graph itself is traced on the meta device) in torch and in ONNX Runtime;
@@ -234,7 +234,7 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
     m, t = cfg.model, cfg.train
     from plugins.models.registry import vocab_rows
 
-    from plugins.evaluate import piece_budgets
+    from runtime.evaluate import piece_budgets
 
     chunk, head = piece_budgets(m.d_model, vocab_rows(m))
     hidden = min(t.eval_batches, max(1, chunk // (t.batch_size * t.seq_len))) * t.batch_size * t.seq_len

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional
 import torch
 from safetensors import safe_open
 
-from plugins.fsio import atomic_write_json
+from storage.fsio import atomic_write_json
 
 INDEX = ".safetensors.index.json"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
