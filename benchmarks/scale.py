@@ -97,7 +97,7 @@ def stage_times(stdout: str) -> dict[str, float]:
 
 def estimates(args: list[str]) -> dict:
     """The plan's figures for this config (what `python -m orchestrator` prints before it runs)."""
-    from orchestrator.config.validate import partition_plan
+    from planning.plan import partition_plan
     from planning.estimate import estimate, stage_costs
     from tests.conftest import make_cfg
 
@@ -164,7 +164,7 @@ def measure_layouts(work: Path) -> list[dict]:
 def projection(rows: list[dict]) -> list[str]:
     """Llama-3 8B and 70B on paper: the plan's per-rank estimate for a layout of 8 ranks per node, and the other
     stages from the largest measured size's per-byte figures."""
-    from orchestrator.config.validate import partition_plan
+    from planning.plan import partition_plan
     from planning.estimate import estimate, stage_costs
     from tests.conftest import make_cfg
 

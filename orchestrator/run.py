@@ -25,7 +25,8 @@ from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
 from orchestrator.tracking import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
-from orchestrator.config.validate import memory_line, time_line, validate, warnings
+from orchestrator.config.validate import validate, warnings
+from planning.plan import memory_line, time_line
 from storage.fsio import atomic_write_json, disk_space, read_json
 from stages import all_stages
 

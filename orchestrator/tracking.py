@@ -235,3 +235,42 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+TRACKING_TIMEOUT_S = 5.0  # an MLflow server that does not answer this fast is reported before launch
+
+
+def check(cfg) -> list:
+    """The MLflow store can be created or opened, or the server answers (MLflow itself would retry a dead server
+    for minutes before saying anything)."""
+    from planning.problem import Problem
+    from storage.fsio import why_unwritable
+
+    t = cfg.tracking
+    if t.name != "mlflow":
+        return []
+    uri, fix = t.uri, "tracking=none, or a local store: tracking.uri=sqlite:///runs/mlflow.db"
+    if uri.startswith("sqlite:///"):
+        db = Path(uri[len("sqlite:///"):])
+        if not db.exists():
+            why = why_unwritable(db.parent)
+            return [Problem("tracking.uri", uri, f"the sqlite store cannot be created: {why}", fix)] if why else []
+        import sqlite3
+
+        try:
+            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=TRACKING_TIMEOUT_S) as con:
+                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        except sqlite3.Error as e:
+            return [Problem("tracking.uri", uri, f"{db} cannot be read as an MLflow store ({e})",
+                            f"move the file aside (MLflow creates a new store), or {fix}")]
+    elif uri.startswith(("http://", "https://")):
+        import urllib.error
+        import urllib.request
+
+        try:
+            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=TRACKING_TIMEOUT_S).close()
+        except (urllib.error.URLError, OSError) as e:
+            reason = getattr(e, "reason", e)
+            return [Problem("tracking.uri", uri, f"no MLflow server answers there within {TRACKING_TIMEOUT_S:.0f} s "
+                            f"({reason})", f"start it (mlflow server --host ... --port ...), or {fix}")]
+    return []

@@ -21,7 +21,8 @@ from omegaconf import DictConfig
 
 from orchestrator.cache import Cache
 from orchestrator.config.errors import ConfigError
-from orchestrator.config.validate import SCHEDULES, validate
+from orchestrator.config.validate import validate
+from plugins.parallel.schedules import SCHEDULES
 from orchestrator.report import console, styled
 from orchestrator.run import orchestrate
 from storage.fsio import atomic_write_json, read_json
@@ -58,7 +59,7 @@ class Trial:
         return [f"{k}={v}" for k, v in self.settings.items()]
 
 
-CHUNKED = {name for name, (chunks, _) in SCHEDULES.items() if chunks != "== 1"}  # given two model chunks per rank
+CHUNKED = {name for name, s in SCHEDULES.items() if s.multi_chunk}  # given two model chunks per rank
 
 
 def candidates(world: int, schedules=("1f1b",), per_stage=(2,)) -> list[dict]:
@@ -95,8 +96,7 @@ def _trial_cfg(cfg: DictConfig, settings: dict) -> DictConfig:
 def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
     """The trial's config (its settings and estimate filled in), or None with trial.why said (a layout rule, or
     memory even with recomputation)."""
-    from orchestrator.config.validate import partition_plan
-    from planning.estimate import estimate
+    from planning.plan import plan_of
 
     for level in (0, 1):
         settings = {**trial.settings, "memory.level": level}
@@ -109,7 +109,7 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
             trial.why = "; ".join(f"{p.key}: {p.rule}" for p in e.problems)[:300]
             return None
         trial.settings = settings
-        trial.estimate_mb = estimate(trial_cfg, partition_plan(trial_cfg)).total / 2**20
+        trial.estimate_mb = plan_of(trial_cfg).rank.total / 2**20  # the plan validation just made
         return trial_cfg
     trial.why = "does not fit, even with memory=level1"
     return None

@@ -24,6 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from plugins.parallel.schedules import SCHEDULES
+
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 # a rank on a CPU: the process itself (torch imported: 0.22 GB of RSS measured before the model exists) and what
 # training adds besides tensors (autograd, the allocator's arenas, the data pages read: about 0.1 GB measured)
@@ -105,7 +107,7 @@ def estimate(cfg, plan: dict) -> Estimate:
     tokens_per_microbatch = t.batch_size // p.dp // p.microbatches * seq
     if p.pp == 1:
         in_flight = 1
-    elif p.pp_schedule == "gpipe":
+    elif SCHEDULES[p.pp_schedule].all_forwards_first:
         in_flight = p.microbatches
     else:  # 1F1B-like: the first stage holds up to pp microbatches (interleaved: per chunk, a little more)
         in_flight = min(p.microbatches, p.pp * (1 if p.pp_chunks == 1 else 2))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 
 from plugins.models import build_on_meta, get_model
+from plugins.parallel.schedules import SCHEDULES
 
 
 def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[dict]:
@@ -18,7 +19,7 @@ def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[
     per = n_layers // n_stages
     stages = []
     for s in range(n_stages):
-        rank = s % pp if schedule != "zbv" else (s if s < pp else 2 * pp - 1 - s)
+        rank = s if s < pp or not SCHEDULES[schedule].v_shape else 2 * pp - 1 - s
         stages.append({"stage": s, "rank": rank, "chunk": s // pp, "layers": list(range(s * per, (s + 1) * per)),
                        "embedding": s == 0, "head": s == n_stages - 1})
     return stages

@@ -121,3 +121,16 @@ def apply_kernels(parts: list[nn.Module], spec, tcfg, log: logging.Logger, cuda:
 
 def _block_name(part: nn.Module, block: nn.Module) -> str:
     return next((n for n, m in part.named_modules() if m is block), "?")
+
+
+def check(cfg) -> list:
+    """On a CPU, torch.compile generates C++: triton=on needs a compiler there."""
+    import shutil
+
+    from planning.problem import Problem
+    from runtime import machine
+
+    if cfg.triton.enabled and not machine.has_cuda() and not (shutil.which("g++") or shutil.which("c++")):
+        return [Problem("triton.enabled", True, "on CPU, torch.compile generates C++ and needs a C++ compiler; none "
+                        "found on PATH (g++ or c++)", "install g++, or triton=off")]
+    return []

@@ -70,3 +70,13 @@ def lr_factor(cfg, step: int, total_steps: int) -> float:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def check(cfg) -> list:
+    from planning.problem import Problem
+
+    betas = cfg.optimizer.get("betas")
+    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
+        return [Problem("optimizer.betas", list(betas), "Adam's betas are two decay rates, each in [0, 1)",
+                        "optimizer.betas=[0.9,0.95]")]
+    return []

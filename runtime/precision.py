@@ -151,3 +151,14 @@ def mfu(n_params: int, tokens_per_s: Optional[float], peak: Optional[float]) -> 
     if not tokens_per_s or not peak or not math.isfinite(tokens_per_s):
         return None
     return 6.0 * n_params * tokens_per_s / peak
+
+
+def check(cfg) -> list:
+    """bf16 needs a GPU of compute capability 8.0 (Ampere) or newer where the ranks run on this machine's CUDA."""
+    from planning.problem import Problem
+    from runtime import machine
+
+    if cfg.precision.name == "bf16" and cfg.cluster.name != "slurm" and machine.has_cuda() and not machine.cuda_bf16():
+        return [Problem("precision.name", "bf16", "this machine's CUDA GPU has no bf16 support (it needs compute "
+                        "capability 8.0, Ampere, or newer)", "precision=fp16 (loss scaling) or precision=fp32")]
+    return []

@@ -38,3 +38,14 @@ class StepProfiler:
         sort = "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total"
         self.top = self.profiler.key_averages().table(sort_by=sort, row_limit=15)
         self.profiler = None
+
+
+def check(cfg) -> list:
+    from planning.problem import Problem
+
+    t = cfg.train
+    steps = list(t.profile)
+    if steps and not (len(steps) == 2 and 1 <= steps[0] <= steps[1] <= t.steps):
+        return [Problem("train.profile", steps, f"the steps to profile are [first, last] with 1 <= first <= last "
+                        f"<= train.steps={t.steps}", f"train.profile=[{min(3, t.steps)},{min(5, t.steps)}]")]
+    return []

@@ -156,3 +156,19 @@ def link_tree(src: Path, dst: Path) -> None:
             os.link(src / rel, target)
         except OSError:
             shutil.copy2(src / rel, target)
+
+
+def why_unwritable(path) -> str:
+    """Why a folder cannot be created or written at path ('' when it can)."""
+    import tempfile
+
+    p = Path(path).expanduser().absolute()
+    while not p.exists():
+        p = p.parent
+    if not p.is_dir():
+        return f"{p} is a file, not a folder"
+    try:  # the one sure test (permissions, read-only mounts, /proc): make a folder there, and remove it
+        os.rmdir(tempfile.mkdtemp(dir=p, prefix=".orchestrator-probe-"))
+    except OSError as e:
+        return f"no folder can be made in {p} ({e.strerror})"
+    return ""

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from orchestrator.config.validate import memory_line, partition_plan, time_line
+from planning.plan import memory_line, partition_plan, time_line
 from planning.estimate import estimate, step_flops
 from tests.conftest import make_cfg, run_cli, run_folder
 

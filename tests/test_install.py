@@ -13,7 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from orchestrator.config.errors import ConfigError
-from orchestrator.config.validate import ort_install_problems
+from plugins.engines.ort.rules import install_problems as ort_install_problems
 from tests.conftest import ROOT, make_cfg, requires_ort_training, run_cli
 
 PYTHONS = ("3.11", "3.12", "3.13")
@@ -139,8 +139,9 @@ def test_engine_ort_on_a_cuda_machine_needs_orts_cuda_build(monkeypatch):
     import onnxruntime
 
     from orchestrator.config import validate as v
+    from runtime import machine
 
-    monkeypatch.setattr(v, "_has_cuda", lambda: True)
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
     monkeypatch.setattr(onnxruntime, "get_available_providers", lambda: ["CPUExecutionProvider"])
     with pytest.raises(ConfigError) as e:
         v.validate(make_cfg("engine=ort", "precision=fp32"))

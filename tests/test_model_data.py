@@ -161,3 +161,44 @@ def test_optimizer_kernels(name, impl, flag):
     assert group[flag] is (impl != "for_loop")
     decayed = {id(p) for p in opt.param_groups[0]["params"]}
     assert id(model.wte.weight) in decayed and id(model.layers["0"].ln1.weight) not in decayed
+
+
+def test_a_data_source_from_an_entry_point_is_accepted_and_tokenized(tmp_path, monkeypatch):
+    """A package that registers a source through the `orchestrator.data` entry points (installed here as a
+    dist-info folder on the path, as pip would leave it) is a valid data.name: the registry decides which names
+    exist, not a list in the schema. The tokenize stage reads its documents; an unknown name lists it."""
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.validate import validate
+    from orchestrator.run import orchestrate
+    from plugins.data import registry
+    from tests.conftest import DEBUG
+
+    site = tmp_path / "site"
+    (site / "poems_source").mkdir(parents=True)
+    (site / "poems_source" / "__init__.py").write_text(
+        "from plugins.data.registry import DataSource, register_source\n\n"
+        "LINES = [f'line {i}: the quick brown fox jumps over the lazy dog'.encode() for i in range(400)]\n\n"
+        "def register():\n"
+        "    register_source('poems', DataSource(lambda cfg: 'poems-v1',\n"
+        "                    documents=lambda cfg: [(f'poem{i}', b'\\n'.join(LINES[i:i + 40])) for i in range(0, 400, 40)]))\n")
+    dist = site / "poems_source-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: poems-source\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[orchestrator.data]\npoems = poems_source:register\n")
+    monkeypatch.syspath_prepend(str(site))
+    monkeypatch.setattr(registry, "_SOURCES", dict(registry._SOURCES))  # the test's registration goes with it
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+
+    with pytest.raises(ConfigError) as refused:
+        validate(make_cfg("data=stdlib", "data.name=sonnets"))
+    (p,) = refused.value.problems
+    assert p.key == "data.name" and "poems" in p.fix and "stdlib" in p.fix
+    overrides = [*DEBUG, "data=stdlib", "data.name=poems"]
+    report = orchestrate(make_cfg(*overrides, runs_dir=tmp_path / "runs"), tmp_path / "run", overrides,
+                         until="tokenize")
+    assert report.results["tokenize"].status == "ran"
+    import json
+
+    entry = next(p for p in (tmp_path / "runs" / "cache" / "tokenize").iterdir() if not p.name.startswith("."))
+    index = json.loads((entry / "tokens" / "index.json").read_text())
+    assert index["train"]["documents"] + index["val"]["documents"] == 10  # the source's ten poems

@@ -71,7 +71,8 @@ def test_the_plan_states_every_stage_and_refuses_what_cannot_fit_before_anything
     aggregate.onnx=false; with pp=10 only the ONNX check is, and aggregate.onnx=false clears it (export needs no
     model: its graph is traced on the meta device); at 0.5 GB the export stage's check is refused too."""
     from orchestrator.config.errors import ConfigError
-    from orchestrator.config.validate import memory_line, validate
+    from orchestrator.config.validate import validate
+    from planning.plan import memory_line
     from tests.conftest import make_cfg
 
     big = ["model.d_model=2048", "model.n_layers=10", "model.n_heads=16", "model.d_ff=8192", "model.vocab_size=8192",

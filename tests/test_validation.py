@@ -73,11 +73,11 @@ def test_ort_kernels_need_cuda_and_ort_triton():
 
 def test_a_cuda_machine_gives_each_local_rank_a_gpu_and_bf16_needs_ampere(monkeypatch):
     """Rules of a CUDA machine, checked on this one with its answers faked: two GPUs, no bf16."""
-    from orchestrator.config import validate as v
+    from runtime import machine
 
-    monkeypatch.setattr(v, "_has_cuda", lambda: True)
-    monkeypatch.setattr(v, "_cuda_devices", lambda: 2)
-    monkeypatch.setattr(v, "_cuda_bf16", lambda: False)
+    monkeypatch.setattr(machine, "has_cuda", lambda: True)
+    monkeypatch.setattr(machine, "cuda_devices", lambda: 2)
+    monkeypatch.setattr(machine, "cuda_bf16", lambda: False)
     (p,) = [p for p in problems_of("parallel=megatron_hp4", "precision=fp32") if p.key == "parallel"]
     assert p.value == "dp1 hp4 pp1" and "4 ranks (dp*hp*pp) on a CUDA GPU of its own" in p.rule
     assert "shows 2" in p.rule and "at most 2 rank(s)" in p.fix and "cluster.gpus_per_task=1" in p.fix

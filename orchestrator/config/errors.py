@@ -9,19 +9,9 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from dataclasses import dataclass
 from typing import Any, Optional
 
-
-@dataclass(frozen=True)
-class Problem:
-    key: str
-    value: Any
-    rule: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.key}={_show(self.value)}\n      rule: {self.rule}\n      fix:  {self.fix}"
+from planning.problem import Problem, _show  # Problem is re-exported: the config language's error type
 
 
 class ConfigError(Exception):
@@ -33,14 +23,6 @@ class ConfigError(Exception):
         n = len(self.problems)
         head = f"invalid configuration, nothing was started ({n} problem{'s' if n != 1 else ''}):"
         return "\n".join([head] + [f"  x {p}" for p in self.problems])
-
-
-def _show(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)
 
 
 def field_help(schema: Optional[type], name: str) -> Optional[dataclasses.Field]:

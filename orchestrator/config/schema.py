@@ -14,6 +14,8 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from plugins.parallel.schedules import SCHEDULES
+
 
 def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
         min: Optional[float] = None, max: Optional[float] = None):
@@ -24,7 +26,7 @@ def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
     return field(default=default, metadata=meta)
 
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv")
+PP_SCHEDULES = tuple(SCHEDULES)
 
 
 @dataclass
@@ -163,8 +165,8 @@ class OrtEngineConfig(EngineConfig):
 
 @dataclass
 class DataConfig:
-    name: str = key(MISSING, "data source: an entry of the data registry (plugins/data)",
-                    choices=("synthetic", "stdlib", "text"))
+    name: str = key(MISSING, "data source: an entry of the data registry (plugins/data: synthetic, stdlib, text; "
+                    "packages add theirs through the orchestrator.data entry points)")
     val_fraction: float = key(0.05, "share of documents held out for evaluation", min=0.0001, max=0.5)
     packing: bool = key(True, "concatenate documents (separated by <eos>) instead of padding each one")
     paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "

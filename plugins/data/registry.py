@@ -47,12 +47,22 @@ def register_source(name: str, source: DataSource) -> None:
     _SOURCES[name] = source
 
 
-def get_source(name: str) -> DataSource:
+def _load_plugins() -> None:
     global _plugins_loaded
     if not _plugins_loaded:
         _plugins_loaded = True
         for ep in entry_points(group="orchestrator.data"):
             ep.load()()
+
+
+def source_names() -> list[str]:
+    """Every registered source: the built-in ones and those third-party packages add through entry points."""
+    _load_plugins()
+    return sorted(_SOURCES)
+
+
+def get_source(name: str) -> DataSource:
+    _load_plugins()
     if name not in _SOURCES:
         raise KeyError(f"data.name={name!r} is not registered; known: {', '.join(sorted(_SOURCES))}")
     return _SOURCES[name]

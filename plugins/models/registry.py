@@ -99,6 +99,34 @@ def get_model(name: str) -> ModelSpec:
     return _REGISTRY[name]
 
 
+def check(cfg) -> list:
+    """The model's rules: a registered family whose heads split d_model, and sequences it can hold."""
+    from planning.problem import Problem, divisors
+
+    m, t = cfg.model, cfg.train
+    problems = []
+    if m.name not in model_names():
+        problems.append(Problem("model.name", m.name, "the model must be registered in plugins/models",
+                                f"one of: {', '.join(model_names())}"))
+    if m.d_model % m.n_heads:
+        problems.append(Problem("model.n_heads", m.n_heads, f"model.d_model={m.d_model} must be divisible by "
+                                "model.n_heads (each head gets d_model/n_heads dimensions)",
+                                f"model.n_heads in {{{', '.join(map(str, divisors(m.d_model)[:8]))}}}"))
+    kv = m.get("n_kv_heads")
+    if kv and m.n_heads % kv:
+        problems.append(Problem("model.n_kv_heads", kv, f"grouped-query attention shares each key/value head among "
+                                f"model.n_heads/n_kv_heads query heads: model.n_heads={m.n_heads} must be divisible "
+                                "by it", f"model.n_kv_heads in {{{', '.join(map(str, divisors(m.n_heads)))}}}"))
+    if cfg.export.sample_seq > m.max_seq_len:
+        problems.append(Problem("export.sample_seq", cfg.export.sample_seq, f"the export traces sequences of this "
+                                f"length; the model holds positions up to model.max_seq_len={m.max_seq_len}",
+                                f"export.sample_seq={min(16, m.max_seq_len)}"))
+    if t.seq_len > m.max_seq_len:
+        problems.append(Problem("train.seq_len", t.seq_len, f"sequences cannot be longer than model.max_seq_len="
+                                f"{m.max_seq_len}", f"train.seq_len={m.max_seq_len}"))
+    return problems
+
+
 _INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
           "kaiming_normal_", "xavier_uniform_", "xavier_normal_", "orthogonal_")
 

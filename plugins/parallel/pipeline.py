@@ -18,10 +18,7 @@ import torch
 from torch import nn
 
 from plugins.parallel.data import set_gradient_sync
-
-SINGLE_STAGE = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-MULTI_STAGE = {"interleaved_1f1b": "ScheduleInterleaved1F1B", "looped_bfs": "ScheduleLoopedBFS",
-               "interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+from plugins.parallel.schedules import SCHEDULES
 
 
 def _value(t: torch.Tensor) -> torch.Tensor:
@@ -101,12 +98,10 @@ class PipelineRunner:
         self.loss_fn, self.counts_loss, self.loss_parallel = loss_fn, counts_loss, loss_parallel
         self.grad_scale, self.autocast = grad_scale, autocast
         self.scale = 1.0  # what the schedule's loss is multiplied by (its returned losses too)
-        if schedule in SINGLE_STAGE:
-            cls = getattr(schedules, SINGLE_STAGE[schedule])
-            self.schedule = cls(self.stages[0], n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
-        else:
-            cls = getattr(schedules, MULTI_STAGE[schedule])
-            self.schedule = cls(self.stages, n_microbatches=microbatches, loss_fn=self._loss, scale_grads=False)
+        chosen = SCHEDULES[schedule]
+        cls = getattr(schedules, chosen.torch_class)  # single-stage schedules take the stage, the others a list
+        self.schedule = cls(self.stages if chosen.multi_chunk else self.stages[0], n_microbatches=microbatches,
+                            loss_fn=self._loss, scale_grads=False)
         self.timeline, self.probe = timeline, probe
         if timeline is not None:
             timeline.instrument(self.stages)

@@ -1,0 +1,171 @@
+"""The planning pass: once per experiment point, the partition plan, the memory estimate per train rank and per
+stage, what a rank and a one-process stage may use, and the bytes written. Validation refuses what the plan says
+cannot fit; the printed plan shows the same figures (they are computed once, here).
+
+The time floor is separate (`time_line`): it measures this machine's matmul rate, which only a run needs."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from planning.estimate import (Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate, stage_costs,
+                               step_flops)
+from planning.problem import Problem
+from runtime.threads import rank_threads, usable_cores
+
+GB = 2**30
+
+
+@dataclass(frozen=True)
+class Plan:
+    partition: dict                  # planning.partition.build_plan: every parameter's shape, shard and owner
+    rank: Estimate                   # a train rank's peak
+    rank_limit: int                  # what a rank may use (0: unknown) ...
+    rank_limit_where: str            # ... and where that figure comes from
+    stages: dict[str, StageCost]     # export, checkpoint, aggregate: one process each
+    aggregate_without_onnx: StageCost
+    host_limit: int                  # what a one-process stage may use (0: unknown) ...
+    host_limit_where: str
+
+
+_PARTITIONS: dict[str, dict] = {}
+_PLANS: dict[str, Plan] = {}
+
+
+def partition_plan(cfg) -> dict:
+    """The layout's partition plan (built on the meta device: no memory), once per model and layout."""
+    from planning.partition import build_plan
+
+    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True),
+                      OmegaConf.to_container(cfg.parallel, resolve=True)], sort_keys=True)
+    if key not in _PARTITIONS:
+        _PARTITIONS[key] = build_plan(cfg.model, cfg.parallel)
+    return _PARTITIONS[key]
+
+
+def plan_of(cfg) -> Plan:
+    """The plan of this experiment point, computed on first use and then read (validation, the printout, tune)."""
+    key = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
+    if key not in _PLANS:
+        partition = partition_plan(cfg)
+        _PLANS[key] = Plan(partition, estimate(cfg, partition), *available_bytes(cfg), stage_costs(cfg, partition),
+                           stage_costs(cfg, partition, onnx=False)["aggregate"], *host_bytes(cfg))
+    return _PLANS[key]
+
+
+def memory_line(cfg) -> str:
+    """The plan's lines on memory: a train rank's estimate against what it may use, then what the stages around
+    training need (one process each) and write."""
+    p = plan_of(cfg)
+    of = f" of {p.rank_limit / GB:,.1f} GB ({p.rank_limit_where})" if p.rank_limit else f" ({p.rank_limit_where})"
+    stages = "; ".join(f"{name} {c.peak / GB:,.2f} GB ({c.what})" for name, c in p.stages.items())
+    host = f", of {p.host_limit / GB:,.1f} GB ({p.host_limit_where})" if p.host_limit else f" ({p.host_limit_where})"
+    return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}\n  disk: checkpoints "
+            f"{p.stages['checkpoint'].writes / GB:,.2f} GB each, the aggregate's files "
+            f"{p.stages['aggregate'].writes / GB:,.2f} GB")
+
+
+def time_line(cfg) -> str:
+    """The plan's line on time: the step's FLOPs against this machine's matmul rate, measured now. A floor, not a
+    forecast: the rest of a step (attention, norms, the optimizer, communication, pipeline bubbles) comes on top.
+    A dry run does not measure (it only plans)."""
+    flops = step_flops(cfg, partition_plan(cfg)["n_parameters"])
+    head = f"time: {flops / 1e12:,.3f} TFLOP per step"
+    if cfg.cluster.name == "slurm":
+        return f"{head}; the rate is not estimated here (the stages run on the cluster's nodes)"
+    if cfg.dry_run:
+        return f"{head}; this machine's matmul rate is measured when the run starts (not in a dry run)"
+    import torch
+
+    p = cfg.parallel
+    ranks = p.dp * p.hp * p.pp
+    if torch.cuda.is_available():
+        gpus = min(ranks, torch.cuda.device_count())
+        rate, where = matmul_rate("cuda", cfg.precision.name, 1) * gpus, f"{gpus} GPU(s), {cfg.precision.name}"
+    else:
+        threads = min(usable_cores(), rank_threads(cfg.cluster.get("threads_per_rank"), ranks) * ranks)
+        rate, where = matmul_rate("cpu", "fp32", threads), f"{threads} CPU thread(s)"
+    floor = flops / rate
+    return (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
+            f"least {_duration(floor)} and {cfg.train.steps} steps at least {_duration(floor * cfg.train.steps)}")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:,.0f} ms"
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:,.0f} min"
+    return f"{seconds / 3600:,.1f} h"
+
+
+def check(cfg, disk: bool = True) -> list[Problem]:
+    """What the plan knows cannot fit: a train rank, a one-process stage, the disk (disk=False where the folders
+    themselves are refused)."""
+    p = plan_of(cfg)
+    return _rank_problems(cfg, p) + _stage_problems(cfg, p) + (_disk_problems(cfg, p) if disk else [])
+
+
+def _rank_problems(cfg, plan: Plan) -> list[Problem]:
+    """A layout whose estimated peak exceeds what a rank may use is refused, with the numbers and the fixes."""
+    if not plan.rank_limit or plan.rank.total <= plan.rank_limit:
+        return []
+    p = cfg.parallel
+    fixes = [f"parallel.hp={p.hp * 2} or parallel.pp={p.pp * 2} (each rank holds less)"]
+    if p.dp > 1 and p.dp_mode != "shard":
+        fixes.append("parallel.dp_mode=shard (parameters, gradients and optimizer state split over dp)")
+    if cfg.memory.level == 0:
+        fixes.append("memory=level1 (recompute activations)")
+    fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
+    return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"the estimated peak per rank, {plan.rank.describe()}, "
+                    f"exceeds the {plan.rank_limit / GB:,.1f} GB a rank may use ({plan.rank_limit_where})",
+                    "; ".join(fixes))]
+
+
+def _stage_problems(cfg, plan: Plan) -> list[Problem]:
+    """A stage around training whose one process cannot fit the memory it may use is refused before training
+    starts, not found out after the GPU hours are spent."""
+    avail, where = plan.host_limit, plan.host_limit_where
+    if not avail:
+        return []
+    more = "a node with more memory (cluster.mem_per_task_gb on SLURM)"
+    problems = []
+    export, agg, without = plan.stages["export"], plan.stages["aggregate"], plan.aggregate_without_onnx
+    if export.peak > avail:
+        problems.append(Problem("model", cfg.model.name, f"the export stage needs about {export.peak / GB:,.1f} GB "
+                                f"({export.what}), more than the {avail / GB:,.1f} GB it may use ({where})", more))
+    if agg.peak > avail and cfg.aggregate.onnx and without.peak <= avail:
+        problems.append(Problem("aggregate.onnx", True, f"the aggregate stage's ONNX check needs about "
+                                f"{agg.peak / GB:,.1f} GB ({agg.what}), more than the {avail / GB:,.1f} GB it may use "
+                                f"({where})", f"aggregate.onnx=false (the safetensors and hf/ files then need "
+                                f"{without.peak / GB:,.1f} GB), or a node with more memory"))
+    elif agg.peak > avail:
+        problems.append(Problem("model", cfg.model.name, f"the aggregate stage needs about {agg.peak / GB:,.1f} GB "
+                                f"({agg.what}), more than the {avail / GB:,.1f} GB it may use ({where})", more))
+    return problems
+
+
+def _disk_problems(cfg, plan: Plan) -> list[Problem]:
+    """Room for the checkpoints (fp32 weights and optimizer state): train.keep_checkpoints of them while training
+    plus the published one (the checkpoint stage links it, no copy on the same disk), and the aggregate's files
+    (the checkpoint again as safetensors, hf/ and the ONNX model's weights)."""
+    where = Path(cfg.cache_dir).expanduser().absolute()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    per_checkpoint = int(plan.stages["checkpoint"].writes * 1.1) + 4 * 2**20  # + DCP's metadata
+    aggregate = plan.stages["aggregate"].writes
+    needed = per_checkpoint * (cfg.train.keep_checkpoints + 1) + aggregate
+    if free >= needed:
+        return []
+    mb = 2**20
+    return [Problem("cache_dir", cfg.cache_dir, f"the checkpoints of this model need about {needed / mb:,.0f} MB "
+                    f"({per_checkpoint / mb:,.0f} MB each: fp32 weights and optimizer state; train.keep_checkpoints="
+                    f"{cfg.train.keep_checkpoints} while training, the final one, and the aggregate's "
+                    f"{aggregate / mb:,.0f} MB); {where} has {free / mb:,.0f} MB free",
+                    "free space, cache_dir= a larger disk, or train.keep_checkpoints=1")]

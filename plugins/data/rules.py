@@ -1,0 +1,45 @@
+"""The data's rules: a registered source (built in, or added through the `orchestrator.data` entry points), a
+tokenizer we know whose ids the model's embedding holds, and the source's own checks (files, amounts)."""
+from __future__ import annotations
+
+from planning.problem import Problem
+from plugins.data import tokenizer as tokenizers
+from plugins.data.registry import get_source, source_names
+
+
+def check(cfg) -> list[Problem]:
+    d = cfg.data
+    if d.name not in source_names():
+        return [Problem("data.name", d.name, "the data source must be registered (plugins/data, or a package's "
+                        "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
+    source = get_source(d.name)
+    problems = _tokenizer_problems(cfg, source)
+    if source.check is not None:
+        problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]
+    if d.paths and d.name != "text":
+        problems.append(Problem("data.paths", list(d.paths), f"data.paths is read by data=text only; data={d.name} "
+                                "ignores it", "data=text to train on these files, or leave data.paths empty"))
+    return problems
+
+
+def _tokenizer_problems(cfg, source) -> list[Problem]:
+    """data.tokenizer is one we know, and the model's embedding has a row for every id it produces."""
+    d, m = cfg.data, cfg.model
+    if source.documents is None:
+        return []  # token sources adapt to the model's vocabulary
+    spec = d.tokenizer
+    folder = tokenizers.hf_folder(spec)
+    if spec not in ("bytes", "bpe") and folder is None:
+        return [Problem("data.tokenizer", spec, "a tokenizer is bytes, bpe or hf:<folder>", "data.tokenizer=bytes")]
+    if folder is not None and not (folder / "tokenizer.json").is_file() and not folder.is_file():
+        return [Problem("data.tokenizer", spec, f"{folder} holds no tokenizer.json",
+                        "hf:<a folder saved with tokenizer.save_pretrained>")]
+    try:
+        need = tokenizers.vocab_needed(d)
+    except (OSError, ValueError) as e:
+        return [Problem("data.tokenizer", spec, f"the tokenizer cannot be loaded: {e}", "another tokenizer folder")]
+    if need is not None and need > m.vocab_size:
+        return [Problem("model.vocab_size", m.vocab_size, f"data.tokenizer={spec} produces token ids up to {need - 1}",
+                        f"model.vocab_size={-(-need // 64) * 64} or more (a multiple of 64 is fastest)"
+                        + (f", or data.vocab_size={m.vocab_size}" if spec == "bpe" and m.vocab_size >= 259 else ""))]
+    return []

@@ -1,0 +1,41 @@
+"""The pipeline schedules: one table that the schema, validation, the pipeline runner, the partition plan, the
+memory estimate and `tune=layout` read (a new schedule is one row here)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Schedule:
+    torch_class: str        # in torch.distributed.pipelining.schedules
+    min_chunks: int         # model chunks (virtual stages) per rank: at least this many ...
+    max_chunks: int | None  # ... and at most this many (None: no limit)
+    v_shape: bool = False   # stages go down the ranks and back up (rank r holds stages r and 2*pp-1-r)
+    in_rounds: bool = False  # microbatches run in rounds of pp: their number is a multiple of the rounds
+    all_forwards_first: bool = False  # every microbatch's activations are held at once (GPipe)
+
+    @property
+    def multi_chunk(self) -> bool:
+        return self.min_chunks > 1
+
+    def chunks_rule(self) -> str:
+        if self.max_chunks == self.min_chunks:
+            return f"== {self.min_chunks}"
+        return f">= {self.min_chunks}"
+
+    def chunks_ok(self, chunks: int) -> bool:
+        return chunks >= self.min_chunks and (self.max_chunks is None or chunks <= self.max_chunks)
+
+    @staticmethod
+    def min_microbatches(pp: int, chunks: int) -> int:
+        return pp  # every stage has work in flight
+
+
+SCHEDULES = {
+    "gpipe": Schedule("ScheduleGPipe", 1, 1, all_forwards_first=True),
+    "1f1b": Schedule("Schedule1F1B", 1, 1),
+    "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", 2, None, in_rounds=True),
+    "looped_bfs": Schedule("ScheduleLoopedBFS", 2, None),
+    "interleaved_zb": Schedule("ScheduleInterleavedZeroBubble", 2, None, in_rounds=True),
+    "zbv": Schedule("ScheduleZBVZeroBubble", 2, 2, v_shape=True),
+}

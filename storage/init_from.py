@@ -1,0 +1,58 @@
+"""train.init_from's rules: a complete checkpoint of a model with this model's parameters (any layout, written by
+this project), or `hf:<folder>`, a Hugging Face folder of a supported architecture with model.*'s sizes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from planning.problem import Problem
+from storage import hf
+from storage.fsio import read_json
+
+
+def check(cfg, parameters: dict) -> list[Problem]:
+    """parameters: the partition plan's, {name: {"shape": ...}} (what the checkpoint must hold)."""
+    path = cfg.train.init_from
+    if not path:
+        return []
+    if path.startswith(hf.PREFIX):
+        return _hf_problems(cfg)
+    from storage.checkpoint import MANIFEST  # torch's DCP: 0.7 s of imports, only when a checkpoint is named
+
+    manifest_path = Path(path) / MANIFEST
+    if not manifest_path.is_file():
+        return [Problem("train.init_from", path, f"must be a complete checkpoint folder (with {MANIFEST}), e.g. "
+                        "runs/cache/checkpoint/<key> or the checkpoint/ folder of a train stage's output",
+                        "point it at a checkpoint folder, or remove it (train.init_from=null)")]
+    manifest = read_json(manifest_path)
+    theirs = {n: q["shape"] for n, q in manifest.get("partition_plan", {}).get("parameters", {}).items()}
+    ours = {n: q["shape"] for n, q in parameters.items()}
+    differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
+    problems = []
+    if differ:
+        problems.append(Problem("train.init_from", path, f"the checkpoint holds another model: {len(differ)} "
+                                f"parameter(s) differ in name or shape, e.g. {differ[0]}: checkpoint "
+                                f"{theirs.get(differ[0])}, model {ours.get(differ[0])}",
+                                "choose the model= options the checkpoint was trained with"))
+    if manifest.get("step", 0) >= cfg.train.steps:
+        problems.append(Problem("train.steps", cfg.train.steps, f"train.init_from is at step {manifest.get('step')}: "
+                                "training continues up to train.steps", f"train.steps={manifest.get('step', 0) + 100}"))
+    return problems
+
+
+def _hf_problems(cfg) -> list[Problem]:
+    path, folder = cfg.train.init_from, hf.folder_of(cfg.train.init_from)
+    if not folder.is_dir():
+        return [Problem("train.init_from", path, f"{folder} is not a folder", "hf:<a save_pretrained folder>")]
+    try:
+        differ = hf.differences(cfg.model, folder)
+    except hf.HFError as e:
+        return [Problem("train.init_from", path, str(e), "a GPT-2 or Llama folder, or another starting point")]
+    except (KeyError, ValueError) as e:
+        return [Problem("train.init_from", path, f"{folder}/config.json cannot be read: {e}", "a save_pretrained folder")]
+    if not differ:
+        return []
+    family = differ.pop("name", (None, cfg.model.name))[1]
+    fix = " ".join([f"model={'llama_tiny' if family == 'llama' else 'gpt_tiny'}"] if family != cfg.model.name else []
+                   + [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, (_, v) in differ.items()])
+    listed = "; ".join(f"model.{k}: ours {a}, theirs {b}" for k, (a, b) in differ.items())
+    return [Problem("train.init_from", path, f"the folder holds another model ({family}): {listed}", fix)]
