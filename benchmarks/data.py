@@ -31,7 +31,7 @@ from plugins.models import get_model  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
-from stages.train import StepSettings, train_step  # noqa: E402
+from runtime.step import StepSettings, train_step  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 

@@ -37,7 +37,6 @@ from benchmarks.support.cli import arguments  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from plugins.data import build_batcher  # noqa: E402
-from runtime.kernels import apply_kernels  # noqa: E402
 from runtime.metrics import MemoryProbe  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from runtime.optim import build_optimizer, describe_impl  # noqa: E402
@@ -45,7 +44,8 @@ from plugins.parallel.layout import build_layout  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
 from runtime.precision import LossScaler, configure, mfu, peak_flops  # noqa: E402
 from runtime.sdpa import attention_kernel  # noqa: E402
-from stages.train import MetricsWindow, StepSettings, train_step  # noqa: E402
+from runtime.metrics import MetricsWindow  # noqa: E402
+from runtime.step import StepSettings, train_step  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 MODES = {  # mode -> (precision, tf32, compile)
@@ -75,9 +75,7 @@ class StageSide:
         self.precision = configure(cfg, device)
         self.probe = MemoryProbe(device)
         self.layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), self.spec, device, probe=self.probe,
-                                   precision=self.precision)
-        apply_kernels(self.layout.parts, self.spec, cfg.triton, logging.getLogger("bench"),
-                      cuda=device.type == "cuda")
+                                   precision=self.precision, log=logging.getLogger("bench"))  # compiled as the stage
         self.optimizers = [build_optimizer(cfg.optimizer, p, device) for p in self.layout.parts]
         self.settings, self.scaler = StepSettings.of(cfg), LossScaler(False)
         self.window = MetricsWindow(self.layout)

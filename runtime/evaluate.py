@@ -8,22 +8,19 @@ import torch
 from torch import nn
 
 
-@torch.no_grad()
-def eval_loss(model, loss_fn, batcher, n_batches: int, autocast=contextlib.nullcontext) -> float:
-    """Mean next-token loss over the first n_batches held-out batches (forwards in the `autocast` context)."""
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
+def eval_loss(layout, batcher, n_batches: int) -> float:
+    """Mean next-token loss over the first n_batches held-out batches, computed in the layout (every rank calls it:
+    the sums are reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece."""
+    layout.train(False)
+    total, count = torch.zeros((), dtype=torch.float64), 0
     try:
         for i in range(n_batches):
             batch = batcher.eval_batch(i)
-            with autocast():
-                logits = model(batch.inputs)
-            total += loss_fn(logits, batch.labels).item()
+            total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels)).cpu()
             count += batch.n_labels
     finally:
-        model.train(was_training)
-    return total / max(count, 1)
+        layout.train(True)
+    return layout.reduce(total).item() / max(count, 1)
 
 
 HIDDEN_BYTES = 2**30  # the eval batches' hidden states held at once by the piece-by-piece evaluation (a batch at least)

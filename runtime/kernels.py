@@ -95,9 +95,11 @@ def configure(tcfg, cuda: bool) -> None:
         inductor.cpp.dynamic_threads = True  # follow torch.get_num_threads() (one per rank when ranks share cores)
 
 
-def apply_kernels(parts: list[nn.Module], spec, tcfg, log: logging.Logger, cuda: bool = False) -> KernelReport:
-    """Set the attention kernel, then compile per `tcfg.scope` (when enabled). Call after the layout is applied."""
-    report = KernelReport()
+def apply_kernels(parts: list[nn.Module], spec, tcfg, log: logging.Logger, cuda: bool = False,
+                  report: KernelReport | None = None, first_part: int = 0) -> KernelReport:
+    """Set the attention kernel, then compile per `tcfg.scope` (when enabled), adding to `report`. Compilation is
+    lazy (the first call compiles) and wraps each target's forward: hooks FSDP adds later stay outside it."""
+    report = report if report is not None else KernelReport()
     if spec.set_attention is not None:
         for part in parts:
             spec.set_attention(part, tcfg.attention)
@@ -108,7 +110,7 @@ def apply_kernels(parts: list[nn.Module], spec, tcfg, log: logging.Logger, cuda:
     if tcfg.scope == "blocks":
         targets = [(f"block {_block_name(part, b)}", b) for part in parts for b in spec.blocks(part)]
     else:
-        targets = [(f"model part {i}", part) for i, part in enumerate(parts)]
+        targets = [(f"model part {first_part + i}", part) for i, part in enumerate(parts)]
     for name, module in targets:
         # an instance attribute: the module keeps its identity, parameter names and hooks (FSDP, DCP, pipeline)
         module.forward = GuardedCompile(name, module.forward, options, tcfg.fallback, report, log)

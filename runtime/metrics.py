@@ -1,13 +1,16 @@
-"""Training metrics: memory per phase, a resumable per-step history, and the loss-curve picture."""
+"""Training metrics: memory per phase, the window of steps not yet read back from the device, a resumable per-step
+history, and the pictures (loss curve, pipeline timeline)."""
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Iterable, Optional
 
 import psutil
 import torch
+import torch.distributed as dist
 
 PHASES = ("pre_forward", "post_forward", "post_backward", "post_step")
 
@@ -44,6 +47,79 @@ class MemoryProbe:
     def metrics(self) -> dict[str, float]:
         kind = "cuda_peak" if self.cuda else "rss"
         return {f"memory/{kind}_{phase}_mb": v for phase, v in self.values.items()}
+
+
+class MetricsWindow:
+    """Step records whose device values (loss, gradient norm) have not been read back yet. `flush` reads them all
+    with one transfer and reduces the window over ranks with two collectives: the loss is a sum of rank
+    contributions, the idle share a mean, time and memory the worst rank's.
+
+    Step times add up to the window's wall time, from its first step's start to the device finishing its last.
+    A step's own clock is host time: on a GPU the host runs ahead of the device (only a full launch queue stops
+    it), and the work still queued when the window is read back would otherwise be in no step (an overstated
+    tokens/s and MFU). So `flush` waits for the device and spreads the rest over the window's steps in proportion
+    to their host times; on a CPU the rest is what the loop does between steps (the next batch, progress)."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.rows: list[dict] = []
+        self.started = 0.0  # perf_counter at the start of the window's first step
+
+    def add(self, row: dict) -> None:
+        if not self.rows:
+            self.started = time.perf_counter() - row["step_time_s"]
+        self.rows.append(row)
+
+    def last_step_time(self) -> float:
+        return self.rows[-1]["step_time_s"]
+
+    def flush(self) -> list[dict]:
+        rows, self.rows = self.rows, []
+        if not rows:
+            return []
+        self._to_wall_time(rows)  # before the ranks compare times: each rank's own
+        layout = self.layout
+        losses = torch.stack([r["loss"].float() for r in rows])
+        norms = torch.stack([r["grad_norm"].float() for r in rows])
+        worst_keys = ["step_time_s", *[k for k in rows[0] if k.startswith("memory/")]]
+        if layout.world:
+            idle = torch.tensor([r.get("pipeline_idle_fraction", 0.0) for r in rows], device=losses.device)
+            sums = layout.reduce(torch.stack([losses, idle]))
+            losses, idle_mean = sums[0], (sums[1] / layout.coords.world_size).tolist()
+            worst = layout.reduce(torch.tensor([[r[k] for k in worst_keys] for r in rows], dtype=torch.float64),
+                                  dist.ReduceOp.MAX).tolist()
+            for r, w, i in zip(rows, worst, idle_mean):
+                r.update(zip(worst_keys, w))
+                if "pipeline_idle_fraction" in r:
+                    r["pipeline_idle_fraction"] = i
+        values = torch.stack([losses.cpu(), norms.cpu()]).tolist()
+        for r, loss, norm in zip(rows, *values):
+            r["loss"], r["grad_norm"] = loss, norm
+            r["tokens_per_s"] = r["tokens"] / r["step_time_s"]
+        return rows
+
+    def _to_wall_time(self, rows: list[dict]) -> None:
+        if self.layout.device.type == "cuda":
+            torch.cuda.synchronize(self.layout.device)
+        host = sum(r["step_time_s"] for r in rows)
+        wall = time.perf_counter() - self.started
+        if host > 0 and wall > host:
+            for r in rows:
+                r["step_time_s"] *= wall / host
+
+
+def numeric(row: dict) -> dict:
+    """A step's record as MLflow metrics."""
+    return {k: float(v) for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))}
+
+
+def step_line(row: dict, steps: int) -> str:
+    """A step's record as the line train.log_every prints."""
+    text = (f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
+            f"grad norm {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {row['step_time_s'] * 1e3:.1f} ms")
+    if "eval_loss" in row:
+        text += f" | eval loss {row['eval_loss']:.4f}"
+    return text
 
 
 class MetricsLog:

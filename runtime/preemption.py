@@ -45,6 +45,16 @@ def request(reason: str) -> None:
     _requested = reason
 
 
+def control_group(distributed: bool):
+    """A CPU (gloo) group for the per-step stop flag: a collective on the GPU's stream would make every step wait
+    for the device. None for one process; the default group where it is gloo already."""
+    import torch.distributed as dist
+
+    if not distributed or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
 def stop_requested(distributed: bool, group=None) -> Optional[str]:
     """The reason to stop now, if any rank was asked to; a collective when several ranks run (all must call).
     `group`: a CPU (gloo) process group for the flag (None: the default group, when that is gloo), so that

@@ -20,7 +20,7 @@ from runtime.optim import build_optimizer
 from plugins.parallel.layout import build_layout
 from planning.partition import build_plan
 from runtime.precision import LossScaler, Precision, auto_precision, mfu, peak_flops
-from stages.train import StepSettings, train_step
+from runtime.step import StepSettings, train_step
 from runtime.metrics import MemoryProbe
 from tests.conftest import DEBUG, QUICK, cache_entry, killed_after, make_cfg, run_cli, run_debug as run
 
@@ -193,7 +193,7 @@ def test_step_times_add_up_to_the_windows_wall_time():
     here a sleep stands in for it) is spread over the window's steps: tokens/s and MFU are not overstated."""
     import time
 
-    from stages.train import MetricsWindow
+    from runtime.metrics import MetricsWindow
 
     cfg, layout, optimizers, batcher = _one_process("train.batch_size=2", "train.seq_len=16")
     window, probe = MetricsWindow(layout), MemoryProbe(torch.device("cpu"))

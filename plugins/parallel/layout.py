@@ -1,8 +1,9 @@
 """This rank's share of the model, built from the partition plan the transform stage wrote.
 
 `build_layout` makes the rank's pipeline stage module(s) on the meta device (layers by global index, so
-parameter names are the same in every layout), applies recomputation, tensor parallelism (the model's
-`parallelize`) and data parallelism (FSDP2) there, then allocates only the rank's shards and initialises them
+parameter names are the same in every layout), transforms them there (plugins/parallel/parallelize.py:
+recomputation, tensor parallelism, the engine, compilation, data parallelism, in that order), then allocates
+only the rank's shards and initialises them
 by name (each weight drawn in full from its own seed, its shard kept: every layout starts from the same values),
 checks the result against the plan, and chooses the runner (microbatch loop or pipeline schedule). A rank's peak
 while building is its shards plus the largest single parameter. One process is the layout with every size 1.
@@ -18,11 +19,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plugins.models.registry import build_on_meta, materialise
-from plugins.parallel.data import apply_dp
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
+from plugins.parallel.parallelize import parallelize
 from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
 from planning.partition import aliases as plan_aliases
+from runtime.kernels import KernelReport
 from runtime.precision import Precision
 
 
@@ -38,6 +40,8 @@ class Layout:
     timeline: Optional[Timeline] = None
     loss_rank: bool = True              # whether this rank's loss counts in the global sum
     stage_ids: list[int] = field(default_factory=list)
+    kernels: KernelReport = field(default_factory=KernelReport)   # what compilation did (triton=on)
+    engine_fallbacks: dict[str, str] = field(default_factory=dict)  # engine=ort: units that run on torch, and why
 
     def __post_init__(self):
         seen: set[int] = set()
@@ -85,24 +89,28 @@ class Layout:
 
 
 def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False,
-                 precision: Optional[Precision] = None) -> Layout:
+                 precision: Optional[Precision] = None, ort_dir=None, log=None) -> Layout:
+    """ort_dir: the transform stage's graphs, for engine=ort (None: no engine); log: where compilation reports
+    (None: the `triton` section is not applied). The train stage passes both; a reference layout neither."""
     p = cfg.parallel
     precision = precision or Precision("fp32", device.type)
     mesh, coords = build_mesh(p, device)
     local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
+    engine, fallbacks = None, {}
+    if ort_dir is not None and cfg.engine.name == "ort":
+        from plugins.engines.ort.engine import build
+
+        hp_group = mesh.get_group("hp") if coords.hp_size > 1 else None
+        engine, fallbacks = build(spec, ort_dir, cfg.engine, hp_group, device, dist.get_rank() if mesh else 0)
+    kernels = KernelReport()
     parts = []
-    for st in local_stages:
-        # structure first, on the meta device: split, recomputation, hp and dp shard it there, so that only this
-        # rank's shards are ever allocated (materialise), then filled with the values every layout shares
+    for i, st in enumerate(local_stages):
+        # structure first, on the meta device: split and transformed there, so that only this rank's shards are
+        # ever allocated (materialise), then filled with the values every layout shares
         module = build_on_meta(spec, cfg.model)
         if p.pp > 1:
             module = spec.split(module, st["layers"], st["embedding"], st["head"])
-        spec.apply_memory(module, cfg.memory.level)
-        if p.hp > 1:
-            spec.parallelize(module, mesh["hp"], p)
-        if p.dp > 1:  # ONNX Runtime keeps pointers to the parameters from forward to backward
-            apply_dp(module, mesh["dp"], p.dp_mode, spec.blocks(module),
-                     reshard_after_forward=cfg.engine.name != "ort", mp_policy=precision.fsdp_policy())
+        parallelize(module, spec, cfg, mesh, device, precision, engine, kernels if log is not None else None, log, i)
         materialise(module, device)
         spec.init_weights(module, cfg.model, cfg.train.seed)
         parts.append(module)
@@ -121,7 +129,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe,
                                   precision.autocast)
     layout = Layout(parts, runner, coords, aliases, device, mesh, None, tl, loss_rank,
-                    [s["stage"] for s in local_stages])
+                    [s["stage"] for s in local_stages], kernels, fallbacks)
     if p.pp > 1 and aliases:
         layout.tied = _tied_gradients(layout, plan)
     return layout

@@ -54,9 +54,8 @@ def _has_parameter(module: torch.nn.Module, name: str) -> bool:
         return False
 
 
-def install(parts: list[torch.nn.Module], spec, ort_dir: Path, engine_cfg, hp_group, device: torch.device,
-            rank: int) -> dict[str, str]:
-    """Put the engine on every block of this rank's modules; returns {unit: why it runs on torch}."""
+def build(spec, ort_dir: Path, engine_cfg, hp_group, device: torch.device, rank: int):
+    """The engine for a model's blocks, from the transform stage's graphs: (engine, {unit: why it runs on torch})."""
     import onnxruntime as ort
 
     level = SEVERITY[engine_cfg.log_level]
@@ -77,11 +76,35 @@ def install(parts: list[torch.nn.Module], spec, ort_dir: Path, engine_cfg, hp_gr
             if engine_cfg.fallback != "torch":
                 raise
             fallbacks[unit.name] = str(e)
-    engine = OrtBlockEngine(units, records, hp_group)
+    return OrtBlockEngine(units, records, hp_group), fallbacks
+
+
+def apply(module: torch.nn.Module, spec, engine: OrtBlockEngine) -> None:
+    """Every block of the module runs its units through the engine (parameters are read at each forward: the
+    module may still be on the meta device)."""
+    for block in spec.blocks(module):
+        block.engine = engine
+
+
+def install(parts: list[torch.nn.Module], spec, ort_dir: Path, engine_cfg, hp_group, device: torch.device,
+            rank: int) -> dict[str, str]:
+    """Put the engine on every block of these modules; returns {unit: why it runs on torch}."""
+    engine, fallbacks = build(spec, ort_dir, engine_cfg, hp_group, device, rank)
     for part in parts:
-        for block in spec.blocks(part):
-            block.engine = engine
+        apply(part, spec, engine)
     return fallbacks
+
+
+def report(ctx, spec, fallbacks: dict[str, str], ort_dir: Path) -> None:
+    """The units that run on torch into the log and the tracker (with engine.save_onnx, the graphs too)."""
+    for unit, why in fallbacks.items():
+        ctx.log.warning("engine=ort: unit %s runs on torch (engine.fallback=torch): %s", unit, why)
+    ctx.tracker.set_tags({"engine": "ort", **{f"engine.fallback.{u}": why[:4000] for u, why in fallbacks.items()}})
+    ctx.tracker.log_metrics({"engine/ort_units": len(spec.units) - len(fallbacks), "engine/fallback_units": len(fallbacks)})
+    if ctx.cfg.engine.save_onnx:
+        for graph in graph_files(ort_dir):
+            ctx.tracker.log_artifact(graph, "onnx")
+            ctx.log.info("engine.save_onnx: %s", graph)
 
 
 def graph_files(ort_dir: Path) -> list[Path]:

@@ -1,0 +1,59 @@
+"""parallelize(): every transformation of a rank's model part, in one place, one `apply_*` per config section,
+on the meta device (nothing is allocated until the layout materialises the rank's shards). The order:
+
+1. memory (recomputation) first: it wraps each block's internals as the model defines them, before tensor
+   parallelism swaps their weights for DTensors (the wrappers only re-run forwards, whatever the tensors are).
+2. hp (tensor parallelism, the model's own plan) next: it decides each weight's shard, and what a unit of
+   shard-local compute between two collectives is.
+3. engine: ONNX Runtime takes over those units (its graphs are the shards' compute, so it comes after hp); it
+   reads the parameters at every forward, so it may be attached before they exist.
+4. compile (the `triton` section): each block's forward is wrapped by torch.compile (lazily: the first call
+   compiles), after hp and the engine so that it compiles what will run, with the collectives between blocks
+   left outside (TorchTitan's per-block compile).
+5. dp last (FSDP2): it shards whatever the block has become, and its hooks gather the parameters around the
+   wrapped forward. Under engine=ort the parameters stay gathered from forward to backward (ORT keeps pointers
+   to them), hence no reshard after forward.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from plugins.parallel.data import apply_dp as _fsdp
+from runtime.kernels import KernelReport, apply_kernels
+
+
+def parallelize(module: nn.Module, spec, cfg, mesh, device, precision, engine=None,
+                kernels: Optional[KernelReport] = None, log=None, part: int = 0) -> nn.Module:
+    """engine: the ORT engine (None: the model's own forward); kernels: where compilation reports (None: the
+    `triton` section is not applied, as for a reference layout)."""
+    apply_memory(module, spec, cfg.memory)
+    apply_hp(module, spec, mesh, cfg.parallel)
+    apply_engine(module, spec, engine)
+    if kernels is not None:
+        apply_kernels([module], spec, cfg.triton, log, cuda=device.type == "cuda", report=kernels, first_part=part)
+    apply_dp(module, spec, mesh, cfg.parallel, cfg.engine, precision)
+    return module
+
+
+def apply_memory(module: nn.Module, spec, memory_cfg) -> None:
+    spec.apply_memory(module, memory_cfg.level)
+
+
+def apply_hp(module: nn.Module, spec, mesh, parallel_cfg) -> None:
+    if parallel_cfg.hp > 1:
+        spec.parallelize(module, mesh["hp"], parallel_cfg)
+
+
+def apply_engine(module: nn.Module, spec, engine) -> None:
+    if engine is not None:
+        from plugins.engines.ort.engine import apply
+
+        apply(module, spec, engine)
+
+
+def apply_dp(module: nn.Module, spec, mesh, parallel_cfg, engine_cfg, precision) -> None:
+    if parallel_cfg.dp > 1:
+        _fsdp(module, mesh["dp"], parallel_cfg.dp_mode, spec.blocks(module),
+              reshard_after_forward=engine_cfg.name != "ort", mp_policy=precision.fsdp_policy())

@@ -1,0 +1,98 @@
+"""The train stage's checkpoints (TorchTitan's CheckpointManager, slimmed): where a run starts from, a save at a
+step, pruning, and what is left when a run stops. Every rank calls restore and save (DCP is collective); rank 0
+chooses the folder and verifies it."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch.distributed as dist
+
+from plugins.models.registry import vocab_rows
+from storage import checkpoint as ckpt
+from storage import hf
+from storage.fsio import remove_tree
+
+
+class Checkpointer:
+    def __init__(self, ctx, layout, parts, scaler, meta: dict, history):
+        self.ctx, self.layout, self.parts, self.scaler, self.meta, self.history = ctx, layout, parts, scaler, meta, \
+            history
+        self.folder = ctx.scratch / "checkpoints"
+        self.keep = max(ctx.cfg.train.keep_checkpoints, 1)
+
+    def forget(self) -> None:
+        """train.resume=false: this key's earlier checkpoints are not resumed (rank 0 removes them)."""
+        if self.ctx.is_rank0:
+            remove_tree(self.folder)
+
+    def save(self, step: int) -> None:
+        if self.ctx.is_rank0:
+            self.history.sync()  # the metrics up to the step, on disk before the checkpoint that resumes after them
+        ckpt.save(ckpt.step_dir(self.folder, step), self.parts,
+                  {**self.meta, "step": step, "loss_scaler": self.scaler.state_dict()}, self.layout.aliases)
+        ckpt.prune(self.folder, keep=self.keep)
+
+    def last(self, step: int) -> Path:
+        return ckpt.step_dir(self.folder, step)
+
+    def last_good(self) -> str:
+        good = ckpt.complete_checkpoints(self.folder)
+        return f"the checkpoint of step {good[-1][0]} (written before; intact)" if good else "none (no checkpoint yet)"
+
+    def restore(self) -> int:
+        """The step to start from: this run's latest complete checkpoint, else `train.init_from`, else 0.
+        Rank 0 chooses (and verifies checksums); every rank loads the same folder. fp16's loss scale continues
+        from the checkpoint (one written in another precision has none: the scale starts afresh)."""
+        ctx, init_from = self.ctx, self.ctx.cfg.train.init_from
+        choice = self._choose(init_from) if ctx.is_rank0 else None
+        if self.layout.world:
+            box = [choice]
+            dist.broadcast_object_list(box, src=0)
+            choice = box[0]
+        if choice is None:
+            return 0
+        if hf.folder_of(choice):  # weights only: a fresh optimizer, step 0
+            ckpt.load_full_weights(self.parts, hf.load_state(hf.folder_of(choice), vocab_rows(ctx.cfg.model)),
+                                   self.layout.aliases)
+            ctx.log.info("starting from the Hugging Face weights in %s", hf.folder_of(choice))
+            ctx.tracker.set_tags({"resumed_from_step": 0, "resumed_from": choice})
+            return 0
+        manifest = ckpt.load(Path(choice), self.parts, self.layout.aliases)
+        self.scaler.load_state_dict(manifest.get("loss_scaler"))
+        step = manifest["step"]
+        written_by = manifest.get("trainer", {})
+        ctx.log.info("starting from the checkpoint of step %d (%s; written by dp%s hp%s pp%s)", step, choice,
+                     written_by.get("dp"), written_by.get("hp"), written_by.get("pp"))
+        ctx.tracker.set_tags({"resumed_from_step": step, "resumed_from": choice})
+        return step
+
+    def _choose(self, init_from: Optional[str]) -> Optional[str]:
+        ckpt.sweep_partials(self.folder)
+        found = ckpt.latest(self.folder, set_aside=True)
+        for problem in found[2] if found else []:
+            self.ctx.log.warning("skipping a damaged checkpoint: %s", problem)
+        if found and found[1] is None:
+            self.ctx.log.warning("every checkpoint of this run is damaged (%d set aside): training restarts from %s",
+                                 len(found[2]), f"train.init_from={init_from}" if init_from else "step 0")
+        if found and found[1] is not None:
+            return str(found[1])
+        if hf.folder_of(init_from):
+            return init_from
+        if init_from:
+            problems = ckpt.verify(Path(init_from))
+            if problems:
+                raise RuntimeError(f"train.init_from={init_from} is not a complete checkpoint: {'; '.join(problems)}")
+            return str(Path(init_from).resolve())
+        return None
+
+
+def progress_hint(scratch: Path) -> Optional[str]:
+    """What the train stage will do with this key's checkpoints (the same verification it runs)."""
+    found = ckpt.latest(scratch / "checkpoints")
+    if found is None:
+        return None
+    step, path, damaged = found
+    if path is None:
+        return f"restarts from step 0: its {len(damaged)} checkpoint(s) are damaged"
+    return f"resumes from step {step}" + (f", {len(damaged)} damaged checkpoint(s) set aside" if damaged else "")

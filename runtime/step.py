@@ -1,0 +1,59 @@
+"""One optimizer step over the global batch, and what it reads (resolved once per run)."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from runtime.optim import set_lr
+from runtime.precision import LossScaler
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a step reads, resolved once: config lookups cost microseconds each in the hot loop."""
+    grad_clip: float            # inf: measure the norm, clip nothing
+    dropout_seed: Optional[int]  # reseed per step (resume-exact dropout masks); None when there is no dropout
+    skip_nonfinite: bool = False  # check every step's gradient norm (one read per step) and drop non-finite ones
+
+    @staticmethod
+    def of(cfg) -> "StepSettings":
+        return StepSettings(cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
+                            cfg.train.seed if cfg.model.dropout > 0 else None, cfg.train.nonfinite == "skip")
+
+
+def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings, probe,
+               scaler: Optional[LossScaler] = None) -> dict:
+    """One optimizer step over the global batch (this rank's share of it). Returns the step's record with the loss
+    and the gradient norm still on the device (runtime.metrics.MetricsWindow reads them back, many steps at once):
+    nothing here waits for the GPU, except fp16's overflow check."""
+    scaler = scaler or LossScaler(enabled=False)
+    t0 = time.perf_counter()
+    if s.dropout_seed is not None:
+        torch.manual_seed(s.dropout_seed + step)  # dropout masks depend on the step only
+    for opt in optimizers:
+        set_lr(opt, lr)
+    n_labels = max(batch.n_labels, 1)  # the loss is a mean over the whole batch's labels, however it is split
+    probe.start_step()
+    loss_scale = scaler.scale
+    loss = layout.runner.train_step(layout.local_batch(batch.inputs), layout.local_batch(batch.labels), n_labels,
+                                    loss_scale)
+    grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)
+    finite = scaler.step_ok(grad_norm)
+    if finite and s.skip_nonfinite and not scaler.enabled:
+        finite = bool(torch.isfinite(grad_norm).item())
+    for opt in optimizers:
+        if finite:  # an overflowed fp16 step leaves the weights and the optimizer state as they were
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    probe.sample("post_step")
+    row = {"step": step + 1, "loss": loss.detach(), "grad_norm": grad_norm.detach(), "lr": lr,
+           "tokens": batch.inputs.numel(), "step_time_s": time.perf_counter() - t0, "time": time.time(),
+           "input_density": batch.input_density, "label_density": batch.label_density, **probe.metrics(),
+           **scaler.metrics(), **({"skipped": not finite} if scaler.enabled or s.skip_nonfinite else {})}
+    if layout.timeline is not None:
+        row["pipeline_idle_fraction"] = layout.timeline.idle_fraction()
+    return row
