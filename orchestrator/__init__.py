@@ -4,7 +4,7 @@ folder)` gives back a run's trained model.
 Three rooms, imports pointing down (and never from `stages` or `plugins` back up to here):
 
 - `config/`   the config language: the schema (a dataclass per section), validation before launch, the
-              errors users read, the README's key reference. Imports nothing else of `orchestrator`.
+              errors users read, the key reference (docs/configuration.md). Imports nothing else of `orchestrator`.
 - the core    (this folder) `dag` plans stages and their content keys, `cache` stores their outputs,
               `tracking` talks to MLflow, `report` prints plans and outcomes, `worker` runs one stage on one
               rank; `run` conducts one invocation, `sweep` a `-m` sweep, `__main__` is the Hydra entry.

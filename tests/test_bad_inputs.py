@@ -1,5 +1,5 @@
 """The catalogue of bad inputs: every one is refused before anything starts, with the key, the value, the rule and a
-fix; legal but unwise settings run with a one-line warning in the plan. README "What gets refused, and how" lists
+fix; legal but unwise settings run with a one-line warning in the plan. docs/reliability.md "What gets refused, and how" lists
 the same cases (a test keeps them in step)."""
 from __future__ import annotations
 
@@ -204,8 +204,8 @@ def test_legal_but_unwise_settings_run_with_a_warning():
     assert warnings(make_cfg()) == []
 
 
-def test_readme_lists_every_case():
-    readme = (ROOT / "README.md").read_text()
+def test_docs_list_every_case():
+    readme = (ROOT / "docs" / "reliability.md").read_text()
     section = readme.split("## What gets refused, and how\n", 1)[1].split("\n## ", 1)[0]
     for overrides, key, _ in CATALOGUE:
         assert re.search(re.escape(f"`{' '.join(overrides)}`"), section), overrides

@@ -5,10 +5,34 @@ from orchestrator.config.reference import reference_markdown
 from tests.conftest import ROOT
 
 
-def test_readme_config_reference_is_current():
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- reference:start -->\n", 1)[1].split("\n<!-- reference:end -->", 1)[0]
-    assert block == reference_markdown(), "run `python -m orchestrator.config.reference` and paste it into the README"
+def test_config_reference_is_current():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    block = page.split("<!-- reference:start -->\n", 1)[1].split("\n<!-- reference:end -->", 1)[0]
+    assert block == reference_markdown(), \
+        "run `python -m orchestrator.config.reference` and paste it into docs/configuration.md"
+
+
+def test_links_of_the_readme_and_docs_lead_somewhere():
+    """Every relative link of README.md and docs/*.md names a file that exists, and a heading of it when it has an
+    #anchor (GitHub's anchors: lower case, punctuation dropped, spaces to hyphens)."""
+    import re
+
+    def anchors(page: str) -> set[str]:
+        return {re.sub(r"[^\w\- ]", "", h.lower()).strip().replace(" ", "-")
+                for h in re.findall(r"(?m)^#+ (.+)$", page)}
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) >= 10 and len((ROOT / "README.md").read_text().splitlines()) <= 250
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file.read_text())):
+                broken.append(f"{page.name}: {target}")
+    assert broken == []
 
 
 def test_ci_runs_the_readme_commands():

@@ -1,5 +1,5 @@
 """The README as a new user follows it: every command of "Using it" (on the tiny model, a few steps; the SLURM one
-as a dry run, which needs no SLURM) and every Python block, pasted as they are."""
+as a dry run, which needs no SLURM) and every Python block of the README and docs/, pasted as they are."""
 from __future__ import annotations
 
 import re
@@ -32,7 +32,9 @@ def using_it_commands() -> list[list[str]]:
 
 
 def python_blocks() -> list[str]:
-    return [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)]
+    """Every Python block of the README and of docs/ (the topic pages' examples run as the README's do)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [textwrap.dedent(b) for page in pages for b in re.findall(r"```python\n(.*?)```", page.read_text(), re.S)]
 
 
 def test_the_readme_has_the_examples_this_test_runs():

@@ -1,4 +1,4 @@
-"""The README's config reference, generated from the schema and conf/ (a test keeps the README in sync).
+"""The config reference (docs/configuration.md), generated from the schema and conf/ (a test keeps it in sync).
 
     python -m orchestrator.config.reference
 """

@@ -1,7 +1,7 @@
 """The experiment schema: one dataclass per config section, a help text per field.
 
 YAML files under conf/ only pick values; every key they may set is declared here. Field metadata:
-  help     what the key means (shown in errors and in the README's config reference)
+  help     what the key means (shown in errors and in docs/configuration.md)
   choices  the allowed values of a string key
   content  False for keys that do not change what a stage produces (they stay out of the cache key)
   min/max  inclusive bounds of a number
