@@ -19,7 +19,7 @@ def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[
     per = n_layers // n_stages
     stages = []
     for s in range(n_stages):
-        rank = s if s < pp or not SCHEDULES[schedule].v_shape else 2 * pp - 1 - s
+        rank = (s if s < pp else 2 * pp - 1 - s) if SCHEDULES[schedule].v_shape else s % pp
         stages.append({"stage": s, "rank": rank, "chunk": s // pp, "layers": list(range(s * per, (s + 1) * per)),
                        "embedding": s == 0, "head": s == n_stages - 1})
     return stages
