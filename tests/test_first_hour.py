@@ -22,7 +22,7 @@ def test_help_names_every_group_and_option_and_no_schema(workdir):
     for group in GROUP_SCHEMAS:
         line = next(line for line in result.stdout.splitlines() if line.strip().startswith(group + " "))
         assert all(o in line for o in options_of(group)), line
-    assert "_schema" not in result.stdout and "dry_run=true" in result.stdout and "Config reference" in result.stdout
+    assert "_schema" not in result.stdout and "dry_run=true" in result.stdout and "docs/configuration.md" in result.stdout
 
 
 def test_a_default_run_its_folder_and_its_model_in_one_line(workdir):
