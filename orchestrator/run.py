@@ -41,8 +41,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     return once the jobs are submitted (a sweep follows all its points' jobs together). until: run that stage and
     the stages it needs only (a layout trial stops after train)."""
     t0 = time.perf_counter()
+    choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
     validate(cfg, overrides)
-    choices = resolve_auto(cfg)
     cache = Cache(Path(cfg.cache_dir).resolve())
     plan = make_plan(cfg, all_stages(until), cache)
 

@@ -16,8 +16,8 @@ from storage.fsio import remove_tree
 
 class Checkpointer:
     def __init__(self, ctx, layout, parts, scaler, meta: dict, history):
-        self.ctx, self.layout, self.parts, self.scaler, self.meta, self.history = ctx, layout, parts, scaler, meta, \
-            history
+        self.ctx, self.layout, self.parts, self.scaler = ctx, layout, parts, scaler
+        self.meta, self.history = meta, history
         self.folder = ctx.scratch / "checkpoints"
         self.keep = max(ctx.cfg.train.keep_checkpoints, 1)
 
