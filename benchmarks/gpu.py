@@ -42,7 +42,7 @@ from plugins.models import get_model  # noqa: E402
 from runtime.optim import build_optimizer, describe_impl  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
-from runtime.precision import LossScaler, configure, mfu, peak_flops  # noqa: E402
+from runtime.precision import LossScaler, mfu, of as precision_of, peak_flops  # noqa: E402
 from runtime.sdpa import attention_kernel  # noqa: E402
 from runtime.metrics import MetricsWindow  # noqa: E402
 from runtime.step import StepSettings, train_step  # noqa: E402
@@ -72,10 +72,10 @@ class StageSide:
     def __init__(self, cfg, device: torch.device, batches):
         self.cfg, self.device, self.batches = cfg, device, batches
         self.spec = get_model(cfg.model.name)
-        self.precision = configure(cfg, device)
+        self.precision = precision_of(cfg, device)
         self.probe = MemoryProbe(device)
         self.layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), self.spec, device, probe=self.probe,
-                                   precision=self.precision, log=logging.getLogger("bench"))  # compiled as the stage
+                                   log=logging.getLogger("bench"))  # compiled as the stage
         self.optimizers = [build_optimizer(cfg.optimizer, p, device) for p in self.layout.parts]
         self.settings, self.scaler = StepSettings.of(cfg), LossScaler(False)
         self.window = MetricsWindow(self.layout)

@@ -5,9 +5,11 @@ as key / value / rule / fix and exit with status 2 before anything starts; a fai
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,7 +21,10 @@ from orchestrator.config.schema import register
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def _experiment(cfg: DictConfig) -> None:
+def _experiment(cfg: DictConfig) -> Optional[float]:
+    """One run; it returns the run's objective (`sweep.objective`) for sweepers run by another launcher (the
+    orchestrator's own launcher, orchestrator/sweep.py, returns it without calling this)."""
+    from orchestrator import objective
     from orchestrator.run import orchestrate
 
     hc = HydraConfig.get()
@@ -28,11 +33,14 @@ def _experiment(cfg: DictConfig) -> None:
             from orchestrator.tune import tune
 
             EXIT_CODES.append(tune(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)))
-            return
-        EXIT_CODES.append(orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)).exit_code)
+            return None
+        report = orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
+        EXIT_CODES.append(report.exit_code)
+        return objective.value(cfg.sweep.objective, report.train_summary(cfg))
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line
         print(f"error: {e}", file=sys.stderr)
         EXIT_CODES.append(2)
+        return None
 
 
 def main() -> int:
@@ -41,14 +49,19 @@ def main() -> int:
 
         print(help_text())
         return 0
+    logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's import: a "setup plugin" line per plugin
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us: we explain them in config terms
     register()
+    from orchestrator.sweep import finish_study
+
     try:
         _experiment()
+        finish_study()
     except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C, or one before any stage started
+        finish_study(interrupted=True)
         print("interrupted: finished stages are cached and checkpoints kept; run the same command to continue",
               file=sys.stderr)
         return INTERRUPTED

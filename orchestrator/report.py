@@ -52,6 +52,19 @@ class Report:
         statuses = {r.status for r in self.results.values()}
         return INTERRUPTED if "interrupted" in statuses else 1 if statuses & {"failed", "not run"} else 0
 
+    def train_summary(self, cfg) -> dict:
+        """The train stage's summary.json ({} when it did not finish: failed, not run, or still on SLURM)."""
+        from orchestrator.cache import Cache
+        from storage.fsio import read_json
+
+        r = self.results.get("train")
+        if r is None or r.status not in ("ran", "cached"):
+            return {}
+        try:
+            return read_json(Cache(Path(cfg.cache_dir).resolve()).entry("train", r.key) / "summary.json")
+        except (OSError, ValueError):
+            return {}
+
 
 def plan_table(plan: list[PlannedStage], where: dict[str, str]) -> Table:
     """where: stage name -> a short description of where it would run (stages to run only)."""

@@ -23,6 +23,7 @@ from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
+from orchestrator import tracking_later
 from orchestrator.tracking import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate, warnings
@@ -78,7 +79,11 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         executor.prepare(tracking=cfg.tracking.name == "mlflow")
 
     tags = {"orchestrator.run_dir": str(run_dir), **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
-    tracking = Invocation(cfg, " ".join(overrides) or "default", tags) if cfg.tracking.name == "mlflow" else None
+    run_name = " ".join(overrides) or "default"
+    if tracking_later.worthwhile(cfg, nothing_to_run=not to_run):
+        tracking = tracking_later.LaterInvocation(run_dir, run_name, tags)
+    else:
+        tracking = Invocation(cfg, run_name, tags) if cfg.tracking.name == "mlflow" else None
     if tracking:
         tracking.log_artifact(tracking.parent, config_path)
         tracking.log_artifact(tracking.parent, run_dir / "plan.json")
@@ -86,7 +91,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     if cfg.cluster.name == "slurm":
         return _submit(cfg, plan, launches, cache, run_dir, tracking, follow_jobs and cfg.cluster.wait, t0)
 
-    report = Report(run_dir, parent_run_id=tracking.parent if tracking else None)
+    report = Report(run_dir, parent_run_id=tracking.parent if isinstance(tracking, Invocation) else None)
     results = report.results
     try:
         for ps in plan:
@@ -118,8 +123,9 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         tracking.end_run(tracking.parent, "KILLED" if interrupted else "FAILED" if failed else "FINISHED",
                          {"wall_s": total},
                          {"orchestrator.status": "interrupted" if interrupted else "failed" if failed else "ok"})
-        console.print(f"MLflow: mlflow ui --backend-store-uri {cfg.tracking.uri}  (run {tracking.parent})",
-                      soft_wrap=True)
+        recorded = f"recorded by pid {tracking.pid} in the background, log {run_dir / tracking_later.LOG}" \
+            if isinstance(tracking, tracking_later.LaterInvocation) else f"run {tracking.parent}"
+        console.print(f"MLflow: mlflow ui --backend-store-uri {cfg.tracking.uri}  ({recorded})", soft_wrap=True)
     return report
 
 

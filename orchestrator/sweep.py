@@ -7,10 +7,16 @@ one export for a sweep over optimizer settings) are submitted once and depended 
 points run one after another, or `sweep.parallelism` at a time (a one-rank stage then takes its share of the
 cores, not all of them). The sweep ends with a summary table, and MLflow holds one sweep run with a run per point
 below it (stage runs below those).
+
+Each point returns its objective (`sweep.objective`, orchestrator/objective.py) to the sweeper, so Hydra's
+Optuna, Nevergrad and Ax sweepers optimise it. Those sweepers call the launcher once per batch of trials: the
+batches are one study here (the launcher keeps its points), with one sweep run, a summary rewritten after every
+batch, and one table, best first, printed when Hydra is done (`finish_study`, called by `python -m orchestrator`).
 """
 from __future__ import annotations
 
 import copy
+import math
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -21,13 +27,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides, setup_globals
 from hydra.plugins.launcher import Launcher
 from hydra.types import HydraContext, TaskFunction
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.table import Table
 
-from orchestrator.cache import Cache
-from orchestrator.config.errors import ConfigError
+from orchestrator import objective
+from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
-from storage.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json
 from runtime.threads import cores_shared_by
 
 
@@ -53,10 +59,16 @@ class SweepConfigError(ConfigError):
                           for o, e in self.failures])
 
 
+_ACTIVE: list["SweepLauncher"] = []  # the study this process runs (finish_study prints and closes it)
+
+
 class SweepLauncher(Launcher):
     def __init__(self) -> None:
         self.config: Optional[DictConfig] = None
         self.hydra_context: Optional[HydraContext] = None
+        self.points: list[Point] = []   # every batch's points: one study
+        self.sweep_run: Optional[str] = None
+        self.t0 = 0.0
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -65,24 +77,32 @@ class SweepLauncher(Launcher):
         from orchestrator.config.validate import validate
 
         setup_globals()
-        t0 = time.perf_counter()
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         points = [self._compose(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
         failures = []
         for p in points:
             try:
                 validate(p.cfg, p.overrides)
+                _check_direction(p.cfg, self.config)
             except ConfigError as e:
                 failures.append((p.overrides, e))
         if failures:
             raise SweepConfigError(failures)
-        console.print(f"sweep of {len(points)} point(s) in {sweep_dir}", soft_wrap=True)
-        sweep_run = _start_sweep_run(points, sweep_dir)
+        if not self.points:  # the study's first batch
+            self.t0 = time.perf_counter()
+            console.print(f"sweep in {sweep_dir}", soft_wrap=True)
+            self.sweep_run = _start_sweep_run(points, sweep_dir)
+            _ACTIVE.append(self)
+        self.points += points
         try:
-            _run_points(points, sweep_run)
+            _run_points(points, self.sweep_run)
         finally:
-            _finish(points, sweep_dir, sweep_run, time.perf_counter() - t0)
+            write_summary(self.points, sweep_dir, time.perf_counter() - self.t0)
         return [self._job_return(p) for p in points]
+
+    def finish(self, interrupted: bool = False) -> None:
+        sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
+        _finish(self.points, sweep_dir, self.sweep_run, time.perf_counter() - self.t0, interrupted)
 
     def _compose(self, index: int, overrides: list[str], sweep_dir: Path) -> Point:
         hydra_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
@@ -97,10 +117,34 @@ class SweepLauncher(Launcher):
         return Point(index, list(filter_overrides(overrides)), cfg, hydra_cfg, run_dir)
 
     def _job_return(self, p: Point) -> JobReturn:
+        """The sweeper gets the point's objective (the worst value when it did not train: a failed trial, not a
+        failed study)."""
         ret = JobReturn(overrides=p.overrides, cfg=p.cfg, hydra_cfg=p.hydra_cfg, working_dir=str(p.run_dir),
                         task_name=str(p.hydra_cfg.hydra.job.name), status=JobStatus.COMPLETED)
-        ret.return_value = p.report.exit_code if p.report else 1
+        ret.return_value = objective.value(p.cfg.sweep.objective, _train_summary(p))
         return ret
+
+
+def finish_study(interrupted: bool = False) -> None:
+    """The summary table of the study this process ran (if any), and its MLflow sweep run closed."""
+    while _ACTIVE:
+        _ACTIVE.pop().finish(interrupted)
+
+
+def _check_direction(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
+    """A sweeper told to maximise a loss (or minimise a speed) would optimise the wrong way, quietly."""
+    wanted = OmegaConf.select(hydra_cfg, "hydra.sweeper.direction")
+    if wanted is None:
+        return
+    wanted = [str(w).lower().rsplit(".", 1)[-1] for w in (wanted if OmegaConf.is_list(wanted) else [wanted])]
+    natural = objective.direction(cfg.sweep.objective)  # Optuna's config holds an enum: Direction.minimize
+    if len(wanted) == 1 and wanted[0] != natural:
+        other = next(o for o in objective.OBJECTIVES if objective.direction(o) != natural)
+        raise ConfigError([Problem("hydra.sweeper.direction", str(wanted[0]),
+                                   f"sweep.objective={cfg.sweep.objective} improves when it goes "
+                                   f"{'down' if natural == 'minimize' else 'up'}",
+                                   f"hydra.sweeper.direction={natural}, or a sweep.objective to "
+                                   f"{wanted[0]} (e.g. sweep.objective={other})")])
 
 
 def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
@@ -140,13 +184,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
 
 
 def _train_summary(p: Point) -> dict:
-    r = p.report.results.get("train") if p.report else None
-    if r is None or r.status not in ("ran", "cached"):
-        return {}
-    try:
-        return read_json(Cache(Path(p.cfg.cache_dir).resolve()).entry("train", r.key) / "summary.json")
-    except OSError:
-        return {}
+    return p.report.train_summary(p.cfg) if p.report else {}
 
 
 def _status(p: Point) -> str:
@@ -161,7 +199,8 @@ def _status(p: Point) -> str:
 
 
 def summary_rows(points: list[Point]) -> list[dict]:
-    """One row per point; `overrides` shows what varies between points (all of a point's overrides if none do)."""
+    """One row per point, best objective first; `overrides` shows what varies between points (all of a point's
+    overrides if none do)."""
     common = set.intersection(*(set(p.overrides) for p in points)) if len(points) > 1 else set()
     rows = []
     for p in points:
@@ -169,23 +208,42 @@ def summary_rows(points: list[Point]) -> list[dict]:
         par = p.cfg.parallel
         rows.append({"point": p.index, "overrides": " ".join(o for o in p.overrides if o not in common) or
                      " ".join(p.overrides), "all_overrides": p.overrides, "layout": f"dp{par.dp} hp{par.hp} pp{par.pp}",
+                     "objective": objective.value(p.cfg.sweep.objective, s),
                      "final_loss": s.get("final_loss"), "final_eval_loss": s.get("final_eval_loss"),
-                     "tokens_per_s": s.get("tokens_per_s"), "status": _status(p), "run_dir": str(p.run_dir),
+                     "tokens_per_s": s.get("tokens_per_s"), "peak_memory_mb": s.get("peak_memory_mb"),
+                     "status": _status(p), "run_dir": str(p.run_dir),
                      "mlflow_run_id": p.report.parent_run_id if p.report else None})
-    return rows
+    return objective.best_first(rows, points[0].cfg.sweep.objective) if points else rows
 
 
-def _table(rows: list[dict], seconds: float) -> Table:
-    table = Table(title=f"sweep: {len(rows)} point(s), {seconds:.1f} s", title_justify="left")
-    for col in ("#", "overrides", "layout", "final loss", "tokens/s", "status"):
+def _table(rows: list[dict], name: str, seconds: float) -> Table:
+    table = Table(title=f"sweep: {len(rows)} point(s), {seconds:.1f} s, best {name} first", title_justify="left")
+    for col in ("#", "overrides", "layout", name, "final loss", "tokens/s", "status"):
         table.add_column(col)
     style = {"ok": "bold green", "cached": "green", "failed": "bold red", "rejected": "bold red"}
     for r in rows:
         table.add_row(str(r["point"]), r["overrides"], r["layout"],
+                      f"{r['objective']:.6g}" if math.isfinite(r["objective"]) else "-",
                       f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       styled(r["status"], style.get(r["status"], "yellow")))
     return table
+
+
+def write_summary(points: list[Point], sweep_dir: Path, seconds: float) -> tuple[list[dict], Table]:
+    """sweep_summary.json and .txt for the points so far (rewritten after every batch: a study cut short keeps
+    what it measured)."""
+    rows = summary_rows(points)
+    name = points[0].cfg.sweep.objective
+    table = _table(rows, name, seconds)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(sweep_dir / "sweep_summary.json", {
+        "wall_s": seconds, "objective": name, "direction": objective.direction(name),
+        "best": next((r for r in rows if math.isfinite(r["objective"])), None), "points": rows})
+    with console.capture() as cap:
+        console.print(table)
+    (sweep_dir / "sweep_summary.txt").write_text(cap.get())
+    return rows, table
 
 
 def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
@@ -201,15 +259,10 @@ def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
     return inv.parent
 
 
-def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seconds: float) -> None:
-    rows = summary_rows(points)
-    table = _table(rows, seconds)
+def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seconds: float,
+            interrupted: bool = False) -> None:
+    rows, table = write_summary(points, sweep_dir, seconds)
     console.print(table)
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(sweep_dir / "sweep_summary.json", {"wall_s": seconds, "points": rows})
-    with console.capture() as cap:
-        console.print(table)
-    (sweep_dir / "sweep_summary.txt").write_text(cap.get())
     failed = any(r["status"] in ("failed", "rejected", "not run") for r in rows)
     if sweep_run:
         from orchestrator.tracking import _client
@@ -218,6 +271,11 @@ def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seco
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.json"))
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.txt"))
         client.log_metric(sweep_run, "wall_s", seconds)
-        client.set_tag(sweep_run, "orchestrator.status", "failed" if failed else "ok")
-        client.set_terminated(sweep_run, "FAILED" if failed else "FINISHED")
+        best = next((r for r in rows if math.isfinite(r["objective"])), None)
+        if best:
+            client.log_metric(sweep_run, f"best_{points[0].cfg.sweep.objective}", best["objective"])
+            client.set_tag(sweep_run, "orchestrator.best_point", best["overrides"])
+        status = "interrupted" if interrupted else "failed" if failed else "ok"
+        client.set_tag(sweep_run, "orchestrator.status", status)
+        client.set_terminated(sweep_run, {"interrupted": "KILLED", "failed": "FAILED"}.get(status, "FINISHED"))
     EXIT_CODES.append(2 if any(r["status"] == "rejected" for r in rows) else 1 if failed else 0)

@@ -13,6 +13,7 @@ Master weights and optimizer state always stay fp32; only the compute dtype chan
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -62,12 +63,35 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
 
-def configure(cfg, device: torch.device) -> Precision:
-    """The run's precision (cfg.precision.name resolved before planning), and TF32 switched as configured."""
+def of(cfg, device: torch.device) -> Precision:
+    """The run's precision on this device (cfg.precision.name is resolved before planning; a config built
+    without the orchestrator, as in tests and benchmarks, may still say auto: resolved here the same way)."""
+    name = cfg.precision.name
+    if name == "auto":
+        cuda = device.type == "cuda"
+        name, _ = auto_precision(cuda, cuda and torch.cuda.is_bf16_supported(), cfg.engine.name)
+    return Precision(name, device.type, fsdp=cfg.parallel.dp > 1)
+
+
+def switch_tf32(cfg, device: torch.device) -> None:
+    """fp32 matmuls on TF32 tensor cores, as configured (CUDA only; process-wide, as torch's flags are)."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = bool(cfg.precision.tf32)
         torch.backends.cudnn.allow_tf32 = bool(cfg.precision.tf32)
-    return Precision(cfg.precision.name, device.type, fsdp=cfg.parallel.dp > 1)
+
+
+def autocast_forward(module, precision: Precision) -> None:
+    """Run the module's forward under the precision's autocast (layouts without FSDP2, which casts itself)."""
+    if not precision.mixed or precision.fsdp:
+        return
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def cast_forward(*args, **kwargs):
+        with precision.autocast():
+            return forward(*args, **kwargs)
+
+    module.forward = cast_forward
 
 
 class LossScaler:

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from runtime.metrics import plot_loss_curve, plot_pipeline_timeline
 from runtime.optim import describe_impl
+from runtime import precision as mixed
 from runtime.precision import mfu, peak_flops
 from runtime.sdpa import attention_kernel
 from storage.fsio import atomic_write_json
@@ -77,8 +78,9 @@ def gather_timeline(layout) -> Optional[dict]:
 
 def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
     """summary.json, the pictures and the tracker's final metrics and tags (rank 0). run: start, tokens_per_s,
-    peak_mb, growth_mb, timeline, the precision, the probe, the optimizers, the kernels and the engine fallbacks."""
-    cfg, device, precision = ctx.cfg, layout.device, run["precision"]
+    peak_mb, growth_mb, timeline, the probe, the optimizers, the kernels and the engine fallbacks."""
+    cfg, device = ctx.cfg, layout.device
+    precision = mixed.of(cfg, device)
     peak = peak_flops(device, precision.name, cfg.precision.tf32)
     summary = {"steps": cfg.train.steps, "resumed_from_step": run["start"], "final_loss": rows[-1]["loss"],
                "final_eval_loss": rows[-1]["eval_loss"], "tokens_per_s": run["tokens_per_s"],

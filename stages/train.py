@@ -24,7 +24,7 @@ from runtime.checkpointer import Checkpointer, progress_hint
 from runtime.evaluate import eval_loss
 from runtime.metrics import MemoryProbe, MetricsLog, MetricsWindow, numeric, step_line
 from runtime.optim import build_optimizer, lr_factor
-from runtime.precision import build_scaler, configure as configure_precision
+from runtime.precision import build_scaler
 from runtime.profiling import StepProfiler
 from runtime.step import StepSettings, train_step
 from runtime.train_report import (Diverged, divergence, first_nonfinite, gather_timeline, progress, report_kernels,
@@ -39,10 +39,9 @@ def train(ctx: StageContext) -> None:
     cfg, t = ctx.cfg, ctx.cfg.train
     plan = read_json(ctx.inputs["transform"] / "partition_plan.json")
     device = pick_device()
-    precision = configure_precision(cfg, device)
     probe = MemoryProbe(device)
     spec = get_model(cfg.model.name)
-    layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1, precision=precision,
+    layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1,
                           ort_dir=ctx.inputs["transform"] / "ort", log=ctx.log)
     if cfg.engine.name == "ort":
         from plugins.engines.ort.engine import report
@@ -56,7 +55,7 @@ def train(ctx: StageContext) -> None:
     history = MetricsLog(ctx.scratch / "metrics.jsonl")
     meta = {"trainer": {"world_size": layout.coords.world_size, **{k: plan["layout"][k] for k in ("dp", "hp", "pp")},
                         "dp_mode": plan["layout"]["dp_mode"], "optimizer": cfg.optimizer.name, "seed": t.seed,
-                        "precision": precision.name},
+                        "precision": cfg.precision.name},
             "config_key": ctx.key, "partition_plan": plan}
     checkpointer = Checkpointer(ctx, layout, list(zip(layout.parts, optimizers)), scaler, meta, history)
     if not t.resume:
@@ -137,7 +136,7 @@ def train(ctx: StageContext) -> None:
     (ctx.out / "metrics.jsonl").write_text(history.path.read_text())
     write_summary(ctx, layout, plan, history.rows(), {
         "start": start, "tokens_per_s": timed_tokens / timed_s if timed_s else None, "peak_mb": peak_mb,
-        "growth_mb": growth_mb, "timeline": timeline, "precision": precision, "probe": probe,
+        "growth_mb": growth_mb, "timeline": timeline, "probe": probe,
         "optimizers": optimizers, "kernels": layout.kernels, "fallbacks": layout.engine_fallbacks, "scaler": scaler})
 
 

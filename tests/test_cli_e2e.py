@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,6 +72,8 @@ def test_mlflow_holds_one_parent_with_five_stage_runs(default_run):
 
 
 def test_rerun_reports_everything_cached_quickly(default_run):
+    """Nothing to run: the command returns without importing MLflow, and a detached process records the run (the
+    parent with one cached child per stage, pointing at the runs that computed them) a moment later."""
     workdir, _ = default_run
     t0 = time.perf_counter()
     result = run_cli(QUICK, workdir)
@@ -79,9 +82,17 @@ def test_rerun_reports_everything_cached_quickly(default_run):
     assert "every stage is cached" in result.stdout
     assert result.stdout.count(" cached ") >= 5
     assert elapsed < 30  # behaviour, not speed: "a few seconds" would be < 10; this only catches re-running
+    recorder = int(re.search(r"recorded by pid (\d+) in the background", result.stdout).group(1))
+    _wait_for(lambda: not psutil.pid_exists(recorder), 120, "the recording process")
+    assert not (run_folder(result) / "mlflow_pending.json").exists()
+    parent_id = json.loads((run_folder(result) / "mlflow_recorded.json").read_text())["parent_run_id"]
     client, runs = mlflow_runs(workdir)
-    newest = [r for r in runs if "mlflow.parentRunId" not in r.data.tags][-1]
-    kids = children(runs, newest.info.run_id)
+    parent = client.get_run(parent_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["orchestrator.status"] == "ok"
+    assert parent.data.params["train.steps"] == "12" and "wall_s" in parent.data.metrics
+    assert {a.path for a in client.list_artifacts(parent_id)} == {"config.yaml", "plan.json", "plan.txt"}
+    kids = children(runs, parent_id)
+    assert sorted(kids) == sorted(STAGES)
     assert {k.data.tags["orchestrator.status"] for k in kids.values()} == {"cached"}
     assert all(k.data.tags["orchestrator.source_run_id"] for k in kids.values())
 

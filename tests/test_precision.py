@@ -38,8 +38,7 @@ def metrics(tmp_path: Path, report) -> list[dict]:
 def _one_process(*overrides: str):
     cfg = make_cfg("precision=fp16", *QUICK, *overrides)
     spec = get_model("gpt")
-    precision = Precision("fp16", "cpu")
-    layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), spec, torch.device("cpu"), precision=precision)
+    layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), spec, torch.device("cpu"))
     return cfg, layout, [build_optimizer(cfg.optimizer, layout.parts[0])], build_batcher(cfg)
 
 

@@ -257,6 +257,10 @@ class TuneConfig:
 class SweepConfig:
     parallelism: int = key(1, "-m sweeps on local/debug clusters: points run at once (SLURM runs all points at "
                               "once; its scheduler queues what does not fit)", content=False, min=1)
+    objective: str = key("eval_loss", "what a point returns to Hydra's sweeper (Optuna, Nevergrad, Ax optimise it) and "
+                                      "what ranks the sweep's summary: eval_loss, loss (final train loss), tokens_per_s "
+                                      "or peak_memory (MB, the worst rank's)",
+                         choices=("eval_loss", "loss", "tokens_per_s", "peak_memory"), content=False)
 
 
 @dataclass

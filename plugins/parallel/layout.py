@@ -25,7 +25,6 @@ from plugins.parallel.parallelize import parallelize
 from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
 from planning.partition import aliases as plan_aliases
 from runtime.kernels import KernelReport
-from runtime.precision import Precision
 
 
 @dataclass
@@ -89,11 +88,10 @@ class Layout:
 
 
 def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False,
-                 precision: Optional[Precision] = None, ort_dir=None, log=None) -> Layout:
+                 ort_dir=None, log=None) -> Layout:
     """ort_dir: the transform stage's graphs, for engine=ort (None: no engine); log: where compilation reports
     (None: the `triton` section is not applied). The train stage passes both; a reference layout neither."""
     p = cfg.parallel
-    precision = precision or Precision("fp32", device.type)
     mesh, coords = build_mesh(p, device)
     local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
     engine, fallbacks = None, {}
@@ -110,7 +108,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         module = build_on_meta(spec, cfg.model)
         if p.pp > 1:
             module = spec.split(module, st["layers"], st["embedding"], st["head"])
-        parallelize(module, spec, cfg, mesh, device, precision, engine, kernels if log is not None else None, log, i)
+        parallelize(module, spec, cfg, mesh, device, engine, kernels if log is not None else None, log, i)
         materialise(module, device)
         spec.init_weights(module, cfg.model, cfg.train.seed)
         parts.append(module)
@@ -123,11 +121,10 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         runner = PipelineRunner(parts, [s["stage"] for s in local_stages], [s["rank"] for s in plan["pipeline"]],
                                 p.pp_schedule,
                                 p.microbatches, spec.loss, mesh.get_group("pp"), device, loss_rank,
-                                p.loss_parallel, p.dp, tl, probe, precision.autocast)
+                                p.loss_parallel, p.dp, tl, probe)
     else:
         tl = None
-        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe,
-                                  precision.autocast)
+        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe)
     layout = Layout(parts, runner, coords, aliases, device, mesh, None, tl, loss_rank,
                     [s["stage"] for s in local_stages], kernels, fallbacks)
     if p.pp > 1 and aliases:

@@ -13,6 +13,9 @@ on the meta device (nothing is allocated until the layout materialises the rank'
 5. dp last (FSDP2): it shards whatever the block has become, and its hooks gather the parameters around the
    wrapped forward. Under engine=ort the parameters stay gathered from forward to backward (ORT keeps pointers
    to them), hence no reshard after forward.
+6. precision: with dp, FSDP2 casts the parameters for forward and backward (the policy goes in with 5); without,
+   the part's whole forward runs under autocast, outermost, so that the compiled blocks trace inside it. One
+   mechanism per layout, never both (TorchTitan's rule).
 """
 from __future__ import annotations
 
@@ -21,19 +24,22 @@ from typing import Optional
 from torch import nn
 
 from plugins.parallel.data import apply_dp as _fsdp
+from runtime import precision as mixed
 from runtime.kernels import KernelReport, apply_kernels
 
 
-def parallelize(module: nn.Module, spec, cfg, mesh, device, precision, engine=None,
+def parallelize(module: nn.Module, spec, cfg, mesh, device, engine=None,
                 kernels: Optional[KernelReport] = None, log=None, part: int = 0) -> nn.Module:
     """engine: the ORT engine (None: the model's own forward); kernels: where compilation reports (None: the
     `triton` section is not applied, as for a reference layout)."""
+    precision = mixed.of(cfg, device)
     apply_memory(module, spec, cfg.memory)
     apply_hp(module, spec, mesh, cfg.parallel)
     apply_engine(module, spec, engine)
     if kernels is not None:
         apply_kernels([module], spec, cfg.triton, log, cuda=device.type == "cuda", report=kernels, first_part=part)
     apply_dp(module, spec, mesh, cfg.parallel, cfg.engine, precision)
+    apply_precision(module, cfg, device, precision)
     return module
 
 
@@ -57,3 +63,8 @@ def apply_dp(module: nn.Module, spec, mesh, parallel_cfg, engine_cfg, precision)
     if parallel_cfg.dp > 1:
         _fsdp(module, mesh["dp"], parallel_cfg.dp_mode, spec.blocks(module),
               reshard_after_forward=engine_cfg.name != "ort", mp_policy=precision.fsdp_policy())
+
+
+def apply_precision(module: nn.Module, cfg, device, precision: mixed.Precision) -> None:
+    mixed.switch_tf32(cfg, device)
+    mixed.autocast_forward(module, precision)

@@ -3,9 +3,8 @@
 Both runners take the rank's share of the global batch and return the rank's contribution to the step's
 loss (already divided by the global label count, detached). The loss they differentiate is that share times
 `grad_scale` (the dp degree: data parallelism averages gradients over dp ranks, the global mean needs their
-sum) times the step's `loss_scale` (fp16's loss scaling; 1 otherwise). Forward passes run in the precision's
-autocast context (a no-op in fp32, and where FSDP2 casts the parameters). Ranks whose contribution would repeat another
-rank's (tensor-parallel peers, stages without the loss) contribute zero, so one SUM all-reduce over the
+sum) times the step's `loss_scale` (fp16's loss scaling; 1 otherwise). The parts cast themselves (parallelize's
+precision step). Ranks whose contribution would repeat another rank's (tensor-parallel peers, stages without the loss) contribute zero, so one SUM all-reduce over the
 world gives the global loss.
 """
 from __future__ import annotations
@@ -40,10 +39,10 @@ class MicrobatchRunner:
     """One stage holds the whole model (dp and/or hp only): accumulate gradients over microbatches."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, microbatches: int, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, probe=None, autocast: Callable = contextlib.nullcontext):
+                 loss_parallel: bool, grad_scale: float = 1.0, probe=None):
         self.module, self.loss_fn, self.microbatches = module, loss_fn, microbatches
         self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
-        self.grad_scale, self.autocast = grad_scale, autocast
+        self.grad_scale = grad_scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0) -> torch.Tensor:
@@ -54,8 +53,7 @@ class MicrobatchRunner:
             set_gradient_sync([self.module], i == len(chunks) - 1)
             self._sample("pre_forward")
             with loss_context(self.loss_parallel):
-                with self.autocast():
-                    logits = self.module(x)
+                logits = self.module(x)
                 loss = self.loss_fn(logits, y) / n_labels
                 self._sample("post_forward")
                 (loss * backward_scale if backward_scale != 1 else loss).backward()
@@ -66,8 +64,7 @@ class MicrobatchRunner:
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         with loss_context(self.loss_parallel):
-            with self.autocast():
-                logits = self.module(inputs)
+            logits = self.module(inputs)
             total = _value(self.loss_fn(logits, labels))
         return total if self.counts_loss else torch.zeros_like(total)
 
@@ -85,8 +82,7 @@ class PipelineRunner:
 
     def __init__(self, modules: list[nn.Module], stage_ids: list[int], stage_ranks: list[int], schedule: str,
                  microbatches: int, loss_fn: Callable, group, device: torch.device, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None,
-                 autocast: Callable = contextlib.nullcontext):
+                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         n_stages = len(stage_ranks)
@@ -96,7 +92,7 @@ class PipelineRunner:
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.counts_loss, self.loss_parallel = loss_fn, counts_loss, loss_parallel
-        self.grad_scale, self.autocast = grad_scale, autocast
+        self.grad_scale = grad_scale
         self.scale = 1.0  # what the schedule's loss is multiplied by (its returned losses too)
         chosen = SCHEDULES[schedule]
         cls = getattr(schedules, chosen.torch_class)  # single-stage schedules take the stage, the others a list
@@ -121,7 +117,7 @@ class PipelineRunner:
         losses: list = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        with loss_context(self.loss_parallel), self.autocast():
+        with loss_context(self.loss_parallel):
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.timeline is not None:
             self.timeline.stop_step()
@@ -150,7 +146,7 @@ class PipelineRunner:
                     continue
                 if s > 0 and self.stage_ranks[s - 1] != me:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
-                with loss_context(self.loss_parallel), self.autocast():
+                with loss_context(self.loss_parallel):
                     h = self.modules[s](h)
                     if s == last:
                         total += _value(self.loss_fn(h, y))
