@@ -18,6 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.cache import Cache
 from orchestrator.code_keys import code_material
+from orchestrator import resume
 from stages.base import Resources, Stage
 
 KEY_LENGTH = 20
@@ -32,6 +33,8 @@ class PlannedStage:
     material: dict = field(repr=False)
     note: Optional[str] = None          # e.g. "resumes from step 200"
     damage: list[str] = field(default_factory=list)   # why the cached entry was not reused
+    lineage: Optional[str] = None       # what an attempt computes, whatever the key (orchestrator/resume.py)
+    adopt_from: Optional[Path] = None   # an interrupted attempt under another key this one continues
 
     @property
     def name(self) -> str:
@@ -85,14 +88,22 @@ def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStag
         visit(s, ())
 
     keys: dict[str, str] = {}
+    extras: dict[str, Any] = {}
     planned = []
     for s in ordered:
         key, material = stage_key(cfg, s, keys)
-        keys[s.name] = key
+        keys[s.name], extras[s.name] = key, material["extra"]
         cached, damage = cache.hit(s.name, key, checksums=cfg.cache_verify != "size", set_aside=not cfg.dry_run,
                                    full=cfg.cache_verify == "full")
         note = ("damaged entry set aside" if not cfg.dry_run else "damaged entry will be set aside") if damage else None
-        if not cached and s.progress and cache.scratch(s.name, key).is_dir():
-            note = "; ".join(n for n in (note, s.progress(cache.scratch(s.name, key))) if n)
-        planned.append(PlannedStage(s, key, cached, s.resources(cfg), material, note, damage))
+        scratch = cache.scratch(s.name, key)
+        own = s.progress(scratch) if not cached and s.progress and scratch.is_dir() else None
+        lineage = resume.lineage_of(s, {path: content_view(OmegaConf.select(cfg, path)) for path in s.lineage},
+                                    dict(extras))
+        earlier = resume.find(cfg, cache, s, key, lineage, material) if not cached and lineage else None
+        if earlier and own and (s.adopt(cfg, scratch, None) or 0) >= earlier[1]:
+            earlier = None  # its own checkpoints are as far along
+        note = "; ".join(n for n in (note, earlier[2] if earlier else own) if n) or None
+        planned.append(PlannedStage(s, key, cached, s.resources(cfg), material, note, damage, lineage,
+                                    earlier[0] if earlier else None))
     return planned

@@ -23,7 +23,7 @@ from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
-from orchestrator import tracking_later
+from orchestrator import resume, tracking_later
 from orchestrator.tracking import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate, warnings
@@ -187,7 +187,7 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
         _close_stale_attempt(attempt_path, tracking)
         run_id = None
         try:
-            cache.begin(ps.name, ps.key)
+            resume.begin(cfg, cache, ps)
             run_id = launch.open_run(tracking, cfg, "running")
             atomic_write_json(attempt_path, {"pid": os.getpid(), "host": os.uname().nodename, "since": time.time(),
                                              "runs": [r for r in (run_id, tracking and tracking.parent) if r]})

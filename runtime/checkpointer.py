@@ -11,7 +11,9 @@ import torch.distributed as dist
 from plugins.models.registry import vocab_rows
 from storage import checkpoint as ckpt
 from storage import hf
-from storage.fsio import remove_tree
+from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree
+
+ADOPTED = "adopted.json"  # in the scratch folder: the checkpoint an earlier attempt under another key left
 
 
 class Checkpointer:
@@ -69,6 +71,7 @@ class Checkpointer:
 
     def _choose(self, init_from: Optional[str]) -> Optional[str]:
         ckpt.sweep_partials(self.folder)
+        self._check_adopted()
         found = ckpt.latest(self.folder, set_aside=True)
         for problem in found[2] if found else []:
             self.ctx.log.warning("skipping a damaged checkpoint: %s", problem)
@@ -85,6 +88,54 @@ class Checkpointer:
                 raise RuntimeError(f"train.init_from={init_from} is not a complete checkpoint: {'; '.join(problems)}")
             return str(Path(init_from).resolve())
         return None
+
+
+    def _check_adopted(self) -> None:
+        """A checkpoint adopted from an attempt under another key (other code, another layout) is resumed only if
+        it holds the parameters this run's partition plan has (names and full shapes): the code may have changed
+        the model. Otherwise it is dropped, and the run starts as it would have without it."""
+        adopted = self.ctx.scratch / ADOPTED
+        if not adopted.is_file():
+            return
+        record = read_json(adopted)
+        step_dir = ckpt.step_dir(self.folder, record["step"])
+        if not step_dir.is_dir():
+            return
+        theirs = _shapes(ckpt.read_manifest(step_dir).get("partition_plan", {}))
+        ours = _shapes(self.meta["partition_plan"])
+        if theirs != ours:
+            differ = sorted(set(theirs.items()) ^ set(ours.items()))[:3]
+            self.ctx.log.warning("not resuming the checkpoint of step %d written under key %s: its parameters differ "
+                                 "from this run's (%s)", record["step"], record["from_key"], differ)
+            remove_tree(step_dir)
+            adopted.unlink()
+
+
+def _shapes(plan: dict) -> dict[str, tuple]:
+    return {name: tuple(p["shape"]) for name, p in plan.get("parameters", {}).items()}
+
+
+def adopt(cfg, earlier: Path, scratch: Optional[Path] = None, from_key: str = "") -> Optional[int]:
+    """The train stage's answer to "may this run continue an interrupted attempt made under another key?" (same
+    model, data, optimizer, precision, seed and steps; other code or layout): the step of that attempt's newest
+    complete checkpoint (None: none, or train.resume=false). With `scratch`, that checkpoint is linked into this
+    attempt's checkpoints (hard links: no copy; DCP reshards it into this layout when loaded) with the metrics up
+    to it, and recorded in adopted.json."""
+    if not cfg.train.resume:
+        return None
+    found = ckpt.latest(earlier / "checkpoints")
+    if found is None or found[1] is None:
+        return None
+    step, path, _ = found
+    if scratch is not None:
+        partial = scratch / "checkpoints" / f".adopting_{step}.partial"
+        remove_tree(partial)
+        link_tree(path, partial)
+        partial.rename(ckpt.step_dir(scratch / "checkpoints", step))
+        if (earlier / "metrics.jsonl").is_file():  # the steps before it (the run truncates to its step)
+            (scratch / "metrics.jsonl").write_bytes((earlier / "metrics.jsonl").read_bytes())
+        atomic_write_json(scratch / ADOPTED, {"step": step, "from": str(path), "from_key": from_key})
+    return step
 
 
 def progress_hint(scratch: Path) -> Optional[str]:

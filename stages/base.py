@@ -71,6 +71,12 @@ class Stage:
     """(scratch folder) -> what an interrupted attempt left, e.g. "resumes at step 200"."""
     summary: Optional[Callable[[Path], str]] = None
     """(output folder) -> one line for the result table, e.g. "final loss 2.31"."""
+    lineage: tuple[str, ...] = ()
+    """config paths that decide what an interrupted attempt computed, not how (no layout, cluster or code): an
+    attempt under another key with the same lineage and upstream data may be continued (`adopt`)."""
+    adopt: Optional[Callable[..., Optional[int]]] = None
+    """(cfg, an earlier attempt's scratch, this attempt's scratch or None, its key) -> the step this attempt would
+    continue from (None: nothing usable); given this attempt's scratch, the state is linked into it."""
 
     @property
     def module(self) -> str:

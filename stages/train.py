@@ -20,7 +20,7 @@ from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
 from runtime import preemption
 from runtime.cadence import Cadence
-from runtime.checkpointer import Checkpointer, progress_hint
+from runtime.checkpointer import Checkpointer, adopt, progress_hint
 from runtime.evaluate import eval_loss
 from runtime.metrics import MemoryProbe, MetricsLog, MetricsWindow, numeric, step_line
 from runtime.optim import build_optimizer, lr_factor
@@ -172,5 +172,7 @@ STAGE = Stage(
     resources=lambda cfg: Resources(tasks=cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp),
     fingerprint=_fingerprint,
     progress=progress_hint,
+    lineage=("model", "data", "optimizer", "precision", "train"),
+    adopt=adopt,
     summary=_summary,
 )

@@ -15,6 +15,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
+from orchestrator import resume
 from orchestrator.cache import Cache
 from orchestrator.cluster.slurm_queue import JOB_RECORD, JOBS_FILE, SubmittedStage, cancel, is_active
 from orchestrator.dag import PlannedStage
@@ -133,7 +134,7 @@ def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, L
 
 def _submit_stage(cfg, ps: PlannedStage, launch: Launch, cache: Cache, folder: Path, after: list[str],
                   tracking: Optional[Invocation], submitit, StageJob) -> SubmittedStage:
-    cache.begin(ps.name, ps.key)
+    resume.begin(cfg, cache, ps)
     run_id = launch.open_run(tracking, cfg, "submitted", closes_itself=True)
     launch.spec["threads"] = cpus_per_task(cfg.cluster)
     launch.spec["interactive"] = False
