@@ -1,24 +1,57 @@
 #!/usr/bin/env bash
-# A real single-node SLURM 22.05 cluster on this Debian machine, for trying (and testing) cluster=slurm:
-# munge, mariadb + slurmdbd (accounting: submitit follows jobs with sacct), slurmctld, slurmd. Run as root.
+# A real SLURM 22.05 cluster on this Debian machine, for trying (and testing) cluster=slurm: munge, mariadb +
+# slurmdbd (accounting: submitit follows jobs with sacct), slurmctld, and one slurmd, or NODES=N of them, each in
+# a network namespace of its own (its own IP on a bridge, its own hostname slnodeI: a real multi-node cluster whose
+# nodes share this machine's filesystem, as nodes share NFS). Run as root.
 #
 #   scripts/slurm_cluster.sh start    install the packages if missing, configure, start what is not running
 #                                     (idempotent: a second start changes nothing; ~15 s cold, <1 s warm)
 #   scripts/slurm_cluster.sh stop     stop the daemons by the PIDs in their pidfiles (PURGE=1: wipe job state)
 #   scripts/slurm_cluster.sh status   exit 0 when the cluster accepts jobs
 #
-# Env: SLURM_CPUS=16 CPUs advertised by the node (may exceed the real cores: a 4-point sweep fits at once);
-#      SLURM_ACCOUNTING=1 run slurmdbd + mariadb.
+# Env: SLURM_CPUS=16 CPUs advertised in all (may exceed the real cores: a 4-point sweep fits at once), split
+#      evenly over the nodes; SLURM_ACCOUNTING=1 run slurmdbd + mariadb; NODES=1 slurmd daemons (nodes).
+# With NODES>1: pitfalls the spike found (shared/spikes/infra/slurm_multinode.sh): `ip netns exec` remounts /sys
+# (slurmd then fails on cgroups), so slurmd enters with `nsenter --net`; slurmctld must be named by this
+# machine's hostname, at the bridge's address; Debian's slurm-wlm-emulator is a front-end build (no use here).
 set -euo pipefail
 PIDFILES="/run/slurmd.pid /run/slurmctld.pid /run/slurmdbd.pid /run/mysqld/mysqld.pid /run/munge/munged.pid"
+BRIDGE=brslurm; NET=10.231.0   # NODES>1: the nodes' network, slnodeI at $NET.I, this machine at $NET.254
+alive() { local pid; pid=$(cat "$1" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
+
+network_up() {  # a bridge, and per node a namespace with a veth on it and a hosts line (idempotent)
+  ip link show $BRIDGE >/dev/null 2>&1 || { ip link add $BRIDGE type bridge; ip addr add $NET.254/24 dev $BRIDGE
+                                            ip link set $BRIDGE up; }
+  for i in $(seq "$1"); do
+    ns=slnode$i
+    ip netns list | grep -q "^$ns\b" || {
+      ip netns add $ns; ip link add vh$i type veth peer name vn$i; ip link set vn$i netns $ns
+      ip link set vh$i master $BRIDGE; ip link set vh$i up
+      ip netns exec $ns ip addr add $NET.$i/24 dev vn$i; ip netns exec $ns ip link set vn$i up
+      ip netns exec $ns ip link set lo up; }
+    grep -q " $ns\$" /etc/hosts || echo "$NET.$i $ns" >> /etc/hosts
+  done
+}
+
+network_down() {
+  for ns in $(ip netns list 2>/dev/null | grep -o '^slnode[0-9]*'); do
+    ip netns pids "$ns" 2>/dev/null | xargs -r kill -9 2>/dev/null || true   # what a test left in a node
+    ip netns del "$ns"; ip link del "vh${ns#slnode}" 2>/dev/null || true
+  done
+  ip link del $BRIDGE 2>/dev/null || true
+  sed -i '/ slnode[0-9]*$/d' /etc/hosts
+}
+
+schedulable() { sinfo -h -t idle,mix,alloc -o %D 2>/dev/null | awk '{n += $1} END {print n + 0}'; }
+slurmd_pidfiles() { ls /run/slurmd.pid /run/slurmd-slnode*.pid 2>/dev/null || true; }
 
 start() {
   T0=$(date +%s%N)
   CPUS=${SLURM_CPUS:-16}
   ACCT=${SLURM_ACCOUNTING:-1}
+  N=${NODES:-1}
   NODE=$(hostname -s)
   export DEBIAN_FRONTEND=noninteractive
-  alive() { local pid; pid=$(cat "$1" 2>/dev/null) && kill -0 "$pid" 2>/dev/null; }
   waitfor() { for _ in $(seq 150); do eval "$1" >/dev/null 2>&1 && return 0; sleep 0.2; done; echo "timeout: $1" >&2; return 1; }
 
   # 1. packages (--no-install-recommends: 8 debs instead of 42; +22 for accounting)
@@ -73,8 +106,23 @@ start() {
 
   # 4. slurm.conf (no cgroups: proctrack/linuxproc + task/none work in containers)
   MEM=$(slurmd -C | sed -n 's/.*RealMemory=\([0-9]*\).*/\1/p')
+  if [ "$N" = 1 ]; then
+    CTLD="${NODE}(127.0.0.1)"
+    NODES_CONF="SlurmdPidFile=/run/slurmd.pid
+  SlurmdSpoolDir=/var/spool/slurmd
+  SlurmdLogFile=/var/log/slurm/slurmd.log
+  NodeName=${NODE} NodeAddr=127.0.0.1 CPUs=${CPUS} RealMemory=${MEM} State=UNKNOWN"
+  else
+    network_up "$N"
+    CTLD="${NODE}(${NET}.254)"
+    NODES_CONF="SlurmdPidFile=/run/slurmd-%n.pid
+  SlurmdSpoolDir=/var/spool/slurmd/%n
+  SlurmdLogFile=/var/log/slurm/slurmd-%n.log
+  SlurmdTimeout=10
+  NodeName=slnode[1-${N}] NodeAddr=${NET}.[1-${N}] CPUs=$((CPUS / N)) RealMemory=$((MEM / N)) State=UNKNOWN"
+  fi
   CONF="ClusterName=local
-  SlurmctldHost=${NODE}(127.0.0.1)
+  SlurmctldHost=${CTLD}
   SlurmUser=root
   AuthType=auth/munge
   CredType=cred/munge
@@ -83,11 +131,8 @@ start() {
   TaskPlugin=task/none
   ReturnToService=2
   SlurmctldPidFile=/run/slurmctld.pid
-  SlurmdPidFile=/run/slurmd.pid
-  SlurmdSpoolDir=/var/spool/slurmd
   StateSaveLocation=/var/spool/slurmctld
   SlurmctldLogFile=/var/log/slurm/slurmctld.log
-  SlurmdLogFile=/var/log/slurm/slurmd.log
   SchedulerType=sched/backfill
   SchedulerParameters=sched_interval=2
   DependencyParameters=kill_invalid_depend
@@ -102,24 +147,34 @@ start() {
   MinJobAge=300
   InactiveLimit=0
   Waittime=0
-  NodeName=${NODE} NodeAddr=127.0.0.1 CPUs=${CPUS} RealMemory=${MEM} State=UNKNOWN
+  ${NODES_CONF}
   PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
   if [ "$(cat /etc/slurm/slurm.conf 2>/dev/null)" != "$CONF" ]; then
     printf '%s\n' "$CONF" > /etc/slurm/slurm.conf
-    for p in /run/slurmd.pid /run/slurmctld.pid; do      # config changed: restart running daemons
+    for p in $(slurmd_pidfiles) /run/slurmctld.pid; do   # config changed: restart running daemons
       if alive $p; then kill "$(cat $p)"; for _ in $(seq 50); do alive $p || break; sleep 0.1; done; fi
     done
+    [ "$N" = 1 ] && network_down                          # back from several nodes to one
+    rm -f /var/spool/slurmctld/node_state* /var/spool/slurmctld/part_state*   # other nodes: not the saved ones
   fi
   [ "$ACCT" = 1 ] && { sacctmgr -i add cluster local >/dev/null 2>&1 || true; }  # exists -> harmless error
   alive /run/slurmctld.pid || slurmctld          # daemonizes + writes pidfile (keeps saved state)
-  alive /run/slurmd.pid    || slurmd
+  if [ "$N" = 1 ]; then
+    alive /run/slurmd.pid || slurmd
+  else
+    for i in $(seq "$N"); do
+      mkdir -p /var/spool/slurmd/slnode$i
+      alive /run/slurmd-slnode$i.pid || nsenter --net=/var/run/netns/slnode$i unshare --uts \
+          sh -c "hostname slnode$i; exec slurmd"
+    done
+  fi
 
-  # 5. wait until the node is schedulable
+  # 5. wait until every node is schedulable
   for _ in $(seq 150); do
-    case "$(sinfo -h -n "$NODE" -o %t 2>/dev/null || true)" in
-      idle*|mix*|alloc*) break;;
-      down*|drain*) scontrol update nodename="$NODE" state=resume 2>/dev/null || true;;
-    esac
+    [ "$(schedulable)" -ge "$N" ] && break
+    for down in $(sinfo -h -t down,drain -o %N 2>/dev/null); do
+      scontrol update nodename="$down" state=resume 2>/dev/null || true
+    done
     sleep 0.2
   done
   sinfo
@@ -127,7 +182,7 @@ start() {
 }
 
 stop() {
-  for p in $PIDFILES; do
+  for p in $(slurmd_pidfiles) $PIDFILES; do
     if [ -f "$p" ] && kill -0 "$(cat "$p")" 2>/dev/null; then
       pid=$(cat "$p"); kill "$pid"
       for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
@@ -135,12 +190,13 @@ stop() {
       echo "stopped $p ($pid)"
     fi
   done
+  network_down
   if [ "${PURGE:-0}" = 1 ]; then rm -rf /var/spool/slurmctld/* /var/spool/slurmd/* /var/log/slurm/*; fi
 }
 
-status() {
-  command -v sinfo >/dev/null && [ -n "$(sinfo -h -o %t 2>/dev/null | grep -E 'idle|mix|alloc')" ] \
-    && command -v sacct >/dev/null && sacct -n -X -S now >/dev/null 2>&1
+status() {  # up, with at least NODES schedulable nodes
+  command -v sinfo >/dev/null && command -v sacct >/dev/null && sacct -n -X -S now >/dev/null 2>&1 \
+    && [ "$(schedulable)" -ge "${NODES:-1}" ]
 }
 
 case "${1:-}" in

@@ -50,8 +50,20 @@ def test_scheduler_refusals_name_the_key_to_change(tmp_path, message, key):
     assert message.splitlines()[-1].split("failed: ")[1] in problem.rule and problem.fix
 
 
+def on_a_login_node(monkeypatch, nodes: list[tuple[str, str, str]], addresses: dict[str, str] = {}):
+    """SLURM as `sinfo` would describe it, and the nodes' names as this machine resolves them."""
+    import socket
+
+    from orchestrator.cluster import slurm_queue
+
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(slurm_queue, "default_partition", lambda: "debug")
+    monkeypatch.setattr(slurm_queue, "partition_nodes", lambda partition: nodes)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: addresses.get(name, "10.0.0.1"))
+
+
 def test_slurm_layout_rules(tmp_path, monkeypatch):
-    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")  # as on a login node
+    on_a_login_node(monkeypatch, [(f"n{i}", "idle", "(null)") for i in range(4)])
     cfg = make_cfg("cluster=slurm", "parallel=megatron_hp2", "cluster.nodes=3", "+cluster.time_min.eval=5",
                    runs_dir=tmp_path)
     with pytest.raises(ConfigError) as e:
@@ -62,6 +74,31 @@ def test_slurm_layout_rules(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         validate(make_cfg("cluster=slurm", runs_dir=tmp_path))
     assert any(p.key == "cluster" and "scripts/slurm_cluster.sh start" in p.fix for p in e.value.problems)
+
+
+def test_a_multi_node_job_is_checked_against_the_partition_before_submission(tmp_path, monkeypatch):
+    two_nodes = ["cluster=slurm", "parallel=dp2_hp2_pp2", "cluster.nodes=2"]
+    on_a_login_node(monkeypatch, [("n1", "idle", "(null)"), ("n2", "idle", "(null)")])
+    validate(make_cfg(*two_nodes, runs_dir=tmp_path))  # two nodes up, resolving to a real address: fine
+
+    on_a_login_node(monkeypatch, [("n1", "idle", "(null)"), ("n2", "down*", "(null)")])  # a node lost
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(*two_nodes, runs_dir=tmp_path))
+    (p,) = e.value.problems
+    assert p.key == "cluster.nodes" and "1 node(s) up of 2" in p.rule and p.fix.startswith("cluster.nodes=1")
+
+    on_a_login_node(monkeypatch, [("n1", "idle", "(null)"), ("n2", "idle", "(null)")], {"n1": "127.0.1.1"})
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(*two_nodes, runs_dir=tmp_path))
+    (p,) = e.value.problems
+    assert "node n1 resolves to 127.0.1.1" in p.rule and "rendezvous" in p.rule and "/etc/hosts" in p.fix
+
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("cluster=slurm", "parallel=ddp2", "cluster.gpus_per_task=1", runs_dir=tmp_path))
+    (p,) = e.value.problems
+    assert p.key == "cluster.gpus_per_task" and "has no GPUs" in p.rule
+    on_a_login_node(monkeypatch, [("g1", "idle", "gpu:h100:8")])
+    validate(make_cfg("cluster=slurm", "parallel=ddp2", "cluster.gpus_per_task=1", runs_dir=tmp_path))
 
 
 def test_invalid_sweep_point_stops_the_whole_sweep_before_anything_runs(workdir):

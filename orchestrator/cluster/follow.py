@@ -20,7 +20,8 @@ from rich.text import Text
 
 from orchestrator.cache import Cache, link_output
 from orchestrator.report import Report, StageResult, console, result_table, styled
-from orchestrator.cluster.slurm_queue import ACTIVE_STATES, JOBS_FILE, SubmittedStage, cancel, job_states, release
+from orchestrator.cluster.slurm_queue import (ACTIVE_STATES, JOBS_FILE, SubmittedStage, cancel, job_states, lost_nodes,
+                                              release)
 from storage.fsio import read_json
 
 FAILED_STATES = {"FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -104,8 +105,15 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
             for job_id, (state, reason, _) in states.items():
                 if state == "PENDING" and reason == "BeginTime":  # a requeued job, held for ~2 min
                     release(job_id)
+                if state == "PENDING" and "DOWN" in reason.upper() and job_id not in errors:
+                    # requeued after a node failure, it would wait for the lost node: say so and stop it
+                    lost = lost_nodes(job_id)
+                    if lost:
+                        cancel([job_id])
+                        errors[job_id] = _failed(followed, job_id, "NODE_FAIL", lost, requeued=True)
                 if state in FAILED_STATES and job_id not in errors:
-                    errors[job_id] = _failed(followed, job_id, state)
+                    errors[job_id] = _failed(followed, job_id, state,
+                                             lost_nodes(job_id) if state == "NODE_FAIL" else None)
                 if not live and last_seen.get(job_id) != state:
                     last_seen[job_id] = state
                     names = ", ".join(f"{f.run_dir.name}/{s.stage}" for f in followed for s in f.stages
@@ -131,8 +139,10 @@ def follow(run_dirs: list[Path], interactive: Optional[bool] = None) -> list[Rep
     return [_finish(f, states, errors) for f in followed]
 
 
-def _failed(followed: list[Followed], job_id: str, state: str) -> str:
-    """A job failed: cancel what waits for it (in every followed run) and fetch its traceback."""
+def _failed(followed: list[Followed], job_id: str, state: str, lost: Optional[tuple[list[str], list[str]]] = None,
+            requeued: bool = False) -> str:
+    """A job failed: cancel what waits for it (in every followed run) and fetch its traceback (for a lost node:
+    which node, which ranks, and how to go on)."""
     dependants: set[str] = set()
     frontier = {job_id}
     while frontier:
@@ -140,8 +150,27 @@ def _failed(followed: list[Followed], job_id: str, state: str) -> str:
         dependants |= nxt
         frontier = nxt
     cancel(sorted(dependants))
-    stage = next(s for f in followed for s in f.stages if s.job_id == job_id)
+    f, stage = next((f, s) for f in followed for s in f.stages if s.job_id == job_id)
+    if lost:
+        return f"{state}: " + node_loss(f, stage, *lost, requeued)
     return f"{state}: " + remote_error(stage)
+
+
+def node_loss(f: Followed, s: SubmittedStage, down: list[str], nodes: list[str], requeued: bool) -> str:
+    """Which node a job lost, its ranks (SLURM places a job's tasks node by node), and the command that goes on."""
+    from stages import get_stage
+
+    per_node = max(s.tasks // len(nodes), 1)
+    lost = [f"{n} (ranks {i * per_node}-{(i + 1) * per_node - 1})" for i, n in enumerate(nodes) if n in down]
+    up = len(nodes) - len(down)
+    progress = get_stage(s.stage).progress
+    hint = progress(f.cache.scratch(s.stage, s.key)) if progress else None
+    return (f"the job lost node {', '.join(lost) or 'a node (up again now)'} of its {len(nodes)} "
+            f"({', '.join(nodes)}). " +
+            (f"SLURM requeued it, but it could start again only once {len(nodes)} nodes are up: it was cancelled. "
+             if requeued else "") +
+            f"Nothing is lost: the same command with cluster.nodes={max(up, 1)} (or a layout that fits the nodes that "
+            f"are up) continues{f' ({hint})' if hint else ' from the last complete checkpoint'}.")
 
 
 def _finish(f: Followed, states: dict, errors: dict[str, str]) -> Report:

@@ -59,10 +59,51 @@ def _slurm(cfg, world: int) -> list[Problem]:
         if not isinstance(minutes, int) or minutes < 1:
             problems.append(Problem(f"cluster.time_min.{stage}", minutes, "a job's time limit is a whole number of "
                                     "minutes >= 1", f"cluster.time_min.{stage}={STAGE_TIMES_MIN.get(stage, 60)}"))
-    if not cfg.dry_run and not (shutil.which("sbatch") and shutil.which("sacct")):
-        problems.append(Problem("cluster", "slurm", "cluster=slurm submits with sbatch and follows jobs with sacct "
-                                "(SLURM accounting); they are not on this machine's PATH",
+    if not cfg.dry_run and shutil.which("sinfo") and (c.nodes > 1 and world > 1 or c.gpus_per_task):
+        problems += _partition(cfg)
+    if not cfg.dry_run and not (shutil.which("sbatch") and shutil.which("sacct") and shutil.which("scontrol")):
+        problems.append(Problem("cluster", "slurm", "cluster=slurm submits with sbatch, follows jobs with sacct "
+                                "(SLURM accounting) and requeues them with scontrol; they are not all on this "
+                                "machine's PATH",
                                 "run on a SLURM login node, or start the bundled single-node cluster "
                                 "(sudo scripts/slurm_cluster.sh start), or cluster=local; dry_run=true prints the "
                                 "sbatch scripts without SLURM"))
+    return problems
+
+
+def _partition(cfg) -> list[Problem]:
+    """What a multi-node or GPU job needs of the partition, asked of SLURM before submitting: enough nodes up (a
+    job for more waits for ever), a first node whose name does not resolve to loopback (the ranks meet at a
+    rendezvous on the job's first node: 127.x reaches only itself, the most reported multi-node failure), and GPUs
+    where cluster.gpus_per_task asks for them."""
+    import socket
+
+    from orchestrator.cluster import slurm_queue
+
+    c = cfg.cluster
+    partition = c.partition or slurm_queue.default_partition()
+    nodes = slurm_queue.partition_nodes(partition)
+    up = [name for name, state, _ in nodes if state in slurm_queue.UP_STATES]
+    problems = []
+    if c.nodes > 1 and len(up) < c.nodes:
+        problems.append(Problem("cluster.nodes", c.nodes, f"partition {partition} has {len(up)} node(s) up of "
+                                f"{len(nodes)} (sinfo): a job on {c.nodes} nodes would wait until more are",
+                                f"cluster.nodes={max(len(up), 1)}, with a layout whose ranks it divides (a lost node: "
+                                "the same command continues from the last checkpoint), or another "
+                                "cluster.partition"))
+    if c.nodes > 1 and up:
+        try:
+            address = socket.gethostbyname(up[0])
+        except OSError as e:
+            address = f"nothing ({e})"
+        if not address[0].isdigit() or address.startswith("127."):
+            problems.append(Problem("cluster.nodes", c.nodes, f"the ranks of a multi-node job meet at a rendezvous "
+                                    f"on its first node, and node {up[0]} resolves to {address} here (a loopback "
+                                    "address reaches only itself: the other nodes' ranks would wait for ever)",
+                                    f"make {up[0]} resolve to an address the other nodes reach (/etc/hosts or DNS), "
+                                    "or cluster.nodes=1"))
+    if c.gpus_per_task and not any("gpu" in gres for _, _, gres in nodes):
+        problems.append(Problem("cluster.gpus_per_task", c.gpus_per_task, f"partition {partition} has no GPUs "
+                                f"(sinfo's generic resources: {', '.join(sorted({g for _, _, g in nodes})) or 'none'})",
+                                "cluster.gpus_per_task=0, or cluster.partition= a partition with GPUs"))
     return problems

@@ -61,3 +61,38 @@ def release(job_id: str) -> None:
 def cancel(job_ids: list[str]) -> None:
     if job_ids:
         subprocess.run(["scancel", *job_ids], capture_output=True, timeout=60)
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """slnode[1-2] -> [slnode1, slnode2] (SLURM's own expansion)."""
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=60)
+    return out.stdout.split()
+
+
+def default_partition() -> Optional[str]:
+    """The partition a job without --partition goes to (sinfo marks it with *)."""
+    names = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60).stdout.split()
+    return next((p.rstrip("*") for p in names if p.endswith("*")), None)
+
+
+def partition_nodes(partition: Optional[str]) -> list[tuple[str, str, str]]:
+    """(node, state, gres) of every node of the partition (of every partition when None), as sinfo reports them."""
+    args = ["sinfo", "-h", "-N", "-o", "%N|%t|%G"] + (["-p", partition] if partition else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+    return sorted({tuple(line.split("|")) for line in out.splitlines() if line.count("|") == 2})
+
+
+UP_STATES = ("idle", "mix", "alloc", "comp")  # sinfo's short states of a node that runs jobs (no * suffix)
+
+
+def lost_nodes(job_id: str) -> Optional[tuple[list[str], list[str]]]:
+    """(the nodes that are down now, every node of the attempt) for a job whose last attempt ended in NODE_FAIL;
+    None when none did."""
+    out = subprocess.run(["sacct", "-D", "-X", "-n", "-P", "-j", job_id, "-o", "State,NodeList"],
+                         capture_output=True, text=True, timeout=60).stdout
+    failed = [line.split("|")[1] for line in out.splitlines() if line.startswith("NODE_FAIL|")]
+    if not failed:
+        return None
+    nodes = hostnames(failed[-1])
+    up = {n for n, state, _ in partition_nodes(None) if state in UP_STATES}
+    return [n for n in nodes if n not in up], nodes
