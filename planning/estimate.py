@@ -24,6 +24,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from plugins.parallel import world_size
 from plugins.parallel.schedules import SCHEDULES
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -145,7 +146,7 @@ def available_bytes(cfg) -> tuple[int, str]:
 
     if torch.cuda.is_available():
         return torch.cuda.mem_get_info()[1], f"{torch.cuda.get_device_name()}'s memory"
-    ranks = cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp
+    ranks = world_size(cfg.parallel)
     return psutil.virtual_memory().available // ranks, f"available RAM / {ranks} rank(s)"
 
 

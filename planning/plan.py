@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from planning.estimate import (Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate, stage_costs,
                                step_flops)
 from planning.problem import Problem
+from plugins.parallel import world_size
 from runtime.threads import rank_threads, usable_cores
 
 GB = 2**30
@@ -82,7 +83,7 @@ def time_line(cfg) -> str:
     import torch
 
     p = cfg.parallel
-    ranks = p.dp * p.hp * p.pp
+    ranks = world_size(p)
     if torch.cuda.is_available():
         gpus = min(ranks, torch.cuda.device_count())
         rate, where = matmul_rate("cuda", cfg.precision.name, 1) * gpus, f"{gpus} GPU(s), {cfg.precision.name}"

@@ -40,14 +40,23 @@ def _impl_kwargs(impl: str, params: list[torch.Tensor], device: torch.device) ->
     return {"fused": True} if fusable else {"foreach": True}
 
 
+def _adamw(cfg, groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def _sgd(cfg, groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kwargs)
+
+
+# The optimizers there are: optimizer.name -> (cfg, parameter groups, kernel kwargs) -> optimizer. Another one is an
+# entry here and a conf/optimizer/<name>.yaml with its schema in orchestrator/config/schema.py.
+OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd}
+
+
 def build_optimizer(cfg, model: nn.Module, device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     groups = _param_groups(model, cfg.weight_decay)
     kwargs = _impl_kwargs(cfg.impl, [p for g in groups for p in g["params"]], device)
-    if cfg.name == "adamw":
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
-    if cfg.name == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.nesterov, **kwargs)
-    raise ValueError(f"optimizer.name={cfg.name!r}: known optimizers are adamw, sgd")
+    return OPTIMIZERS[cfg.name](cfg, groups, kwargs)
 
 
 def describe_impl(optimizer: torch.optim.Optimizer) -> str:
@@ -75,6 +84,9 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 def check(cfg) -> list:
     from planning.problem import Problem
 
+    if cfg.optimizer.name not in OPTIMIZERS:
+        return [Problem("optimizer.name", cfg.optimizer.name, f"the optimizers there are: {', '.join(OPTIMIZERS)} "
+                        "(runtime/optim.py)", f"optimizer={next(iter(OPTIMIZERS))}, or add one to OPTIMIZERS")]
     betas = cfg.optimizer.get("betas")
     if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
         return [Problem("optimizer.betas", list(betas), "Adam's betas are two decay rates, each in [0, 1)",

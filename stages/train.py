@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from plugins.data import build_batcher
 from plugins.models import get_model
+from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
 from runtime import preemption
@@ -169,7 +170,7 @@ STAGE = Stage(
     run=train,
     after=("transform", "tokenize"),
     reads=("model", "parallel", "optimizer", "memory", "precision", "triton", "engine", "data", "train"),
-    resources=lambda cfg: Resources(tasks=cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp),
+    resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),
     fingerprint=_fingerprint,
     progress=progress_hint,
     lineage=("model", "data", "optimizer", "precision", "train"),

@@ -113,3 +113,12 @@ def workdir(tmp_path: Path) -> Path:
     d = tmp_path / "work"
     d.mkdir()
     return d
+
+
+def pytest_sessionfinish(session):
+    """Once every worker is done (xdist's controller, or the one process of -n 0): stop a SLURM cluster the tests
+    started (tests/slurm_support.py)."""
+    if not hasattr(session.config, "workerinput"):
+        from tests.slurm_support import stop_if_started_here
+
+        stop_if_started_here()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import shutil
 
 from planning.problem import Problem
+from plugins.parallel import world_size
 from runtime import machine
 
 
 def check(cfg) -> list[Problem]:
     p, c = cfg.parallel, cfg.cluster
-    world = p.dp * p.hp * p.pp
+    world = world_size(p)
     problems = []
     if c.nprocs is not None and c.nprocs != world:
         problems.append(Problem("cluster.nprocs", c.nprocs, f"the train stage runs one process per rank: "

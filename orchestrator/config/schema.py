@@ -78,7 +78,7 @@ class ParallelConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = key(MISSING, "optimizer", choices=("adamw", "sgd"))
+    name: str = key(MISSING, "optimizer (the names runtime/optim.py's OPTIMIZERS builds)")
     lr: float = key(1e-3, "peak learning rate", min=0.0)
     weight_decay: float = key(0.0, "decoupled weight decay, applied to weight matrices and embeddings (not biases or norms)", min=0.0)
     warmup_steps: int = key(0, "linear warm-up steps from 0 to lr", min=0)
@@ -90,14 +90,14 @@ class OptimizerConfig:
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
-    name: str = key("adamw", "optimizer", choices=("adamw", "sgd"))
+    name: str = key("adamw", "optimizer (the names runtime/optim.py's OPTIMIZERS builds)")
     betas: List[float] = key([0.9, 0.95], "Adam beta1, beta2")
     eps: float = key(1e-8, "Adam epsilon", min=0.0)
 
 
 @dataclass
 class SGDConfig(OptimizerConfig):
-    name: str = key("sgd", "optimizer", choices=("adamw", "sgd"))
+    name: str = key("sgd", "optimizer (the names runtime/optim.py's OPTIMIZERS builds)")
     momentum: float = key(0.9, "momentum factor", min=0.0, max=1.0)
     nesterov: bool = key(False, "Nesterov momentum")
 

@@ -53,11 +53,12 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
 
 def warnings(cfg: DictConfig) -> list[str]:
     """Legal but unwise settings: the run goes ahead, and the plan says this in one line each."""
+    from plugins.parallel import world_size
     from runtime import machine
     from runtime.threads import usable_cores
 
     notes = []
-    world = cfg.parallel.dp * cfg.parallel.hp * cfg.parallel.pp
+    world = world_size(cfg.parallel)
     cores = usable_cores()
     if cfg.cluster.name == "local" and world > cores and not machine.has_cuda():
         notes.append(f"warning: {world} ranks (dp*hp*pp) on {cores} CPU cores: the ranks share cores, so this "

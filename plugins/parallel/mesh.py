@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from plugins.parallel import world_size
+
 DIMS = ("pp", "dp", "hp")
 
 
@@ -30,7 +32,7 @@ def build_mesh(parallel, device: torch.device) -> tuple[Optional[DeviceMesh], Co
     sizes = (parallel.pp, parallel.dp, parallel.hp)
     if sizes == (1, 1, 1):
         return None, Coordinates()
-    if not dist.is_initialized() or dist.get_world_size() != parallel.pp * parallel.dp * parallel.hp:
+    if not dist.is_initialized() or dist.get_world_size() != world_size(parallel):
         raise RuntimeError(f"layout pp{parallel.pp} x dp{parallel.dp} x hp{parallel.hp} needs "
                            f"{parallel.pp * parallel.dp * parallel.hp} initialised ranks")
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)

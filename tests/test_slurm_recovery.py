@@ -1,0 +1,101 @@
+"""cluster=slurm when things go wrong, on a real 2-node SLURM cluster: a preempted train job (one node, and two)
+requeued and resumed exactly, and a node lost mid-training named, with the same command on the node left going
+on from the last checkpoint to the losses of an uninterrupted run. (A file of its own: the test workers share the
+SLURM tests out file by file.)"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import mlflow
+import pytest
+
+from tests.conftest import ROOT, run_cli
+from tests.slurm_support import NODES, SCRIPT, jobs_of, losses, node_list, run_dirs, slurm  # noqa: F401
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.mark.parametrize("layout", [[], ["parallel=dp2_hp2_pp2", "cluster.nodes=2"]], ids=["one-node", "two-nodes"])
+def test_preempted_train_job_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, tmp_path, layout):
+    # full-size gpt_tiny steps (~0.1 s each under SLURM): the signal lands mid-training, not after the last step
+    args = ["train.steps=40", "train.checkpoint_every=1000", "train.log_every=1", "train.eval_every=0", *layout]
+    work = tmp_path / "slurm"
+    work.mkdir()
+    submitted = run_cli(["cluster=slurm", "cluster.wait=false", *args], work)
+    assert submitted.returncode == 0 and "python -m orchestrator.follow" in submitted.stdout, submitted.stdout
+    (run_dir,) = run_dirs(work)
+    train = next(j for j in jobs_of(run_dir) if j["stage"] == "train")
+    deadline = time.time() + 300
+    while time.time() < deadline:  # signal once training is under way (some steps logged, not all)
+        metrics = next((work / "runs" / "cache" / "train").glob("*.work/scratch/metrics.jsonl"), None)
+        if metrics and metrics.exists() and len(metrics.read_text().splitlines()) >= 5:
+            break
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR2", train["job_id"]], check=True)  # what SLURM sends before the limit
+    followed = subprocess.run([os.sys.executable, "-m", "orchestrator.follow", str(run_dir)], cwd=work,
+                              env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+                              capture_output=True, text=True, timeout=600)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    log = (Path(train["folder"]) / f"{train['job_id']}_0_log.out").read_text()
+    assert "stopped at step" in log and "starting from the checkpoint of step" in log
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    uninterrupted = run_cli(["cluster=local", "tracking=none", *args[:4]], reference)  # one process
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+    (ref_dir,) = [p.parent for p in (reference / "runs").rglob("plan.json")]
+    assert len(losses(run_dir)) == 40
+    assert losses(run_dir) == pytest.approx(losses(ref_dir), abs=1e-5)
+
+    client = mlflow.MlflowClient(f"sqlite:///{work}/runs/mlflow.db")
+    run = client.get_run(train["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["slurm.requeues"] == "1"
+    assert sorted(m.step for m in client.get_metric_history(run.info.run_id, "loss")) == list(range(1, 41))
+
+
+def test_a_lost_node_is_named_and_the_run_goes_on_on_the_node_left(slurm, tmp_path):
+    args = ["parallel=dp2_hp2_pp2", "train.steps=30", "train.checkpoint_every=5", "train.log_every=1",
+            "train.eval_every=0", "model.n_layers=2", "train.batch_size=8", "train.seq_len=32"]
+    work = tmp_path / "slurm"
+    work.mkdir()
+    proc = subprocess.Popen([os.sys.executable, "-m", "orchestrator", "cluster=slurm", "cluster.nodes=2", *args],
+                            cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 400
+        while not any((work / "runs" / "cache" / "train").glob("*.work/scratch/checkpoints/step_0000010/manifest.json")):
+            assert proc.poll() is None and time.time() < deadline, "the 2-node run ended before its step-10 checkpoint"
+            time.sleep(0.1)
+        # the node dies: its slurmd and every process in its network namespace
+        subprocess.run(["kill", "-9", Path("/run/slurmd-slnode2.pid").read_text().strip()], check=True)
+        pids = subprocess.run(["ip", "netns", "pids", "slnode2"], capture_output=True, text=True).stdout.split()
+        subprocess.run(["kill", "-9", *pids], capture_output=True)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run([SCRIPT, "start"], capture_output=True, timeout=300, env=NODES)  # the node back, for the rest
+    assert proc.returncode == 1, out[-4000:]
+    flat = " ".join(re.sub(r"[│╭╮╰╯─]", " ", out).split())  # the message as one line, out of its panel
+    assert "NODE_FAIL: the job lost node slnode2 (ranks 4-7) of its 2" in flat, out[-4000:]
+    assert "the same command with cluster.nodes=1" in flat and "resumes from step" in flat, out[-4000:]
+
+    resumed = run_cli(["cluster=slurm", "cluster.nodes=1", *args], work, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    assert "resumes from step" in resumed.stdout
+    run_dir = max(run_dirs(work), key=lambda d: d.name)
+    train = next(j for j in jobs_of(run_dir) if j["stage"] == "train")
+    assert len(node_list(train["job_id"])) == 1
+
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    uninterrupted = run_cli(["cluster=local", "tracking=none", *args[1:]], reference)  # one process
+    assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
+    (ref_dir,) = [p.parent for p in (reference / "runs").rglob("plan.json")]
+    assert len(losses(run_dir)) == 30
+    assert losses(run_dir) == pytest.approx(losses(ref_dir), abs=1e-5)
