@@ -23,8 +23,10 @@ PARENT = "<parent>"  # stands for the parent run's id until the replay creates i
 
 
 def worthwhile(cfg, nothing_to_run: bool) -> bool:
-    """Record later: tracking is on, nothing runs, and MLflow is not imported yet (its import is the cost)."""
-    return cfg.tracking.name == "mlflow" and nothing_to_run and "mlflow" not in sys.modules
+    """Record later: tracking is on, nothing runs, and MLflow is not imported yet (its import is the cost). Not on
+    SLURM: there the run's record goes to slurm_jobs.json for `orchestrator.follow`, which needs the parent's id."""
+    return (cfg.tracking.name == "mlflow" and nothing_to_run and cfg.cluster.name != "slurm"
+            and "mlflow" not in sys.modules)
 
 
 class LaterInvocation:
@@ -68,7 +70,7 @@ def replay(pending: Path) -> str:
     tracking = Invocation(OmegaConf.load(journal["config"]), journal["run_name"], journal["tags"])
     for name, *args in journal["calls"]:
         args = [tracking.parent if a == PARENT else a for a in args]
-        getattr(tracking, name)(*(Path(a) if name == "log_artifact" and i == 1 else a for i, a in enumerate(args)))
+        getattr(tracking, name)(*args)
     atomic_write_json(pending.with_name(RECORDED), {**journal, "parent_run_id": tracking.parent,
                                                     "degraded": tracking.degraded})
     pending.unlink()

@@ -66,6 +66,14 @@ def test_failed_stage_cancels_dependants_shows_traceback_and_rerun_resumes(slurm
     assert ("train", "FAILED") in by and ("checkpoint", "KILLED") in by and ("train", "FINISHED") in by
     assert not [r for r in stage_runs if r.info.status == "RUNNING"]
 
+    cached = run_cli(args, workdir)  # everything cached: nothing is submitted, and MLflow records it at once
+    assert cached.returncode == 0, cached.stdout[-3000:] + cached.stderr[-3000:]
+    assert "every stage is cached" in cached.stdout
+    (parent,) = client.search_runs([exp.experiment_id], "attributes.status = 'FINISHED' and tags.`orchestrator.kind` = "
+                                   "'invocation'", order_by=["attribute.start_time DESC"], max_results=1)
+    kids = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
+    assert len(kids) == 6 and {k.data.tags["orchestrator.status"] for k in kids} == {"cached"}
+
 
 def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(slurm, workdir):
     result = run_cli(["-m", "cluster=slurm", "parallel=ddp2,megatron_hp4", "optimizer.lr=1e-3,3e-4",
