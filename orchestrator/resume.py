@@ -46,8 +46,7 @@ def _record(cache: Cache, ps) -> None:
     if ps.lineage:
         parallel = ps.material["config"].get("parallel") or {}
         atomic_write_json(cache.work(ps.name, ps.key) / ATTEMPT_LINEAGE, {
-            "lineage": ps.lineage, "layout": _layout(parallel),
-            "code": hashlib.sha256(json.dumps(ps.material["code"], sort_keys=True).encode()).hexdigest()})
+            "lineage": ps.lineage, "layout": _layout(parallel), "code": _code(ps.material)})
 
 
 def find(cfg: DictConfig, cache: Cache, stage, key: str, lineage: str, material: dict) -> Optional[tuple[Path, int, str]]:
@@ -78,9 +77,13 @@ def _layout(parallel: dict) -> str:
     return " ".join(f"{a}{parallel.get(a, 1)}" for a in ("dp", "hp", "pp"))
 
 
+def _code(material: dict) -> str:
+    """One hash of the sources a stage's key covers."""
+    return hashlib.sha256(json.dumps(material["code"], sort_keys=True).encode()).hexdigest()
+
+
 def _who(theirs: dict, material: dict) -> str:
     ours_layout = _layout(material["config"].get("parallel") or {})
     if theirs.get("layout") != ours_layout:
         return f"layout {theirs.get('layout')}"
-    code = hashlib.sha256(json.dumps(material["code"], sort_keys=True).encode()).hexdigest()
-    return "other code" if theirs.get("code") != code else "another configuration (engine, memory or kernels)"
+    return "other code" if theirs.get("code") != _code(material) else "another configuration (engine, memory or kernels)"

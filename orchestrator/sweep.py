@@ -230,6 +230,11 @@ def _table(rows: list[dict], name: str, seconds: float) -> Table:
     return table
 
 
+def _best(rows: list[dict]) -> Optional[dict]:
+    """The best point of rows ranked best first (None when no point trained)."""
+    return next((r for r in rows if math.isfinite(r["objective"])), None)
+
+
 def write_summary(points: list[Point], sweep_dir: Path, seconds: float) -> tuple[list[dict], Table]:
     """sweep_summary.json and .txt for the points so far (rewritten after every batch: a study cut short keeps
     what it measured)."""
@@ -239,7 +244,7 @@ def write_summary(points: list[Point], sweep_dir: Path, seconds: float) -> tuple
     sweep_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(sweep_dir / "sweep_summary.json", {
         "wall_s": seconds, "objective": name, "direction": objective.direction(name),
-        "best": next((r for r in rows if math.isfinite(r["objective"])), None), "points": rows})
+        "best": _best(rows), "points": rows})
     with console.capture() as cap:
         console.print(table)
     (sweep_dir / "sweep_summary.txt").write_text(cap.get())
@@ -271,7 +276,7 @@ def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seco
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.json"))
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.txt"))
         client.log_metric(sweep_run, "wall_s", seconds)
-        best = next((r for r in rows if math.isfinite(r["objective"])), None)
+        best = _best(rows)
         if best:
             client.log_metric(sweep_run, f"best_{points[0].cfg.sweep.objective}", best["objective"])
             client.set_tag(sweep_run, "orchestrator.best_point", best["overrides"])

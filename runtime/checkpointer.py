@@ -123,7 +123,8 @@ def adopt(cfg, earlier: Path, scratch: Optional[Path] = None, from_key: str = ""
     to it, and recorded in adopted.json."""
     if not cfg.train.resume:
         return None
-    found = ckpt.latest(earlier / "checkpoints")
+    # looking (the plan): checksums, so that the plan's note holds; linking: sizes (the restore verifies checksums)
+    found = ckpt.latest(earlier / "checkpoints", checksums=scratch is None)
     if found is None or found[1] is None:
         return None
     step, path, _ = found

@@ -34,7 +34,7 @@ def build_mesh(parallel, device: torch.device) -> tuple[Optional[DeviceMesh], Co
         return None, Coordinates()
     if not dist.is_initialized() or dist.get_world_size() != world_size(parallel):
         raise RuntimeError(f"layout pp{parallel.pp} x dp{parallel.dp} x hp{parallel.hp} needs "
-                           f"{parallel.pp * parallel.dp * parallel.hp} initialised ranks")
+                           f"{world_size(parallel)} initialised ranks")
     mesh = init_device_mesh(device.type, sizes, mesh_dim_names=DIMS)
     coords = Coordinates(*(mesh.get_local_rank(d) for d in DIMS), *sizes)
     return mesh, coords

@@ -4,8 +4,8 @@ Both runners take the rank's share of the global batch and return the rank's con
 loss (already divided by the global label count, detached). The loss they differentiate is that share times
 `grad_scale` (the dp degree: data parallelism averages gradients over dp ranks, the global mean needs their
 sum) times the step's `loss_scale` (fp16's loss scaling; 1 otherwise). The parts cast themselves (parallelize's
-precision step). Ranks whose contribution would repeat another rank's (tensor-parallel peers, stages without the loss) contribute zero, so one SUM all-reduce over the
-world gives the global loss.
+precision step). Ranks whose contribution would repeat another rank's (tensor-parallel peers, stages without
+the loss) contribute zero, so one SUM all-reduce over the world gives the global loss.
 """
 from __future__ import annotations
 
