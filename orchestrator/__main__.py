@@ -16,7 +16,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from orchestrator.config.errors import ConfigError, from_hydra
-from orchestrator.report import EXIT_CODES, INTERRUPTED
+from orchestrator import interrupt
+from orchestrator.report import EXIT_CODES
 from orchestrator.config.schema import register
 
 
@@ -52,6 +53,7 @@ def main() -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's import: a "setup plugin" line per plugin
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us: we explain them in config terms
     register()
+    interrupt.install()  # SIGTERM takes Ctrl-C's path: save, mark the runs KILLED, say how to continue
     from orchestrator.sweep import finish_study
 
     try:
@@ -60,11 +62,11 @@ def main() -> int:
     except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # a second Ctrl-C, or one before any stage started
+    except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM), or one before any stage started
         finish_study(interrupted=True)
-        print("interrupted: finished stages are cached and checkpoints kept; run the same command to continue",
-              file=sys.stderr)
-        return INTERRUPTED
+        print(f"interrupted ({interrupt.said()}): finished stages are cached and checkpoints kept; run the same "
+              "command to continue", file=sys.stderr)
+        return interrupt.exit_code()
     except Exception as e:
         translated = from_hydra(e, tuple(sys.argv[1:]))
         if translated is None:

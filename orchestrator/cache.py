@@ -23,10 +23,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from storage.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree, stamp,
+from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir, read_json, remove_tree, stamp,
                           verify_file_table)
 
 ENTRY_FILE = "_entry.json"
+OWN_FOLDERS = (".locks", ".verified")  # beside one folder per stage
 RACY_NS = 2 * 10**9  # a file changed this recently is hashed again at the next hit, whatever its stamp
 
 
@@ -69,11 +70,17 @@ class Cache:
         """(whether the entry is there and intact, its problems). A damaged entry is moved to <stage>/.damaged/
         (set_aside), so that the stage runs again and publishes a good one under the same key."""
         if not self.is_complete(stage, key):
-            return False, []
-        problems = self.verify(stage, key, checksums, full, record=set_aside)
+            if not self.entry(stage, key).is_dir():
+                return False, []
+            # an entry appears in one rename with its record inside: without it, something removed the record
+            problems = [f"{ENTRY_FILE} is missing (an entry is only trusted with its record)"]
+        else:
+            problems = self.verify(stage, key, checksums, full, record=set_aside)
         if problems and set_aside:
-            moved = self.set_aside(stage, key)
-            problems = [*problems, f"moved to {moved}"]
+            try:
+                problems = [*problems, f"moved to {self.set_aside(stage, key)}"]
+            except OSError as e:  # a read-only cache: the stage must run, which the run refuses with the reason
+                problems = [*problems, f"could not be moved aside ({e.strerror})"]
         return not problems, problems
 
     def _stamps_path(self, stage: str, key: str) -> Path:
@@ -100,12 +107,17 @@ class Cache:
             except OSError:  # a read-only cache still verifies: it hashes every time
                 pass
 
-    def set_aside(self, stage: str, key: str) -> Path:
-        target = self.root / stage / ".damaged" / f"{key}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    def set_aside(self, stage: str, key: str) -> str:
+        """Move a damaged entry to <stage>/.damaged/ (kept until the user removes it); where it went, and its size."""
+        target = self.damaged(stage) / f"{key}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         target.parent.mkdir(parents=True, exist_ok=True)
         os.rename(self.entry(stage, key), target)
         self._stamps_path(stage, key).unlink(missing_ok=True)
-        return target
+        return kept_aside(target)
+
+    def damaged(self, stage: str) -> Path:
+        """Where damaged data of a stage is kept for inspection: entries, and the checkpoints of its attempts."""
+        return self.root / stage / ".damaged"
 
     def record(self, stage: str, key: str) -> dict:
         return read_json(self.entry(stage, key) / ENTRY_FILE)
@@ -113,6 +125,10 @@ class Cache:
     def lock(self, stage: str, key: str, timeout: float = -1) -> FileLock:
         (self.root / ".locks").mkdir(parents=True, exist_ok=True)
         return FileLock(str(self.root / ".locks" / f"{stage}-{key}.lock"), timeout=timeout)
+
+    def holder(self, stage: str, key: str) -> Path:
+        """Who holds the lock of (stage, key): written by the holder as it takes it, for those who wait."""
+        return self.root / ".locks" / f"{stage}-{key}.holder.json"
 
     def begin(self, stage: str, key: str) -> tuple[Path, Path]:
         """A fresh output folder for a new attempt; the scratch folder of earlier attempts is kept."""
@@ -131,6 +147,29 @@ class Cache:
         publish_dir(out, self.entry(stage, key))
         remove_tree(self.work(stage, key))
         return self.entry(stage, key)
+
+
+def check(cfg) -> list:
+    """cache_dir holds a cache or nothing: a cache in a folder of other things (a home folder, a project) is almost
+    surely a typo, and the stages would write their folders among them. (Validation says whether it can be
+    written, and refuses the filesystem's root.)"""
+    from planning.problem import Problem
+    from stages import ORDER
+
+    root = Path(cfg.cache_dir).expanduser().absolute()
+    inductor = Path(cfg.triton.cache_dir).expanduser().absolute()  # Inductor's cache lives beside the stages
+    try:
+        names = [] if root == Path(root.anchor) else os.listdir(root)
+    except OSError:
+        return []
+    known = {*ORDER, *OWN_FOLDERS, *([inductor.name] if inductor.parent == root else [])}
+    foreign = sorted(n for n in names if n not in known and not n.startswith(".orchestrator-probe-"))
+    if not foreign:
+        return []
+    shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+    return [Problem("cache_dir", cfg.cache_dir, f"{root} holds other things than cache entries ({shown}); a cache "
+                    f"has one folder per stage ({', '.join(ORDER)}), and its stages would write them among yours",
+                    "cache_dir= a new or empty folder, or the cache of earlier runs (by default runs/cache)")]
 
 
 def link_output(run_dir: Path, stage: str, entry: Path) -> None:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from orchestrator import interrupt
 from orchestrator.dag import PlannedStage
 
 # markup off: everything printed may hold text from users, paths or other processes ("[/tmp/x]", gloo's
@@ -26,7 +27,6 @@ EXIT_CODES: list[int] = []  # of each invocation (or sweep) in this process; the
 
 STYLE = {"cached": "green", "ran": "bold green", "failed": "bold red", "not run": "yellow", "will run": "cyan",
          "interrupted": "yellow"}
-INTERRUPTED = 130  # exit status of an invocation stopped by Ctrl-C
 
 
 @dataclass
@@ -50,7 +50,7 @@ class Report:
     @property
     def exit_code(self) -> int:
         statuses = {r.status for r in self.results.values()}
-        return INTERRUPTED if "interrupted" in statuses else 1 if statuses & {"failed", "not run"} else 0
+        return interrupt.exit_code() if "interrupted" in statuses else 1 if statuses & {"failed", "not run"} else 0
 
     def train_summary(self, cfg) -> dict:
         """The train stage's summary.json ({} when it did not finish: failed, not run, or still on SLURM)."""

@@ -46,6 +46,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     validate(cfg, overrides)
     cache = Cache(Path(cfg.cache_dir).resolve())
     plan = make_plan(cfg, all_stages(until), cache)
+    _check_cache_writable(cfg, plan, cache)
 
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -149,6 +150,20 @@ def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launc
     return report
 
 
+def _check_cache_writable(cfg: DictConfig, plan: list[PlannedStage], cache: Cache) -> None:
+    """A read-only cache serves a run whose stages it holds; one with a stage to run is refused before anything
+    is written (validation checked only that an existing cache_dir is a folder)."""
+    from orchestrator.config.errors import ConfigError, Problem
+    from storage.fsio import why_unwritable
+
+    must_run = [ps.name for ps in plan if not ps.cached]
+    why = why_unwritable(cache.root) if must_run and not cfg.dry_run else ""
+    if why:
+        raise ConfigError([Problem("cache_dir", cfg.cache_dir, f"{', '.join(must_run)} must run and write "
+                                   f"{'its output' if len(must_run) == 1 else 'their outputs'} under cache_dir, but {why}", "cache_dir= a folder you can write (a read-only "
+                                   "cache serves only runs whose every stage it holds)")])
+
+
 def _executor(cluster: DictConfig):
     """Who runs the stages (for slurm: a view that describes the jobs; slurm_submit submits them)."""
     if cluster.name == "debug":
@@ -166,7 +181,7 @@ def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, conf
         "stage": ps.name, "key": ps.key, "config": str(config_path),
         "inputs": {up: str(cache.entry(up, ps.material["inputs"][up])) for up in ps.stage.after},
         "out": str(cache.out(ps.name, ps.key)), "scratch": str(cache.scratch(ps.name, ps.key)),
-        "cache_root": str(cache.root), "log_dir": str(log_dir),
+        "cache_root": str(cache.root), "aside": str(cache.damaged(ps.name)), "log_dir": str(log_dir),
         "entry_meta": {"material": ps.material, "run_dir": str(run_dir)},
         "threads": cfg.cluster.threads_per_rank, "pg_timeout_s": cfg.cluster.pg_timeout_s,
         "heartbeat": cfg.cluster.name == "local", "heartbeat_timeout_s": cfg.cluster.heartbeat_timeout_s,
@@ -177,11 +192,11 @@ def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, conf
 
 def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, executor,
                tracking: Optional[Invocation]) -> StageResult:
+    if ps.cached:  # verified by the plan; an entry never changes, so no lock (a read-only cache has none to take)
+        return _cached(ps, cache, tracking)
     with _stage_lock(cache, ps):
-        if cache.is_complete(ps.name, ps.key):  # cached before, or finished by a concurrent invocation
-            if tracking:
-                tracking.record_cached(ps.name, ps.key, cache.record(ps.name, ps.key).get("mlflow_run_id", ""))
-            return StageResult(ps.name, ps.key, "cached", summary=_summary(ps, cache))
+        if cache.is_complete(ps.name, ps.key):  # finished by a concurrent invocation
+            return _cached(ps, cache, tracking)
 
         attempt_path = cache.work(ps.name, ps.key) / ATTEMPT_FILE
         _close_stale_attempt(attempt_path, tracking)
@@ -219,21 +234,33 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
     return StageResult(ps.name, ps.key, "ran", outcome.seconds, _summary(ps, cache))
 
 
+def _cached(ps: PlannedStage, cache: Cache, tracking: Optional[Invocation]) -> StageResult:
+    if tracking:
+        tracking.record_cached(ps.name, ps.key, cache.record(ps.name, ps.key).get("mlflow_run_id", ""))
+    return StageResult(ps.name, ps.key, "cached", summary=_summary(ps, cache))
+
+
 @contextlib.contextmanager
 def _stage_lock(cache: Cache, ps: PlannedStage):
     """One writer per stage key. When another invocation holds it, say who and since when while waiting."""
-    lock = cache.lock(ps.name, ps.key)
+    lock, holder_path = cache.lock(ps.name, ps.key), cache.holder(ps.name, ps.key)
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        holder = _read_attempt(cache.work(ps.name, ps.key) / ATTEMPT_FILE)
-        since = time.strftime("%H:%M:%S", time.localtime(holder["since"])) if holder.get("since") else "?"
-        console.print(f"waiting for another run of {ps.name} (pid {holder.get('pid', '?')} on "
-                      f"{holder.get('host', '?')}, since {since}) to finish: its result will be used", soft_wrap=True)
+        deadline = time.monotonic() + 2.0  # the holder writes its name right after taking the lock
+        while not (holder := _read_attempt(holder_path)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        who = f"pid {holder['pid']} on {holder['host']}, since " \
+              f"{time.strftime('%H:%M:%S', time.localtime(holder['since']))}" if holder else \
+            f"its holder is not recorded in {holder_path}"
+        console.print(f"waiting for another run of {ps.name} ({who}) to finish: its result will be used",
+                      soft_wrap=True)
         lock.acquire()
     try:
+        atomic_write_json(holder_path, {"pid": os.getpid(), "host": os.uname().nodename, "since": time.time()})
         yield
     finally:
+        holder_path.unlink(missing_ok=True)
         lock.release()
 
 

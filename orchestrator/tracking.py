@@ -60,11 +60,17 @@ def store_lock(uri: str):
     return FileLock(str(db) + ".lock")
 
 
+FAILED_NOTE = "mlflow_failed.txt"  # in the run folder: the store failed during this run (what it said)
+
+
 class Degradable:
     """Calls into the store that must never stop the work they record: the first failure warns once, and the
-    calls after it do nothing (what was to be recorded stays in the run's files)."""
+    calls after it do nothing (what was to be recorded stays in the run's files). `said_in`: a file of the run
+    folder that the first process of the run to warn writes, so that the others (the orchestrator, each stage's
+    rank 0) do not warn again."""
 
     degraded: Optional[str] = None
+    said_in: Optional[Path] = None
 
     def _safely(self, call, *args, **kwargs):
         if self.degraded:
@@ -72,10 +78,19 @@ class Degradable:
         try:
             return call(*args, **kwargs)
         except Exception as e:  # the store's failure, not the work's
-            self.degraded = f"{type(e).__name__}: {e}"[:500]
-            logging.getLogger("orchestrator.tracking").warning(
-                "MLflow tracking failed (%s); the work goes on without it (the run folder and metrics.jsonl keep "
-                "everything)", self.degraded)
+            said = str(e).split("\n[SQL:", 1)[0].strip().splitlines()  # SQLAlchemy appends the statement
+            self.degraded = f"{type(e).__name__}: {said[0] if said else ''}"[:300]
+            log = logging.getLogger("orchestrator.tracking")
+            if self.said_in is not None and self.said_in.exists():
+                log.debug("MLflow tracking failed here too (%s)", self.degraded)
+            else:
+                log.warning("MLflow tracking failed (%s); the work goes on without it (the run folder and "
+                            "metrics.jsonl keep everything; python -m orchestrator.resync <run folder> records it "
+                            "later)", self.degraded)
+                with contextlib.suppress(OSError):
+                    if self.said_in is not None:
+                        self.said_in.write_text(self.degraded + "\n")
+            log.debug("the store's error in full", exc_info=True)
             return None
 
 
@@ -87,6 +102,8 @@ class Invocation(Degradable):
         tcfg = cfg.tracking
         self.uri = tcfg.uri
         self.max_artifact_bytes = tcfg.max_artifact_mb * 2**20
+        if tags.get("orchestrator.run_dir"):
+            self.said_in = Path(tags["orchestrator.run_dir"]) / FAILED_NOTE
         with store_lock(self.uri):  # opening a new store creates (migrates) it: one process at a time
             self.client = _client(self.uri)
             self.experiment_id = self._experiment(tcfg.experiment, Path(tcfg.artifact_root))
@@ -224,7 +241,10 @@ def stage_tracker(spec: dict, rank: int) -> Tracker:
     t = spec.get("tracking")
     if rank != 0 or not t:
         return Tracker()
-    return MlflowStageTracker(t["uri"], t["run_id"], t["max_artifact_mb"])
+    tracker = MlflowStageTracker(t["uri"], t["run_id"], t["max_artifact_mb"])
+    run_dir = spec.get("entry_meta", {}).get("run_dir")
+    tracker.said_in = Path(run_dir) / FAILED_NOTE if run_dir else None
+    return tracker
 
 
 def process_alive(pid: int) -> bool:
@@ -263,7 +283,19 @@ def check(cfg) -> list:
         except sqlite3.Error as e:
             return [Problem("tracking.uri", uri, f"{db} cannot be read as an MLflow store ({e})",
                             f"move the file aside (MLflow creates a new store), or {fix}")]
-    elif uri.startswith(("http://", "https://")):
+    elif uri.split(":", 1)[0].split("+", 1)[0] in DATABASES:
+        return _database_problems(uri, fix)
+    elif uri.startswith("databricks"):
+        return []  # credentials come from the environment or ~/.databrickscfg: MLflow reports their absence itself
+    elif not uri.startswith(("http://", "https://")):
+        scheme = uri.split("://", 1)[0] if "://" in uri else ""
+        what = f"the scheme {scheme}:// is not an MLflow store" if scheme and scheme != "file" else \
+            "a folder (or file:) store is MLflow's filesystem backend, which MLflow 3 keeps in maintenance mode " \
+            "and refuses to open"
+        return [Problem("tracking.uri", uri, f"{what}; the stores that work: sqlite:///<file>, http(s)://<server>, "
+                        f"or a database ({', '.join(s + '://' for s in DATABASES)}, with its Python driver)",
+                        "tracking.uri=sqlite:///<folder>/mlflow.db, or tracking=none")]
+    else:
         import urllib.error
         import urllib.request
 
@@ -273,4 +305,39 @@ def check(cfg) -> list:
             reason = getattr(e, "reason", e)
             return [Problem("tracking.uri", uri, f"no MLflow server answers there within {TRACKING_TIMEOUT_S:.0f} s "
                             f"({reason})", f"start it (mlflow server --host ... --port ...), or {fix}")]
+    return []
+
+
+DATABASES = ("postgresql", "mysql", "mssql")  # SQLAlchemy's dialects that MLflow's tracking store supports
+DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "mysqldb": "mysqlclient",
+                   "pymysql": "PyMySQL", "pyodbc": "pyodbc", "pymssql": "pymssql"}
+
+
+def _database_problems(uri: str, fix: str) -> list:
+    """A database store: its driver is installed (SQLAlchemy would raise ModuleNotFoundError in every stage) and
+    its server accepts a TCP connection."""
+    import socket
+
+    from sqlalchemy.engine.url import make_url
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
+
+    from planning.problem import Problem
+
+    try:
+        url = make_url(uri)
+        url.get_dialect().import_dbapi()
+    except (ArgumentError, NoSuchModuleError, ValueError) as e:
+        return [Problem("tracking.uri", uri, f"not a database URL SQLAlchemy can read ({e})",
+                        "tracking.uri=postgresql://<user>:<password>@<host>:<port>/<database>, or " + fix)]
+    except ImportError as e:
+        driver = url.get_driver_name()
+        package = DRIVER_PACKAGES.get(driver, driver)
+        return [Problem("tracking.uri", uri, f"a {url.get_backend_name()} store needs its Python driver {driver}, "
+                        f"which is not installed ({e})", f"pip install '{package}' -c constraints.txt, or {fix}")]
+    port = url.port or {"postgresql": 5432, "mysql": 3306, "mssql": 1433}[url.get_backend_name()]
+    try:
+        socket.create_connection((url.host or "127.0.0.1", port), timeout=TRACKING_TIMEOUT_S).close()
+    except OSError as e:
+        return [Problem("tracking.uri", uri, f"no database server answers at {url.host or '127.0.0.1'}:{port} "
+                        f"({e.strerror or e})", f"start it, or {fix}")]
     return []

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from orchestrator.cache import Cache
 from orchestrator.config.errors import ConfigError
-from orchestrator.config.validate import validate
+from orchestrator.config.validate import schema_problems, validate
 from plugins.parallel.schedules import SCHEDULES
 from orchestrator.report import console, styled
 from orchestrator.run import orchestrate
@@ -117,6 +117,9 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
 
 def tune(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
     t0 = time.perf_counter()
+    problems = schema_problems(cfg, overrides)  # tune's own keys (bounds, choices) before any layout is listed
+    if problems:
+        raise ConfigError(problems)
     world = cfg.tune.world_size
     trials = [Trial(s) for s in candidates(world, cfg.tune.pp_schedules, cfg.tune.microbatches_per_stage)]
     console.print(f"tune: {len(trials)} layouts of {world} rank(s) for {cfg.model.name} "

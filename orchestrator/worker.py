@@ -21,6 +21,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from orchestrator import interrupt
 from orchestrator.cache import Cache
 from orchestrator.tracking import stage_tracker
 from runtime import preemption
@@ -123,7 +124,8 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
         if os.environ.get(FAULT_ENV) == stage.name:
             raise RuntimeError(f"injected failure: {FAULT_ENV}={stage.name} (a rehearsal of a crashed stage)")
         ctx = StageContext(cfg=OmegaConf.load(spec["config"]), inputs={k: Path(v) for k, v in spec["inputs"].items()},
-                           out=Path(spec["out"]), scratch=Path(spec["scratch"]), key=spec["key"], rank=rank,
+                           out=Path(spec["out"]), scratch=Path(spec["scratch"]),
+                           aside=Path(spec["aside"]) if spec.get("aside") else None, key=spec["key"], rank=rank,
                            world_size=world, tracker=tracker, log=log, interactive=bool(spec.get("interactive")))
         stage.run(ctx)
         tracker.flush()
@@ -161,8 +163,10 @@ def main(argv: list[str]) -> int:
         return 2
     spec = json.loads(Path(argv[0]).read_text())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if spec["stage"] == "train":  # Ctrl-C (passed on by the orchestrator): save at the next step boundary
-        preemption.watch((signal.SIGINT,))
+    if spec["stage"] == "train":  # Ctrl-C or SIGTERM (passed on by the orchestrator): save at the next step boundary
+        preemption.watch((signal.SIGINT, signal.SIGTERM))
+    else:
+        interrupt.install()  # stop as on Ctrl-C: the stage's record and logs are closed
     try:
         execute(spec, rank, world)
     except (Preempted, KeyboardInterrupt):

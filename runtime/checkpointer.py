@@ -72,7 +72,8 @@ class Checkpointer:
     def _choose(self, init_from: Optional[str]) -> Optional[str]:
         ckpt.sweep_partials(self.folder)
         self._check_adopted()
-        found = ckpt.latest(self.folder, set_aside=True)
+        aside = self.ctx.aside / f"{self.ctx.key}-checkpoints" if self.ctx.aside else None
+        found = ckpt.latest(self.folder, set_aside=True, aside=aside)
         for problem in found[2] if found else []:
             self.ctx.log.warning("skipping a damaged checkpoint: %s", problem)
         if found and found[1] is None:

@@ -4,8 +4,9 @@ ranks agree on it (one tiny all-reduce), save a checkpoint together, and raise `
 stage (the SLURM job wrapper) then requeues the job, which resumes from that checkpoint.
 
 Nothing is installed unless a launcher calls `watch()`: SLURM jobs watch SIGUSR2; local train ranks watch SIGINT
-(Ctrl-C, passed on by the orchestrator): the first stops at the next step boundary with a checkpoint, a second
-raises KeyboardInterrupt at once.
+and SIGTERM (Ctrl-C or a SIGTERM, passed on by the orchestrator): the first stops at the next step boundary with
+a checkpoint, a second Ctrl-C raises KeyboardInterrupt at once (a repeated SIGTERM only asks again: a process
+group's SIGTERM may reach a rank directly as well as through the orchestrator).
 """
 from __future__ import annotations
 

@@ -75,7 +75,6 @@ def train(ctx: StageContext) -> None:
                 ctx.tracker.log_metrics(numeric(row), step=row["step"])
 
     settings, when = StepSettings.of(cfg), Cadence.of(cfg, start)
-    lrs = [cfg.optimizer.lr * lr_factor(cfg.optimizer, step, t.steps) for step in range(t.steps)]
     window = MetricsWindow(layout)
     profiler = StepProfiler(list(t.profile), ctx.is_rank0 or t.profile_ranks == "all", device, ctx.scratch / "profile",
                             ctx.rank)
@@ -84,7 +83,8 @@ def train(ctx: StageContext) -> None:
         task = bar.add_task("train", total=t.steps, completed=start, loss=float("nan"))
         for step in range(start, t.steps):
             profiler.step_begins(step + 1)
-            window.add(train_step(layout, optimizers, batcher.train_batch(step), step, lrs[step], settings, probe,
+            window.add(train_step(layout, optimizers, batcher.train_batch(step), step,
+                                  cfg.optimizer.lr * lr_factor(cfg.optimizer, step, t.steps), settings, probe,
                                   scaler))
             done = step + 1
             profiler.step_ended(done)

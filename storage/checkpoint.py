@@ -10,6 +10,7 @@ pipeline/tensor/data-parallel layout that wrote it does not matter to the one th
 """
 from __future__ import annotations
 
+import os
 import re
 import warnings
 from contextlib import contextmanager
@@ -19,13 +20,14 @@ from typing import Mapping, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
 from plugins.models.registry import load_full
-from storage.fsio import (atomic_write_json, file_table, publish_dir, read_json, remove_tree,
+from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir, read_json, remove_tree,
                           verify_file_table)
 
 MANIFEST = "manifest.json"
@@ -106,7 +108,7 @@ def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]]
     try:
         with quiet_single_process():
             dcp.save(state, checkpoint_id=str(partial))
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, CheckpointException) as e:  # DCP's own exception is a BaseException
         remove_tree(partial)  # never leave a half-written folder (or a full disk) behind
         raise _explained(e, path, state) from e
     _barrier()
@@ -128,19 +130,29 @@ def state_bytes(state: dict) -> int:
     return 0
 
 
-def _explained(error: Exception, path: Path, state: dict) -> Exception:
-    """DCP reports a full disk as `[enforce fail at inline_container.cc:...] . unexpected pos ...`: say so."""
+def _explained(error: BaseException, path: Path, state: dict) -> BaseException:
+    """DCP reports a full disk as `[enforce fail at inline_container.cc:...] . unexpected pos ...`, or as a
+    CheckpointException holding each rank's traceback: say so. Any other DCP failure becomes a RuntimeError (a
+    BaseException would slip past every `except Exception` that reports a failed stage)."""
     import errno
     import shutil
 
     free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
     needed = state_bytes(state)
-    if getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in str(error) or free < needed:
-        said = (str(error).splitlines() or [""])[0][:200]
+    text = str(error)
+    if getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in text or "No space left" in text or \
+            free < needed:
+        said = next((line.strip() for line in text.splitlines() if "unexpected pos" in line or "No space" in line),
+                    (text.splitlines() or [""])[0])[:200]
+        disk = path.parent.absolute()
+        while not os.path.ismount(disk) and disk != disk.parent:
+            disk = disk.parent
         return OSError(errno.ENOSPC, f"no space left on the device to write the checkpoint {path}: {free / 2**20:,.1f} "
-                                     f"MB free, about {needed / 2**20:,.1f} MB needed by this rank (DCP said: {said}); "
+                                     f"MB free on the disk mounted at {disk}, about {needed / 2**20:,.1f} MB needed by this rank (DCP said: {said}); "
                                      "the partial folder was removed. Free space or move cache_dir, then run the same "
                                      "command to continue")
+    if isinstance(error, CheckpointException):
+        return RuntimeError(f"writing the checkpoint {path} failed: {text[:2000]}")
     return error
 
 
@@ -198,28 +210,31 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def latest(root: Path, checksums: bool = True, set_aside: bool = False) -> Optional[tuple[int, Path, list[str]]]:
+def latest(root: Path, checksums: bool = True, set_aside: bool = False, aside: Optional[Path] = None
+           ) -> Optional[tuple[int, Path, list[str]]]:
     """The newest checkpoint under root that verifies, with the problems of newer ones that did not (a step folder
-    without a manifest included: a save that never finished). set_aside: move those to root/.damaged/ (named in
-    the problems), so that the run that resumes from an older checkpoint can save their steps again."""
+    without a manifest included: a save that never finished). set_aside: move those to `aside` (default
+    root/.damaged/; named in the problems, with their size), so that the run that resumes from an older checkpoint
+    can save their steps again."""
     rejected = []
     for step, path in reversed(_step_dirs(root)):
         problems = verify(path, checksums=checksums)
         if not problems:
             return step, path, rejected
-        where = f" (set aside as {_set_aside(path)})" if set_aside else ""
+        where = f" (set aside as {_set_aside(path, aside or path.parent / '.damaged')})" if set_aside else ""
         rejected.append(f"{path.name}: {'; '.join(problems)}{where}")
     return None if not rejected else (0, None, rejected)
 
 
-def _set_aside(path: Path) -> Path:
-    """Keep a damaged checkpoint for inspection, out of the way of new saves."""
+def _set_aside(path: Path, aside: Path) -> str:
+    """Keep a damaged checkpoint for inspection, out of the way of new saves (and of the attempt's scratch folder,
+    which publishing deletes)."""
     import time
 
-    target = path.parent / ".damaged" / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    target = aside / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     target.parent.mkdir(parents=True, exist_ok=True)
     path.rename(target)
-    return target
+    return kept_aside(target)
 
 
 def sweep_partials(root: Path) -> None:

@@ -6,10 +6,12 @@ moment leaves either the complete folder or none.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
@@ -172,3 +174,29 @@ def why_unwritable(path) -> str:
     except OSError as e:
         return f"no folder can be made in {p} ({e.strerror})"
     return ""
+
+
+_KINDS = {stat.S_IFIFO: "a named pipe (FIFO)", stat.S_IFSOCK: "a socket", stat.S_IFCHR: "a character device",
+          stat.S_IFBLK: "a block device", stat.S_IFDIR: "a folder"}
+
+
+def why_not_a_file(path) -> str:
+    """Why path cannot be read as a regular file ('' when it can): reading a named pipe or a device blocks or
+    never ends, and a symbolic link loop looks like a missing file to Path.exists()."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symbolic link loop"
+        if os.path.islink(path):
+            return f"is a broken symbolic link (to {os.readlink(path)})"
+        return "does not exist" if e.errno == errno.ENOENT else f"cannot be read ({e.strerror})"
+    if stat.S_ISREG(mode):
+        return ""
+    return f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a regular file"
+
+
+def kept_aside(path: Path) -> str:
+    """A sentence on data set aside: where it is, its size, that it stays until removed."""
+    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
+    return f"{path} ({size / 2**20:,.1f} MB, kept for inspection: remove it when done)"

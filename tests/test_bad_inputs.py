@@ -32,8 +32,14 @@ CATALOGUE = [
     (["trian.steps=4"], "trian.steps", "did you mean train?"),
     (["cluster.partition=gpu"], "cluster.partition", "is a key of cluster=slurm"),
     (["train.steps=4,8"], "train.steps", "-m train.steps=4,8"),
+    # overrides Hydra's grammar cannot read
+    (["train.steps=４"], "train.steps", "type it in ASCII: train.steps=4"),
+    (["optimizer.betas=[0.9,0.95"], "optimizer.betas", "close the list: optimizer.betas=[0.9,0.95]"),
+    (["train.init_from=/runs/my run (1)/step_0000100"], "train.init_from",
+     "quote the value (Hydra reads spaces, parentheses"),
+    (["optimizer.betas=0.9"], "optimizer.betas", "optimizer.betas=[0.9,0.95]"),
     # ranges and choices
-    (["train.steps=0"], "train.steps", ">= 1"),
+    (["train.steps=0"], "train.steps", "between 1 and 1000000000"),
     (["model.dropout=1.5"], "model.dropout", "between 0.0 and 0.95"),
     (["memory.level=3"], "memory.level", "one of 0, 1, 2"),
     (["engine.opset=18"], "engine.opset", "between 14 and 17"),
@@ -55,6 +61,10 @@ CATALOGUE = [
     (["cluster=slurm", "cluster.nodes=0"], "cluster.nodes", ">= 1"),
     (["tune.pp_schedules=[1f1b,zb]"], "tune.pp_schedules", "must be a list of gpipe, 1f1b"),
     (["tune.microbatches_per_stage=[2,0]"], "tune.microbatches_per_stage", "tune.microbatches_per_stage=[2]"),
+    (["tune=layout", "tune.world_size=0"], "tune.world_size", ">= 1"),
+    (["tune=layout", "tune.objective=speed"], "tune.objective", "one of tokens_per_s, memory"),
+    (["train.steps=99999999999999999999"], "train.steps", "between 1 and 1000000000"),
+    (["train.seed=-1"], "train.seed", "between 0 and 4294967295"),
     # numbers that are not numbers
     (["optimizer.lr=nan"], "optimizer.lr", "finite number"),
     (["optimizer.lr=inf"], "optimizer.lr", "finite number"),
@@ -118,16 +128,25 @@ CATALOGUE = [
     (["data.max_bytes=10"], "data.max_bytes", "admits none"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.text_field=body"], "data.text_field", "has no field 'body'"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
+    (["data=text", "data.paths=[{tmp}/pipe.txt]"], "data.paths", "is a named pipe (FIFO), not a regular file"),
+    (["data=text", "data.paths=[{tmp}/loop_a]"], "data.paths", "is a symbolic link loop"),
+    (["data=text", "data.paths=[{tmp}/bad_line.jsonl]"], "data.paths", "bad_line.jsonl: line 301 is not JSON"),
+    (["data.tokenizer=hf:{tmp}/broken_tokenizer"], "data.tokenizer", "tokenizer.json cannot be parsed as a tokenizer"),
     (["data.tokenizer=sentencepiece"], "data.tokenizer", "bytes, bpe or hf:<folder>"),
     (["data.tokenizer=hf:{tmp}/no_text"], "data.tokenizer", "holds no tokenizer.json"),
     (["data.tokenizer=bpe", "data.vocab_size=4096"], "model.vocab_size", "data.vocab_size=320"),
     (["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", ">= 259"),
     # where outputs go
     (["cache_dir={tmp}/a_file/cache"], "cache_dir", "is a file, not a folder"),
+    (["cache_dir=/"], "cache_dir", "it is the filesystem's root"),
+    (["cache_dir={tmp}"], "cache_dir", "holds other things than cache entries"),
     (["runs_dir=/proc/orchestrator-runs"], "runs_dir", "no folder can be made"),
     (["tracking.uri=sqlite:////proc/x/mlflow.db"], "tracking.uri", "cannot be created"),
     (["tracking.uri=sqlite:///{tmp}/random.bin"], "tracking.uri", "cannot be read as an MLflow store"),
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri", "no MLflow server answers"),
+    (["tracking.uri=postgresql://u:p@127.0.0.1:1/db"], "tracking.uri", "needs its Python driver psycopg"),
+    (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "the scheme ftp:// is not an MLflow store"),
+    (["tracking.uri={tmp}/mlruns"], "tracking.uri", "MLflow's filesystem backend"),
 ]
 
 
@@ -142,6 +161,12 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "one.txt").write_text("a line of text\n" * 2000)
     (tmp / "a_file").write_text("not a folder")
     (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
+    os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever
+    os.symlink(tmp / "loop_b", tmp / "loop_a")
+    os.symlink(tmp / "loop_a", tmp / "loop_b")
+    (tmp / "broken_tokenizer").mkdir()
+    (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
     (tmp / "gpt_vocab259" / "config.json").write_text(json.dumps({
         "architectures": ["GPT2LMHeadModel"], "vocab_size": 259, "n_layer": 8, "n_head": 4, "n_embd": 64,
@@ -186,6 +211,8 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
     (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths"),
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri"),
     (["optimizer.lr=nan"], "optimizer.lr"),
+    (["tune=layout", "tune.world_size=0"], "tune.world_size"),  # checked before any layout is listed
+    (["train.steps=４"], "train.steps"),  # a lexer error names the key
     (["-m", "data.max_bytes=16000000,10"], "data.max_bytes"),
     (["-m", "optimizer.lr=1e-3,3e-4", "data=text", "data.paths=[/abs/dir]", "dry_run=true"], "data.paths"),
 ])

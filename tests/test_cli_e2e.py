@@ -166,8 +166,10 @@ def _metrics(workdir: Path) -> dict:
     return {"rows": rows, **json.loads((train / "summary.json").read_text())}
 
 
-def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
-    """SIGINT to the orchestrator's process group, as a terminal's Ctrl-C sends it, during a 2-rank train stage."""
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_path, sig, code):
+    """SIGINT to the orchestrator's process group, as a terminal's Ctrl-C sends it, or SIGTERM, as `timeout`,
+    systemd and `kill -- -PGID` send it, during a 2-rank train stage: one path for both."""
     args = ["parallel=ddp2", "train.steps=150", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
             "train.checkpoint_every=0", "train.eval_every=0", "tracking=mlflow"]
     env = cli_env()
@@ -178,13 +180,13 @@ def test_ctrl_c_saves_a_checkpoint_and_the_same_command_continues(tmp_path):
         history = tmp_path / "runs" / "cache" / "train"
         _wait_for(lambda: any(len(p.read_text().splitlines()) >= 10 for p in history.glob("*.work/scratch/metrics.jsonl")),
                   300, "10 training steps")
-        os.killpg(proc.pid, signal.SIGINT)
+        os.killpg(proc.pid, sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 130, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
     assert "interrupted: nothing is lost; run the same command to continue" in out
     assert "Traceback" not in out
     (checkpoint,) = history.glob("*.work/scratch/checkpoints/step_*/manifest.json")
@@ -239,6 +241,8 @@ def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not any("alembic" in o or "Traceback" in o for o in outs)
     assert any("waiting for another run of" in o and "to finish: its result will be used" in o for o in outs)
+    assert all(re.search(r"waiting for another run of \w+ \(pid \d+ on \S+, since \d\d:\d\d:\d\d\)", line)
+               for o in outs for line in o.splitlines() if "waiting for another run of" in line), outs  # never "?"
     _, runs = mlflow_runs(tmp_path)
     assert len([r for r in runs if r.data.tags.get("orchestrator.kind") == "invocation"]) == 2
 

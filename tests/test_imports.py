@@ -11,7 +11,7 @@ PACKAGES = ("orchestrator", "stages", "plugins", "storage", "planning", "runtime
             "benchmarks")
 LIBRARY = ("plugins", "storage", "planning", "runtime")  # below the stages: they import neither stages nor orchestrator
 # the orchestrator's own rule owners, whose check(cfg) validation collects (the config language imports nothing else)
-OWNER_RULES = ("orchestrator.tracking", "orchestrator.cluster.rules")
+OWNER_RULES = ("orchestrator.tracking", "orchestrator.cluster.rules", "orchestrator.cache")
 
 
 def _modules(root: Path) -> dict[str, Path]:

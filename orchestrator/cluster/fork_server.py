@@ -27,7 +27,8 @@ from typing import Optional
 from stages import ORDER
 
 # What every rank would import anyway. MLflow only when the run tracks (a stage imports it only then).
-PRELOAD = ["torch", "torch.distributed", "orchestrator.worker", *(f"stages.{name}" for name in ORDER)]
+PRELOAD = ["orchestrator.cluster.fork_server_preload", "torch", "torch.distributed", "orchestrator.worker",
+           *(f"stages.{name}" for name in ORDER)]
 TRACKING_PRELOAD = ["mlflow"]
 
 _context: Optional[multiprocessing.context.BaseContext] = None
@@ -81,6 +82,7 @@ def _release_the_server() -> None:
 
 def _child(spec_path: str, env: dict, out_fd: int, title: str) -> None:
     server = os.getppid()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (fork_server_preload); a rank does not
     os.setsid()
     _release_the_server()
     libc = ctypes.CDLL("libc.so.6", use_errno=True)

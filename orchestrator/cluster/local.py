@@ -8,9 +8,9 @@
   with its exit code or signal and its last log lines.
   Children die with the orchestrator (PR_SET_PDEATHSIG, and each rank watches the orchestrator's pid), so a
   killed run leaves no orphan ranks.
-  Ctrl-C: the ranks run in their own session (a terminal's SIGINT reaches only the orchestrator), which passes
-  one SIGINT on: the train stage saves a checkpoint at the step it is on and exits (130); a second Ctrl-C
-  kills them at once.
+  Ctrl-C and SIGTERM: the ranks run in their own session (a terminal's SIGINT, or a SIGTERM to the process group,
+  reaches only the orchestrator), which passes the signal on once: the train stage saves a checkpoint at the step
+  it is on and exits (130); a second signal kills them at once (orchestrator/interrupt.py).
 
 SLURM jobs are described by orchestrator.cluster.slurm_submit, which submits them.
 """
@@ -26,11 +26,13 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Optional
 
 import psutil
 
+from orchestrator import interrupt
 from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, Outcome
 
@@ -137,6 +139,7 @@ class LocalExecutor:
         procs: list[subprocess.Popen] = []
         outputs: list[Path] = []
         pumps: list[threading.Thread] = []
+        recent: deque = deque(maxlen=16)  # rank 0's last output, whether or not its log file could be written
         t0 = time.perf_counter()
         try:
             for rank in range(tasks):
@@ -152,7 +155,8 @@ class LocalExecutor:
                 if rank == 0:  # streamed: the terminal and its log file
                     read_end, write_end = os.pipe()
                     p = self._start(launch, env, write_end)
-                    pump = threading.Thread(target=_pump, args=(os.fdopen(read_end, "rb"), out_path), daemon=True)
+                    pump = threading.Thread(target=_pump, args=(os.fdopen(read_end, "rb"), out_path, recent),
+                                            daemon=True)
                     pump.start()
                     pumps.append(pump)
                 else:
@@ -161,15 +165,15 @@ class LocalExecutor:
             try:
                 failure = self._wait(procs, launch.planned.resources.timeout_min * 60, t0,
                                      launch.log_dir, launch.spec.get("heartbeat_timeout_s"))
-            except KeyboardInterrupt:  # Ctrl-C: the ranks stop at a step boundary (a second one kills them)
+            except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the ranks stop at a step boundary (a second kills them)
                 for p in procs:
                     if p.poll() is None:
-                        p.send_signal(signal.SIGINT)
+                        p.send_signal(interrupt.received())
                 while any(p.poll() is None for p in procs):
                     time.sleep(self.poll_s)
                 for pump in pumps:
                     pump.join(timeout=5)
-                return Outcome(False, time.perf_counter() - t0, "interrupted (Ctrl-C)", interrupted=True)
+                return Outcome(False, time.perf_counter() - t0, f"interrupted ({interrupt.said()})", interrupted=True)
         except BaseException:
             _kill(procs)
             raise
@@ -179,7 +183,8 @@ class LocalExecutor:
         if failure is None:
             return Outcome(True, seconds)
         rank, what = failure
-        log = tail(outputs[rank]) or tail(launch.log_dir / f"rank{rank}.log")
+        log = b"".join(recent).decode(errors="replace") if rank == 0 else \
+            tail(outputs[rank]) or tail(launch.log_dir / f"rank{rank}.log")
         if rank == 0:  # rank 0's output was streamed above: its last line, not its traceback a second time
             last = next((line for line in reversed(log.splitlines()) if line.strip()), "")
             return Outcome(False, seconds, f"rank 0 of {tasks}: {what}: {last.strip()}\n(its output is above; "
@@ -234,19 +239,44 @@ def _silent_rank(procs: list[subprocess.Popen], log_dir: Optional[Path], limit: 
     return None
 
 
-def _pump(stream, path: Path) -> None:
-    """Copy a child's output to our stdout and to its log file as it arrives."""
+def _pump(stream, path: Path, recent: deque) -> None:
+    """Copy a child's output to our stdout and to its log file as it arrives, keeping the last chunks in `recent`.
+    A log file that cannot be written (a full disk) is given up with one line: the terminal still gets it all."""
     out = getattr(sys.stdout, "buffer", None)
-    with open(path, "wb") as f:
-        for chunk in iter(lambda: stream.read1(65536), b""):
-            f.write(chunk)
-            f.flush()
-            if out is not None:
-                out.write(chunk)
-                out.flush()
-            else:
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
+
+    def show(data: bytes) -> None:
+        if out is not None:
+            out.write(data)
+            out.flush()
+        else:
+            sys.stdout.write(data.decode(errors="replace"))
+            sys.stdout.flush()
+
+    f = None
+    try:
+        f = open(path, "wb")
+    except OSError as e:
+        show(f"(the log file {path} cannot be written: {e.strerror}; this output goes to the terminal only)\n".encode())
+    for chunk in iter(lambda: stream.read1(65536), b""):
+        recent.append(chunk)
+        if f is not None:
+            try:
+                f.write(chunk)
+                f.flush()
+            except OSError as e:
+                f = _give_up(f)
+                show(f"(the log file {path} cannot be written further: {e.strerror}; the rest of this output goes "
+                     "to the terminal only)\n".encode())
+        show(chunk)
+    if f is not None:
+        _give_up(f)
+
+
+def _give_up(f) -> None:
+    try:
+        f.close()
+    except OSError:  # the unwritten buffer of a full disk
+        pass
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:

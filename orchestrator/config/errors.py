@@ -76,8 +76,7 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
                                         f"(the files in conf/{group}/)", f"choose one of: {', '.join(options)}")])
         return ConfigError([Problem("config", missing, str(exc).splitlines()[0], "check the config name and path")])
     if isinstance(exc, OverrideParseException):
-        return ConfigError([Problem("override", "", str(exc).strip(),
-                                    "write overrides as key=value, group=option or a sweep key=a,b")])
+        return ConfigError([_unreadable_override(getattr(exc, "override", "") or "", str(exc))])
     if not isinstance(exc, ConfigCompositionException):
         return None
     cause = exc.__cause__
@@ -96,7 +95,11 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
         m = re.search(r"converted to (\w+)|not a valid (\w+)", msg)
         wanted = _TYPE_WORDS.get(next((g for g in (m.groups() if m else ()) if g), ""), "a value of the declared type")
         meaning = f" ({f.metadata['help']})" if f is not None and "help" in f.metadata else ""
-        example = f.default if f is not None and f.default is not dataclasses.MISSING else None
+        example = None if f is None else f.default if f.default is not dataclasses.MISSING else \
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(example, list):
+            wanted = "a list" if wanted == "a value of the declared type" else wanted
+            example = "[" + ",".join(map(str, example)) + "]"
         fix = f"give {full_key} {wanted}" + (f", e.g. {full_key}={_show(example)}" if example is not None else "")
         return ConfigError([Problem(full_key, getattr(cause, "value", "?"), f"{full_key} must be {wanted}{meaning}",
                                     fix)])
@@ -109,3 +112,51 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
                                     f"for a list, or {key}='\"{value}\"' for a string")])
     return ConfigError([Problem("config", "", " ".join(lines),  # Hydra's hints included
                                 "fix the override named above (python -m orchestrator --help lists the groups)")])
+
+
+def _unreadable_override(override: str, said: str) -> Problem:
+    """An override Hydra's grammar cannot read: its key, the character at fault, and the fix (ASCII for a look-alike
+    character, a closing bracket, or quotes around a value holding spaces, parentheses, `=` or `~`)."""
+    import unicodedata
+
+    key, _, value = override.lstrip("+~").partition("=")
+    first = said.strip().splitlines()[0] if said.strip() else ""
+    caret = re.search(r"\n( *)\^", said)
+    at = len(caret.group(1)) - len("LexerNoViableAltException: ") if caret else -1
+    near = re.search(r"(?:mismatched|extraneous) input '\s*(.)", said)
+    upto = re.search(r"no viable alternative at input '(.*)'", said)
+    if not 0 <= at < len(override) and near:
+        at = override.find(near.group(1), len(key) + 1)
+    elif not 0 <= at < len(override) and upto and override.find(upto.group(1)) >= 0:
+        at = override.find(upto.group(1)) + len(upto.group(1)) - 1
+        at = at if at < len(override) - 1 else -1  # the end of the override: something is missing, not wrong
+    bad = override[at] if 0 <= at < len(override) else ""
+    rule = f"the override {override!r} cannot be read by Hydra's override grammar"
+    if bad:
+        name = unicodedata.name(bad, "")
+        rule += f": the character {bad!r}{f' ({name})' if name and not bad.isascii() else ''} at position {at + 1}"
+    else:
+        rule += f" ({first})"
+    ascii_value = unicodedata.normalize("NFKC", value)
+    open_brackets = value.count("[") - value.count("]")
+    if ascii_value != value and ascii_value.isascii() and _parses(f"{key}={ascii_value}"):
+        fix = f"type it in ASCII: {key}={ascii_value}"
+    elif open_brackets > 0 and _parses(f"{key}={value}{']' * open_brackets}"):
+        fix = f"close the list: {key}={value}{']' * open_brackets}"
+    else:
+        items = value[1:-1].split(",") if value.startswith("[") and value.endswith("]") else None
+        quoted = "[" + ",".join(f'"{i.strip()}"' for i in items) + "]" if items else f'"{value}"'
+        fix = f"quote the value (Hydra reads spaces, parentheses, =, ~ and quotes only inside quotes), in the " \
+              f"shell: '{key}={quoted}'"
+    return Problem(key or "override", value or override, rule, fix)
+
+
+def _parses(override: str) -> bool:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        OverridesParser.create().parse_override(override)
+    except HydraException:
+        return False
+    return True

@@ -27,6 +27,8 @@ def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
 
 
 PP_SCHEDULES = tuple(SCHEDULES)
+MAX_STEPS = 10**9  # no run takes a billion optimizer steps; a larger number is a typo (and overflows counters)
+MAX_SEED = 2**32 - 1  # NumPy's and torch's seeds are unsigned; 32 bits is what every library accepts
 
 
 @dataclass
@@ -81,7 +83,7 @@ class OptimizerConfig:
     name: str = key(MISSING, "optimizer (the names runtime/optim.py's OPTIMIZERS builds)")
     lr: float = key(1e-3, "peak learning rate", min=0.0)
     weight_decay: float = key(0.0, "decoupled weight decay, applied to weight matrices and embeddings (not biases or norms)", min=0.0)
-    warmup_steps: int = key(0, "linear warm-up steps from 0 to lr", min=0)
+    warmup_steps: int = key(0, "linear warm-up steps from 0 to lr", min=0, max=MAX_STEPS)
     schedule: str = key("cosine", "learning-rate decay after warm-up", choices=("cosine", "constant"))
     min_lr_ratio: float = key(0.1, "final lr of the cosine decay, as a fraction of lr", min=0.0, max=1.0)
     impl: str = key("auto", "kernel: fused or foreach where torch offers it (auto picks the fastest available)",
@@ -160,7 +162,8 @@ class OrtEngineConfig(EngineConfig):
     save_onnx: bool = key(False, "write the graphs ORT runs (forward and fw+bw) into the run folder and MLflow",
                           content=False)
     intra_op_threads: int = key(0, "ORT intra-op threads; 0 means torch's thread count", content=False, min=0)
-    seed: int = key(0, "ORT's random seed, for ops that draw random numbers inside ORT graphs (dropout stays in torch)")
+    seed: int = key(0, "ORT's random seed, for ops that draw random numbers inside ORT graphs (dropout stays in torch)",
+                    min=0, max=MAX_SEED)
 
 
 @dataclass
@@ -274,10 +277,10 @@ class TrackingConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = key(300, "optimizer steps", min=1)
+    steps: int = key(300, "optimizer steps", min=1, max=MAX_STEPS)
     batch_size: int = key(16, "global batch: sequences per optimizer step", min=1)
     seq_len: int = key(128, "tokens per sequence", min=1)
-    seed: int = key(1234, "seed of initialisation, data order and dropout")
+    seed: int = key(1234, "seed of initialisation, data order and dropout", min=0, max=MAX_SEED)
     grad_clip: float = key(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
     eval_every: int = key(100, "evaluate the held-out loss every N steps (and at the end); 0: only at the end", min=0)
     eval_batches: int = key(4, "batches per evaluation", min=1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 from typing import Iterable
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -20,7 +21,7 @@ def _owners() -> tuple[tuple, tuple]:
     """(the model and its layout, from which the partition plan is built; everything else, in the order a reader
     meets the config: data, training, the cluster, the engine, the machine). Imported when the schema holds: they
     bring torch (1.5 s), which a config refused by its schema never waits for."""
-    from orchestrator import tracking
+    from orchestrator import cache, tracking
     from orchestrator.cluster import rules as cluster
     from plugins.data import rules as data
     from plugins.engines.ort import rules as ort
@@ -30,7 +31,7 @@ def _owners() -> tuple[tuple, tuple]:
 
     return ((models.check, layout.check),
             (data.check, optim.check, profiling.check, cluster.check, ort.check, precision.check, kernels.check,
-             tracking.check))
+             tracking.check, cache.check))
 
 
 def validate(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
@@ -73,10 +74,14 @@ def _folder_problems(cfg: DictConfig) -> list[Problem]:
 
     problems = []
     for key in ("runs_dir", "cache_dir"):
-        why = why_unwritable(cfg[key])
+        folder = Path(cfg[key]).expanduser().absolute()
+        # an existing cache may be read-only: it serves the stages it holds (orchestrate checks the others)
+        writes = key == "runs_dir" or not folder.is_dir()
+        why = "it is the filesystem's root: every stage and run would write its folders there" \
+            if folder == Path(folder.anchor) else why_unwritable(folder) if writes else ""
         if why:
             problems.append(Problem(key, cfg[key], f"outputs are written under {key}, but {why}",
-                                    f"{key}= a folder you can write (the default is under ./runs)"))
+                                    f"{key}= a folder you can write, of its own (the default is under ./runs)"))
     return problems
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from planning.problem import Problem
 from plugins.data import tokenizer as tokenizers
 from plugins.data.registry import get_source, source_names
+from storage.fsio import why_not_a_file
 
 
 def check(cfg) -> list[Problem]:
@@ -31,13 +32,17 @@ def _tokenizer_problems(cfg, source) -> list[Problem]:
     folder = tokenizers.hf_folder(spec)
     if spec not in ("bytes", "bpe") and folder is None:
         return [Problem("data.tokenizer", spec, "a tokenizer is bytes, bpe or hf:<folder>", "data.tokenizer=bytes")]
-    if folder is not None and not (folder / "tokenizer.json").is_file() and not folder.is_file():
-        return [Problem("data.tokenizer", spec, f"{folder} holds no tokenizer.json",
-                        "hf:<a folder saved with tokenizer.save_pretrained>")]
+    if folder is not None:
+        file = folder / "tokenizer.json" if folder.is_dir() else folder
+        why = why_not_a_file(file)
+        if why:
+            return [Problem("data.tokenizer", spec, f"{folder} holds no tokenizer.json" if why == "does not exist"
+                            else f"{file} {why}", "hf:<a folder saved with tokenizer.save_pretrained>")]
     try:
         need = tokenizers.vocab_needed(d)
     except (OSError, ValueError) as e:
-        return [Problem("data.tokenizer", spec, f"the tokenizer cannot be loaded: {e}", "another tokenizer folder")]
+        return [Problem("data.tokenizer", spec, f"the tokenizer cannot be loaded: {e}",
+                        "another tokenizer folder, or save this one again (tokenizer.save_pretrained)")]
     if need is not None and need > m.vocab_size:
         return [Problem("model.vocab_size", m.vocab_size, f"data.tokenizer={spec} produces token ids up to {need - 1}",
                         f"model.vocab_size={-(-need // 64) * 64} or more (a multiple of 64 is fastest)"

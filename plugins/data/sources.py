@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from plugins.data.registry import Corpus, DataSource, register_source, split_sizes
-from storage.fsio import sha256_file
+from storage.fsio import sha256_file, why_not_a_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet")
@@ -53,8 +53,7 @@ def _read(files: list[tuple[str, Path]], max_bytes: int, text_field: str = "text
 def _records(name: str, path: Path, field: str) -> list[tuple[str, bytes]]:
     """The documents of a JSON Lines or Parquet file: one per record, its `field` column."""
     if path.suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            texts = [json.loads(line)[field] for line in f if line.strip()]
+        texts = [record[field] for _, record in _json_lines(path)]
     else:
         import pyarrow.parquet as pq
 
@@ -62,18 +61,37 @@ def _records(name: str, path: Path, field: str) -> list[tuple[str, bytes]]:
     return [(f"{name}#{i}", str(t).encode("utf-8")) for i, t in enumerate(texts) if t]
 
 
+def _json_lines(path: Path):
+    """(line number, record) of each non-blank line; a line that is not a JSON object raises ValueError naming
+    the file and the line (json's own message names neither)."""
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}: line {number} is not JSON ({e})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}: line {number} is not a JSON object (a {type(record).__name__})")
+            yield number, record
+
+
 def _field_missing(path: Path, field: str) -> str:
-    """Why a records file has no `field` ('' when it has)."""
+    """Why a records file cannot give `field` of every record ('' when it can). JSON Lines files are read whole:
+    tokenize would otherwise meet a bad line after the stages before it have run."""
     try:
         if path.suffix == ".jsonl":
-            with open(path, encoding="utf-8") as f:
-                first = next((line for line in f if line.strip()), "")
-            keys = list(json.loads(first)) if first else []
-        else:
-            import pyarrow.parquet as pq
+            for number, record in _json_lines(path):
+                if field not in record:
+                    return f"line {number} has no field {field!r} (its fields: {', '.join(record) or 'none'})"
+            return ""
+        import pyarrow.parquet as pq
 
-            keys = pq.read_schema(path).names
-    except (OSError, ValueError) as e:
+        keys = pq.read_schema(path).names
+    except ValueError as e:
+        return str(e).removeprefix(f"{path}: ")
+    except OSError as e:
         return f"cannot be read ({e})"
     return "" if field in keys else f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
 
@@ -176,27 +194,30 @@ def _check_text(cfg) -> list[tuple]:
             if not matched:
                 problems.append(("data.paths", entry, "the pattern matches no file", "a pattern that matches files"))
             continue
-        if not p.exists():
-            problems.append(("data.paths", entry, "this path does not exist", "an existing file or folder of text"))
-        elif p.is_dir():
+        if p.is_dir():
             found = [(_doc_name(p, f), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"})]
             if not found:
                 problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
                                  "(folders are searched for those)", "a folder with text files, or the files"))
             files.extend(found)
+        elif why_not_a_file(p):
+            problems.append(("data.paths", entry, f"this path {why_not_a_file(p)}", "an existing file or folder of "
+                             "text" if not os.path.lexists(p) else "a regular text file, or a folder of them"))
         else:
             files.append((p.name, p))
     bad = []
     for name, path in files:
-        why = _field_missing(path, d.text_field) if path.suffix in _RECORDS else _not_text(path)
+        why = why_not_a_file(path) or (_field_missing(path, d.text_field) if path.suffix in _RECORDS
+                                       else _not_text(path))
         if why:
             bad.append(f"{path}: {why}")
     if bad:
-        key = "data.text_field" if any("has no field" in b for b in bad) else "data.paths"
+        key = "data.text_field" if all("has no field" in b for b in bad) else "data.paths"
         problems.append((key, d.text_field if key == "data.text_field" else list(d.paths), f"{len(bad)} file(s) cannot "
                          "be read as text: " + "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else ""),
                          "data.text_field= the column that holds the text" if key == "data.text_field" else
-                         "remove them from data.paths (or convert them to UTF-8)"))
+                         "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
+                         "per line)"))
     return problems or _check_amount(files, cfg)
 
 

@@ -121,9 +121,15 @@ def load_hf(folder: Path) -> Tokenizer:
 
     folder = Path(folder)
     file = folder / "tokenizer.json" if folder.is_dir() else folder
-    backend = HFTokenizer.from_file(str(file))
+    try:  # the tokenizers library raises a bare Exception with serde's words ("EOF while parsing a value at ...")
+        backend = HFTokenizer.from_file(str(file))
+    except Exception as e:
+        raise ValueError(f"{file} cannot be parsed as a tokenizer ({e})") from None
     config_path = file.parent / "tokenizer_config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    try:
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    except ValueError as e:
+        raise ValueError(f"{config_path} is not JSON ({e})") from None
 
     def token(name):
         value = config.get(name)
