@@ -15,7 +15,7 @@ from tests.test_cli_e2e import _wait_for
 
 pytestmark = pytest.mark.e2e
 ARGS = ["data.max_bytes=2000000", "train.steps=220", "train.checkpoint_every=100", "train.eval_every=0",
-        "train.log_every=10", "train.batch_size=16", "train.seq_len=128", "tracking=none"]
+        "train.log_every=10", "train.batch_size=16", "train.seq_len=96", "tracking=none"]
 
 
 @contextlib.contextmanager
