@@ -23,8 +23,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir, read_json, remove_tree, stamp,
-                          verify_file_table)
+from storage.fsio import (PROBE_PREFIX, atomic_write_json, file_table, kept_aside, publish_dir, read_json,
+                          remove_tree, stamp, verify_file_table)
 
 ENTRY_FILE = "_entry.json"
 OWN_FOLDERS = (".locks", ".verified")  # beside one folder per stage
@@ -163,7 +163,7 @@ def check(cfg) -> list:
     except OSError:
         return []
     known = {*ORDER, *OWN_FOLDERS, *([inductor.name] if inductor.parent == root else [])}
-    foreign = sorted(n for n in names if n not in known and not n.startswith(".orchestrator-probe-"))
+    foreign = sorted(n for n in names if n not in known and not n.startswith(PROBE_PREFIX))
     if not foreign:
         return []
     shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")

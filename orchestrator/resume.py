@@ -86,4 +86,6 @@ def _who(theirs: dict, material: dict) -> str:
     ours_layout = _layout(material["config"].get("parallel") or {})
     if theirs.get("layout") != ours_layout:
         return f"layout {theirs.get('layout')}"
-    return "other code" if theirs.get("code") != _code(material) else "another configuration (engine, memory or kernels)"
+    if theirs.get("code") != _code(material):
+        return "other code"
+    return "another configuration (engine, memory or kernels)"

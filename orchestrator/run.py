@@ -159,8 +159,9 @@ def _check_cache_writable(cfg: DictConfig, plan: list[PlannedStage], cache: Cach
     must_run = [ps.name for ps in plan if not ps.cached]
     why = why_unwritable(cache.root) if must_run and not cfg.dry_run else ""
     if why:
-        raise ConfigError([Problem("cache_dir", cfg.cache_dir, f"{', '.join(must_run)} must run and write "
-                                   f"{'its output' if len(must_run) == 1 else 'their outputs'} under cache_dir, but {why}", "cache_dir= a folder you can write (a read-only "
+        outputs = "its output" if len(must_run) == 1 else "their outputs"
+        raise ConfigError([Problem("cache_dir", cfg.cache_dir, f"{', '.join(must_run)} must run and write {outputs} "
+                                   f"under cache_dir, but {why}", "cache_dir= a folder you can write (a read-only "
                                    "cache serves only runs whose every stage it holds)")])
 
 
@@ -204,7 +205,7 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
         try:
             resume.begin(cfg, cache, ps)
             run_id = launch.open_run(tracking, cfg, "running")
-            atomic_write_json(attempt_path, {"pid": os.getpid(), "host": os.uname().nodename, "since": time.time(),
+            atomic_write_json(attempt_path, {**_this_process(),
                                              "runs": [r for r in (run_id, tracking and tracking.parent) if r]})
             write_spec(launch.spec_path, launch.spec)
         except OSError as e:  # a full disk, a read-only cache: say where, and leave no run RUNNING
@@ -248,7 +249,7 @@ def _stage_lock(cache: Cache, ps: PlannedStage):
         lock.acquire(timeout=0)
     except Timeout:
         deadline = time.monotonic() + 2.0  # the holder writes its name right after taking the lock
-        while not (holder := _read_attempt(holder_path)) and time.monotonic() < deadline:
+        while not (holder := _read_record(holder_path)) and time.monotonic() < deadline:
             time.sleep(0.05)
         who = f"pid {holder['pid']} on {holder['host']}, since " \
               f"{time.strftime('%H:%M:%S', time.localtime(holder['since']))}" if holder else \
@@ -257,14 +258,19 @@ def _stage_lock(cache: Cache, ps: PlannedStage):
                       soft_wrap=True)
         lock.acquire()
     try:
-        atomic_write_json(holder_path, {"pid": os.getpid(), "host": os.uname().nodename, "since": time.time()})
+        atomic_write_json(holder_path, _this_process())
         yield
     finally:
         holder_path.unlink(missing_ok=True)
         lock.release()
 
 
-def _read_attempt(path: Path) -> dict:
+def _this_process() -> dict:
+    """Who is at work, for whoever finds the record: a waiter, or a later run closing a stale attempt."""
+    return {"pid": os.getpid(), "host": os.uname().nodename, "since": time.time()}
+
+
+def _read_record(path: Path) -> dict:
     try:
         return read_json(path)
     except (OSError, ValueError):
@@ -275,7 +281,7 @@ def _close_stale_attempt(attempt_path: Path, tracking: Optional[Invocation]) -> 
     """An earlier attempt whose orchestrator died leaves its MLflow runs RUNNING: mark them KILLED."""
     if not attempt_path.is_file() or tracking is None:
         return
-    attempt = _read_attempt(attempt_path)
+    attempt = _read_record(attempt_path)
     if attempt.get("host") == os.uname().nodename and process_alive(attempt.get("pid", -1)):
         return
     tracking.close_stale(attempt.get("runs", []), f"superseded by run {tracking.parent}")

@@ -308,7 +308,7 @@ def check(cfg) -> list:
     return []
 
 
-DATABASES = ("postgresql", "mysql", "mssql")  # SQLAlchemy's dialects that MLflow's tracking store supports
+DATABASES = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}  # MLflow's SQL stores, and their default ports
 DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "mysqldb": "mysqlclient",
                    "pymysql": "PyMySQL", "pyodbc": "pyodbc", "pymssql": "pymssql"}
 
@@ -334,7 +334,7 @@ def _database_problems(uri: str, fix: str) -> list:
         package = DRIVER_PACKAGES.get(driver, driver)
         return [Problem("tracking.uri", uri, f"a {url.get_backend_name()} store needs its Python driver {driver}, "
                         f"which is not installed ({e})", f"pip install '{package}' -c constraints.txt, or {fix}")]
-    port = url.port or {"postgresql": 5432, "mysql": 3306, "mssql": 1433}[url.get_backend_name()]
+    port = url.port or DATABASES[url.get_backend_name()]
     try:
         socket.create_connection((url.host or "127.0.0.1", port), timeout=TRACKING_TIMEOUT_S).close()
     except OSError as e:

@@ -130,7 +130,8 @@ def adopt(cfg, earlier: Path, scratch: Optional[Path] = None, from_key: str = ""
         return None
     step, path, _ = found
     if scratch is not None:
-        partial = scratch / "checkpoints" / f".step_{step:07d}.adopting.partial"  # a crash leaves what sweep_partials removes
+        # a crash mid-linking leaves a folder that sweep_partials removes
+        partial = scratch / "checkpoints" / f".step_{step:07d}.adopting.partial"
         remove_tree(partial)
         link_tree(path, partial)
         partial.rename(ckpt.step_dir(scratch / "checkpoints", step))

@@ -148,7 +148,8 @@ def _explained(error: BaseException, path: Path, state: dict) -> BaseException:
         while not os.path.ismount(disk) and disk != disk.parent:
             disk = disk.parent
         return OSError(errno.ENOSPC, f"no space left on the device to write the checkpoint {path}: {free / 2**20:,.1f} "
-                                     f"MB free on the disk mounted at {disk}, about {needed / 2**20:,.1f} MB needed by this rank (DCP said: {said}); "
+                                     f"MB free on the disk mounted at {disk}, about {needed / 2**20:,.1f} MB needed by "
+                                     f"this rank (DCP said: {said}); "
                                      "the partial folder was removed. Free space or move cache_dir, then run the same "
                                      "command to continue")
     if isinstance(error, CheckpointException):

@@ -160,6 +160,9 @@ def link_tree(src: Path, dst: Path) -> None:
             shutil.copy2(src / rel, target)
 
 
+PROBE_PREFIX = ".orchestrator-probe-"  # the folder why_unwritable makes and removes at once
+
+
 def why_unwritable(path) -> str:
     """Why a folder cannot be created or written at path ('' when it can)."""
     import tempfile
@@ -170,7 +173,7 @@ def why_unwritable(path) -> str:
     if not p.is_dir():
         return f"{p} is a file, not a folder"
     try:  # the one sure test (permissions, read-only mounts, /proc): make a folder there, and remove it
-        os.rmdir(tempfile.mkdtemp(dir=p, prefix=".orchestrator-probe-"))
+        os.rmdir(tempfile.mkdtemp(dir=p, prefix=PROBE_PREFIX))
     except OSError as e:
         return f"no folder can be made in {p} ({e.strerror})"
     return ""
@@ -198,5 +201,5 @@ def why_not_a_file(path) -> str:
 
 def kept_aside(path: Path) -> str:
     """A sentence on data set aside: where it is, its size, that it stays until removed."""
-    size = sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).is_dir() else 0
+    size = sum((Path(path) / rel).stat().st_size for rel in iter_files(path)) if Path(path).is_dir() else 0
     return f"{path} ({size / 2**20:,.1f} MB, kept for inspection: remove it when done)"

@@ -200,9 +200,9 @@ def _check_text(cfg) -> list[tuple]:
                 problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
                                  "(folders are searched for those)", "a folder with text files, or the files"))
             files.extend(found)
-        elif why_not_a_file(p):
-            problems.append(("data.paths", entry, f"this path {why_not_a_file(p)}", "an existing file or folder of "
-                             "text" if not os.path.lexists(p) else "a regular text file, or a folder of them"))
+        elif why := why_not_a_file(p):
+            problems.append(("data.paths", entry, f"this path {why}", "an existing file or folder of text"
+                             if not os.path.lexists(p) else "a regular text file, or a folder of them"))
         else:
             files.append((p.name, p))
     bad = []
