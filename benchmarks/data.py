@@ -1,11 +1,8 @@
-"""Data speed, side by side in one process:
+"""The train step with memory-mapped shards (the train stage's way, several parts read as one stream) against the
+same corpus held in memory, alternating rounds in one process (goal >= 0.98x). The tokenize stage's own speed and
+memory at corpus scale: benchmarks/data_scale.py.
 
-1. tokenize throughput: what the tokenize stage does per tokenizer (read the files, split, encode; bpe also trains)
-   in tokens/s, and the encoding alone against the `tokenizers` library called directly on the same texts;
-2. the train step with memory-mapped shards (the train stage's way) against the same corpus held in memory,
-   alternating rounds (goal >= 0.98x).
-
-    python benchmarks/data.py [paths=<glob or folder>] [vocab=2048] [rounds=6] [steps=20] [threads=2]
+    python benchmarks/data.py [rounds=6] [steps=20] [threads=2] [tasks=2]
 """
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.support.cli import arguments  # noqa: E402
 
 from plugins.data import Batcher, shards  # noqa: E402
-from plugins.data.batcher import encoded, tokenized  # noqa: E402
-from plugins.data.registry import get_source, split_named  # noqa: E402
-from plugins.data.tokenizer import make  # noqa: E402
+from plugins.data.batcher import tokenized  # noqa: E402
+from plugins.data.corpus import build_tokenizer, corpus_layout, write_part  # noqa: E402
 from runtime.metrics import MemoryProbe  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402
@@ -35,36 +31,15 @@ from runtime.step import StepSettings, train_step  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 
-def tokenize_throughput(data_args: list[str], vocab: int) -> None:
-    for tokenizer in ("bytes", "bpe"):
-        cfg = make_cfg(*data_args, f"data.tokenizer={tokenizer}", f"data.vocab_size={vocab}",
-                       f"model.vocab_size={max(vocab, 320)}")
-        t0 = time.perf_counter()
-        splits, *_ = encoded(cfg)
-        stage_s = time.perf_counter() - t0
-        n = sum(len(d) for docs in splits.values() for d in docs)
-        train, val = split_named(get_source(cfg.data.name).documents(cfg.data), cfg.data)
-        tok = make(cfg.data, train)
-        t0 = time.perf_counter()
-        ours = tok.encode_documents(train + val)
-        ours_s = time.perf_counter() - t0
-        line = f"{tokenizer:<5} stage {n / stage_s:12,.0f} tokens/s (read, split, {'train, ' if tokenizer == 'bpe' else ''}" \
-               f"encode: {stage_s:.2f} s) | encode alone {sum(map(len, ours)) / ours_s:12,.0f} tokens/s"
-        if tok.backend is not None:
-            texts = [d.decode("utf-8", errors="replace") for d in train + val]
-            t0 = time.perf_counter()
-            direct = tok.backend.encode_batch(texts, add_special_tokens=False)
-            direct_s = time.perf_counter() - t0
-            line += f" | tokenizers directly {sum(len(e.ids) for e in direct) / direct_s:12,.0f} tokens/s " \
-                    f"(ours / direct {direct_s / ours_s:.2f}x)"
-        print(line, flush=True)
-
-
-def memmap_vs_memory(rounds: int, steps: int) -> None:
+def memmap_vs_memory(rounds: int, steps: int, tasks: int) -> None:
     cfg = make_cfg("train.batch_size=16", "train.seq_len=128")
     with tempfile.TemporaryDirectory() as tmp:
-        splits, vocab, pad, tok = encoded(cfg)
-        shards.write(Path(tmp), splits, vocab, tok.eos, pad, tok.kind)
+        lay = corpus_layout(cfg)
+        tok = build_tokenizer(cfg, lay)
+        for task in range(tasks):  # the parts `tasks` processes of the stage write
+            write_part(cfg, lay, tok, Path(tmp), task, tasks)
+        parts = [shards.part_name(t) for t in range(tasks)]
+        shards.write_index(Path(tmp), parts, tok.vocab_size, tok.eos, tok.pad, tok.kind)
         batchers = {"memmap": Batcher(shards.read(Path(tmp), True), 16, 128, 1234),
                     "memory": Batcher(tokenized(cfg), 16, 128, 1234)}
         spec = get_model(cfg.model.name)
@@ -92,11 +67,7 @@ def memmap_vs_memory(rounds: int, steps: int) -> None:
 def main(argv: list[str]) -> None:
     args = arguments(argv, __doc__)
     torch.set_num_threads(int(args.get("threads", 2)))
-    paths = args.get("paths")
-    data_args = ["data=text", f"data.paths=[{paths}]"] if paths else []
-    print(f"corpus: {paths or 'the standard library (data=stdlib)'}")
-    tokenize_throughput(data_args, int(args.get("vocab", 2048)))
-    memmap_vs_memory(int(args.get("rounds", 6)), int(args.get("steps", 20)))
+    memmap_vs_memory(int(args.get("rounds", 6)), int(args.get("steps", 20)), int(args.get("tasks", 2)))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
         threading.Thread(target=_beat, args=(heartbeat_path(spec["log_dir"], rank),
                                              int(orchestrator) if orchestrator else None), daemon=True).start()
     torch.set_num_threads(rank_threads(spec.get("threads"), world))
-    if world > 1 and not dist.is_initialized():
+    if world > 1 and stage.collective and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":  # NCCL binds to the current device: the rank's own, before its first collective
             from plugins.parallel.mesh import pick_device
@@ -129,7 +129,7 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
                            world_size=world, tracker=tracker, log=log, interactive=bool(spec.get("interactive")))
         stage.run(ctx)
         tracker.flush()
-        if world > 1:
+        if world > 1 and stage.collective:
             dist.barrier()
         if rank == 0:
             Cache(Path(spec["cache_root"])).publish(stage.name, spec["key"], spec["entry_meta"])

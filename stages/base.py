@@ -75,6 +75,9 @@ class Stage:
     lineage: tuple[str, ...] = ()
     """config paths that decide what an interrupted attempt computed, not how (no layout, cluster or code): an
     attempt under another key with the same lineage and upstream data may be continued (`adopt`)."""
+    collective: bool = True
+    """its tasks form a process group (torch.distributed) and meet at a barrier before publishing; False: they
+    share only files (tokenize: tasks of very different lengths would outwait the group's timeout)."""
     adopt: Optional[Callable[..., Optional[int]]] = None
     """(cfg, an earlier attempt's scratch, this attempt's scratch or None, its key) -> the step this attempt would
     continue from (None: nothing usable); given this attempt's scratch, the state is linked into it."""

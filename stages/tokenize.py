@@ -2,44 +2,156 @@
 
 Its key holds the data config, the tokenizer, the model's vocabulary (random tokens are drawn over it) and the
 content of the corpus files read, so a sweep over training settings tokenizes once and an edited file tokenizes
-again. With data.tokenizer=bpe the tokenizer is trained here, on the training split, and saved with the tokens.
+again. It runs as data.tasks processes (local, or SLURM tasks over several nodes), which share nothing but files:
+task 0 makes the tokenizer (with data.tokenizer=bpe it learns it here, from a bounded sample of the training
+split) and the others wait for it; each task streams its contiguous share of the corpus into a part of its own;
+task 0 waits for every part and writes the index that names them. The result does not depend on the task count.
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plugins.data import data_fingerprint, shards
-from plugins.data.batcher import encoded
-from storage.fsio import read_json
-from stages.base import Stage, StageContext
+from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_layout, default_tasks,
+                                 finish, source_tokens, wait_for, write_part)
+from plugins.data.reading import partition
+from plugins.data.registry import get_source
+from plugins.data.tokenizer import load_saved
+from runtime.threads import usable_cores
+from storage.fsio import read_json, remove_tree
+from stages.base import Resources, Stage, StageContext
+
+LOG_EVERY_S = 30.0
 
 
 def tokenize(ctx: StageContext) -> None:
-    t0 = time.perf_counter()
-    splits, vocab, pad, tokenizer = encoded(ctx.cfg)
-    seconds = time.perf_counter() - t0
-    kind = tokenizer.kind if tokenizer else ctx.cfg.data.name
-    index = shards.write(ctx.out / "tokens", splits, vocab, tokenizer.eos if tokenizer else pad, pad, kind)
-    if tokenizer is not None:
-        tokenizer.save(ctx.out / "tokenizer")
+    cfg, t0 = ctx.cfg, time.perf_counter()
+    tokens = ctx.out / TOKENS_DIR
+    if get_source(cfg.data.name).tokens is not None:  # tokens already: nothing to encode
+        _report(ctx, source_tokens(cfg, tokens), time.perf_counter() - t0, 0)
+        return
+    lay = corpus_layout(cfg)
+    os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, usable_cores() // ctx.world_size)))
+    tok = _tokenizer(ctx, lay)
+    attempt = _attempt()
+    share = sum(p.size for p in _share(lay, ctx.rank, ctx.world_size)) if lay else 0
+    with _progress(ctx, share) as (bar, task):
+        last_log = [time.perf_counter()]
+
+        def progress(read: int, n_tokens: int) -> None:
+            bar.update(task, completed=read, tokens=n_tokens / max(time.perf_counter() - t0, 1e-9))
+            if time.perf_counter() - last_log[0] > LOG_EVERY_S:
+                last_log[0] = time.perf_counter()
+                ctx.log.info("tokenize task %d/%d: %s of %s read, %d tokens", ctx.rank, ctx.world_size,
+                             _mb(read), _mb(share), n_tokens)
+
+        write_part(cfg, lay, tok, tokens, ctx.rank, ctx.world_size, progress, attempt)
+    if not ctx.is_rank0:
+        return
+    parts = [shards.part_name(t) for t in range(ctx.world_size)]
+    wait_for(lambda: all(_part_done(tokens / p, attempt) for p in parts))
+    extra = {"bytes_read": lay.read_bytes, "files_read": lay.files} if lay else {}
+    index = finish(tokens, parts, tok, cfg, lay, **extra)
+    _report(ctx, index, time.perf_counter() - t0, lay.read_bytes if lay else 0)
+
+
+def _tokenizer(ctx: StageContext, lay):
+    """Task 0 makes it (a BPE learns here) and publishes it by a rename; the others wait and load it."""
+    folder = ctx.out / TOKENIZER_DIR
+    if ctx.is_rank0:
+        t0 = time.perf_counter()
+        tok = build_tokenizer(ctx.cfg, lay)
+        if ctx.cfg.data.tokenizer == "bpe":
+            ctx.log.info("learned a BPE of %d tokens in %.1f s (data.bpe_sample_bytes=%d)", tok.vocab_size,
+                         time.perf_counter() - t0, ctx.cfg.data.bpe_sample_bytes)
+        partial = ctx.out / f".{TOKENIZER_DIR}.partial"
+        remove_tree(partial)
+        tok.save(partial)
+        os.rename(partial, folder)
+        return tok
+    wait_for(folder.is_dir)
+    return load_saved(folder)
+
+
+def _attempt() -> str:
+    """What every task of this attempt shares and no earlier attempt had (a SLURM requeue, a local relaunch)."""
+    env = os.environ
+    return f"{env.get('SLURM_JOB_ID', '')}.{env.get('SLURM_RESTART_COUNT', '0')}.{env.get('MASTER_PORT', '')}"
+
+
+def _part_done(part: Path, attempt: str) -> bool:
+    try:
+        return read_json(part / shards.PART).get("attempt") == attempt
+    except (OSError, ValueError):
+        return False
+
+
+def _share(lay, task: int, tasks: int):
+    return partition(lay.pieces, tasks)[task]
+
+
+def _progress(ctx: StageContext, total: int):
+    console = Console(force_terminal=ctx.interactive or None, highlight=False)
+    bar = Progress(TextColumn("[bold]tokenize"), BarColumn(), DownloadColumn(),
+                   TextColumn("{task.fields[tokens]:,.0f} tokens/s"), TimeRemainingColumn(), console=console,
+                   disable=not (ctx.interactive and ctx.is_rank0), transient=True)
+
+    class _Bar:
+        def __enter__(self):
+            bar.__enter__()
+            return bar, bar.add_task("tokenize", total=total or None, tokens=0.0)
+
+        def __exit__(self, *exc):
+            return bar.__exit__(*exc)
+
+    return _Bar()
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def _report(ctx: StageContext, index: dict, seconds: float, read: int) -> None:
     tokens = index["train"]["tokens"] + index["val"]["tokens"]
     ctx.tracker.log_metrics({"tokenize_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9),
-                             "train_tokens": index["train"]["tokens"], "val_tokens": index["val"]["tokens"]})
-    ctx.log.info("tokenized %d documents into %d + %d tokens (%s, vocabulary %d) in %.1f s: %.0f tokens/s",
-                 index["train"]["documents"] + index["val"]["documents"], index["train"]["tokens"],
-                 index["val"]["tokens"], kind, vocab, seconds, tokens / max(seconds, 1e-9))
+                             "bytes_per_s": read / max(seconds, 1e-9), "bytes_read": read,
+                             "tokenize_tasks": ctx.world_size, "train_tokens": index["train"]["tokens"],
+                             "val_tokens": index["val"]["tokens"]})
+    ctx.log.info("tokenized %d documents (%s) into %d + %d tokens (%s, vocabulary %d) in %.1f s by %d task(s): "
+                 "%.0f tokens/s", index["train"]["documents"] + index["val"]["documents"], _mb(read),
+                 index["train"]["tokens"], index["val"]["tokens"], index["tokenizer"], index["vocab_size"], seconds,
+                 ctx.world_size, tokens / max(seconds, 1e-9))
 
 
 def _summary(out) -> str:
-    index = read_json(out / "tokens" / shards.INDEX)
+    index = read_json(out / TOKENS_DIR / shards.INDEX)
     return (f"{index['train']['tokens']:,} + {index['val']['tokens']:,} tokens ({index['tokenizer']}, "
             f"vocabulary {index['vocab_size']:,})")
+
+
+def _resources(cfg) -> Resources:
+    """data.tasks; by default every usable core here (one in the debug cluster's one process), one task per node of
+    cluster.nodes on SLURM; never more tasks than pieces of the corpus."""
+    if cfg.cluster.name == "debug":
+        return Resources(tasks=1)
+    if cfg.cluster.name == "slurm" and not cfg.data.tasks:
+        cores = cfg.cluster.nodes
+    else:
+        cores = usable_cores()
+    return Resources(tasks=default_tasks(cfg, corpus_layout(cfg), cores))
 
 
 STAGE = Stage(
     name="tokenize",
     run=tokenize,
     reads=("data", "model.vocab_size"),
+    resources=_resources,
     fingerprint=data_fingerprint,
     summary=_summary,
+    collective=False,
 )

@@ -125,7 +125,7 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/no_text]"], "data.paths", "holds no"),
     (["data=text", "data.paths=[{tmp}/short.txt]"], "data.paths", "needs train.seq_len+1"),
     (["data.paths=[{tmp}/one.txt]"], "data.paths", "read by data=text only"),
-    (["data.max_bytes=10"], "data.max_bytes", "admits none"),
+    (["data.max_bytes=10"], "data.max_bytes", "left out by data.max_bytes"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.text_field=body"], "data.text_field", "has no field 'body'"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
     (["data=text", "data.paths=[{tmp}/pipe.txt]"], "data.paths", "is a named pipe (FIFO), not a regular file"),

@@ -46,7 +46,7 @@ def test_a_default_run_its_folder_and_its_model_in_one_line(workdir):
 
 
 def test_the_commands_a_dry_run_prints_run_when_pasted(workdir):
-    result = run_cli([*QUICK, "tracking=none", "dry_run=true"], workdir)
+    result = run_cli([*QUICK, "tracking=none", "dry_run=true", "data.tasks=1"], workdir)  # one process: pasteable
     assert result.returncode == 0
     command = next(line for line in result.stdout.splitlines() if line.startswith("tokenize: "))
     argv = command.split(": ", 1)[1].split()

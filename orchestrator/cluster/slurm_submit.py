@@ -35,7 +35,7 @@ class SlurmView:
 
     def describe(self, launch: Launch) -> str:
         tasks = launch.planned.resources.tasks
-        nodes = self.cluster.nodes if tasks > 1 else 1
+        nodes = job_nodes(self.cluster.nodes, tasks)
         where = f" on {self.cluster.partition}" if self.cluster.partition else ""
         return f"slurm job{where}, {tasks} task{'s' if tasks > 1 else ''}" + (f", {nodes} nodes" if nodes > 1 else "")
 
@@ -60,10 +60,16 @@ def cpus_per_task(c: DictConfig) -> int:
     return c.cpus_per_task or c.threads_per_rank or 1
 
 
+def job_nodes(nodes: int, tasks: int) -> int:
+    """The nodes a job of `tasks` spreads over evenly: cluster.nodes, or the most of them that divides the tasks
+    (the train job's tasks are checked to fit before launch; a tokenize job of 3 tasks on 2 nodes takes 1)."""
+    return max(n for n in range(1, min(nodes, tasks) + 1) if tasks % n == 0)
+
+
 def sbatch_parameters(c: DictConfig, ps: PlannedStage, after: list[str]) -> dict:
     """submitit SlurmExecutor parameters of one stage's job (c: the cluster section)."""
     tasks = ps.resources.tasks
-    nodes = c.nodes if tasks > 1 else 1
+    nodes = job_nodes(c.nodes, tasks)
     per_node = tasks // nodes
     cpus = cpus_per_task(c)
     params = {"job_name": f"{ps.name}-{ps.key[:8]}", "time": int(c.time_min.get(ps.name, 60)), "nodes": nodes,

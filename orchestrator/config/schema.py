@@ -180,7 +180,15 @@ class DataConfig:
                                   "tokenizer.json / save_pretrained folder)")
     vocab_size: int = key(2048, "data.tokenizer=bpe: the vocabulary it learns (bytes, <eos>, <pad> and merges); "
                                 "model.vocab_size must be at least this", min=259)
-    max_bytes: int = key(16_000_000, "read at most this many bytes of the corpus (0: no limit)", min=0)
+    max_bytes: int = key(16_000_000, "read the corpus's first this many bytes, in file order, the last file cut at a "
+                                     "line start (0: all of it); the plan says how much it leaves out", min=0)
+    tasks: Optional[int] = key(None, "processes of the tokenize stage, each taking a contiguous part of the corpus "
+                                     "(files, and big files by byte ranges at line starts); the result does not "
+                                     "depend on it. Default: the usable cores (local; 1 on debug), one per node of "
+                                     "cluster.nodes (slurm); at most one per MiB of corpus", content=False, min=1)
+    bpe_sample_bytes: int = key(1_000_000_000, "data.tokenizer=bpe: it learns from at most this many bytes of the "
+                                               "training split, pieces spread evenly over the corpus (streamed)",
+                                min=1)
     synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2)
 
 

@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from plugins.data import shards
-from plugins.data import tokenizer as tokenizers
-from plugins.data.registry import Corpus, get_source, split_named
+from plugins.data.corpus import tokenized
+from plugins.data.registry import Corpus, get_source
+from storage import file_hashes
 
 
 @dataclass
@@ -34,9 +35,9 @@ class Batcher:
 
     def __init__(self, corpus: Corpus, batch_size: int, seq_len: int, seed: int):
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
-        for split in ("train", "val"):
+        for split in ("train", "val") if corpus.packed else ():
             longest = max(len(d) for d in getattr(corpus, split))
-            if corpus.packed and longest < seq_len + 1:
+            if longest < seq_len + 1:
                 raise ValueError(f"the {split} split holds {longest} tokens, fewer than train.seq_len+1="
                                  f"{seq_len + 1}: use more data or a shorter train.seq_len")
 
@@ -46,7 +47,7 @@ class Batcher:
     def eval_batch(self, index: int) -> Batch:
         return self._batch(self.corpus.val, (self.seed, 1, index))
 
-    def _batch(self, docs: list[np.ndarray], key: tuple[int, ...]) -> Batch:
+    def _batch(self, docs, key: tuple[int, ...]) -> Batch:
         rng = np.random.default_rng(key)
         T = self.seq_len
         rows = np.full((self.batch_size, T + 1), self.corpus.pad, dtype=np.int64)
@@ -66,26 +67,6 @@ class Batcher:
         return Batch(inputs, labels, float(real[:, :-1].mean()), float(real[:, 1:].mean()))
 
 
-def encoded(cfg) -> tuple[dict[str, list[np.ndarray]], int, int, Optional[tokenizers.Tokenizer]]:
-    """The experiment's documents, split and tokenized with data.tokenizer (or the source's own tokens):
-    ({"train": docs, "val": docs}, vocabulary, pad id, tokenizer). What the tokenize stage writes to shards."""
-    source = get_source(cfg.data.name)
-    if source.tokens is not None:
-        corpus = source.tokens(cfg.data, cfg.model.vocab_size)
-        return {"train": corpus.train, "val": corpus.val}, corpus.vocab_size, corpus.pad, None
-    train, val = split_named(source.documents(cfg.data), cfg.data)
-    tok = tokenizers.make(cfg.data, train)
-    return {"train": tok.encode_documents(train), "val": tok.encode_documents(val)}, tok.vocab_size, tok.pad, tok
-
-
-def tokenized(cfg) -> Corpus:
-    """The corpus in memory (what the tokenize stage's shards hold), packed or per document as data.packing says."""
-    splits, vocab, pad, _ = encoded(cfg)
-    if cfg.data.packing:
-        splits = {k: [np.concatenate(v)] for k, v in splits.items()}
-    return Corpus(splits["train"], splits["val"], vocab, cfg.data.packing, pad)
-
-
 def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
     """The batcher of an experiment: the tokenize stage's shards (memory-mapped) when given, else the corpus
     tokenized in memory; batch, sequence length and seed from cfg.train."""
@@ -94,5 +75,10 @@ def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
 
 
 def data_fingerprint(cfg) -> str:
-    """Changes whenever the experiment's data changes (enters the cache keys of stages that read data)."""
-    return get_source(cfg.data.name).fingerprint(cfg.data)
+    """Changes whenever the experiment's data changes (enters the cache keys of stages that read data). Files are
+    hashed again only when their stamps changed, remembered in the cache (storage/file_hashes.py)."""
+    cache = Path(cfg.cache_dir).expanduser()
+    if not cache.is_dir():  # nothing is written before the cache exists (a first dry run)
+        return get_source(cfg.data.name).fingerprint(cfg.data)
+    with file_hashes.remembering(cache / ".verified" / "files.json"):
+        return get_source(cfg.data.name).fingerprint(cfg.data)

@@ -6,13 +6,14 @@ packages add theirs through the `orchestrator.data` entry-point group.
 """
 from __future__ import annotations
 
-import zlib
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Callable, Optional
+from pathlib import Path
+from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from plugins.data.reading import assign
 from plugins.data.tokenizer import PAD
 
 
@@ -30,13 +31,17 @@ class Corpus:
 class DataSource:
     fingerprint: Callable[[object], str]
     """cfg.data -> a string that changes whenever the underlying data changes (enters cache keys)."""
-    documents: Optional[Callable[[object], list[tuple[str, bytes]]]] = None
-    """cfg.data -> the corpus's (name, text) documents, tokenized with data.tokenizer."""
+    documents: Optional[Callable[[object], Iterable[tuple[str, bytes]]]] = None
+    """cfg.data -> the corpus's (name, text) documents, tokenized with data.tokenizer: a list (split as a whole:
+    a lone document is cut in two), or an iterator, streamed (each document's split from a hash of its name)."""
     tokens: Optional[Callable[[object, int], Corpus]] = None
     """(cfg.data, model vocab size) -> Corpus, for sources that are tokens already (no tokenizer)."""
     check: Optional[Callable[[object], list[tuple]]] = None
     """the whole cfg -> problems found before launch, each (config key, value, rule, fix): files missing,
     unreadable, binary or not UTF-8, too little text for one batch and the held-out split."""
+    files: Optional[Callable[[object], list[tuple[str, Path]]]] = None
+    """cfg.data -> the corpus's files ((name, path), in order): text, JSON Lines, Parquet. Such a source is read in
+    pieces (plugins/data/reading.py), by as many tokenize tasks as data.tasks says."""
 
 
 _SOURCES: dict[str, DataSource] = {}
@@ -68,22 +73,8 @@ def get_source(name: str) -> DataSource:
     return _SOURCES[name]
 
 
-def _assign(names: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
-    """Indices of the train and held-out documents: by a hash of each name (stable as the corpus grows), never
-    leaving a split empty when there are two documents or more."""
-    train, val = [], []
-    for i, name in enumerate(names):
-        (val if zlib.crc32(name.encode()) % 10_000 < val_fraction * 10_000 else train).append(i)
-    if not val and len(train) > 1:
-        val.append(train.pop())
-    if not train and len(val) > 1:
-        train.append(val.pop(0))
-    return train, val
-
-
 def _cut(doc: bytes, val_fraction: float) -> tuple[bytes, bytes]:
-    """A lone document (one big text file, the most common corpus): its last val_fraction is held out, cut at a
-    line break."""
+    """A lone document: its last val_fraction is held out, cut at a line break."""
     cut = int(len(doc) * (1 - val_fraction))
     newline = doc.find(b"\n", cut)
     if 0 <= newline < len(doc) - 1:
@@ -96,18 +87,8 @@ def split_documents(named_docs: list[tuple[str, bytes]], val_fraction: float) ->
     if len(named_docs) == 1:
         head, tail = _cut(named_docs[0][1], val_fraction)
         return [head] if head else [], [tail] if tail else []
-    train, val = _assign([n for n, _ in named_docs], val_fraction)
+    train, val = assign([n for n, _ in named_docs], val_fraction)
     return [named_docs[i][1] for i in train], [named_docs[i][1] for i in val]
-
-
-def split_sizes(named_sizes: list[tuple[str, int]], val_fraction: float) -> tuple[list[int], list[int]]:
-    """The document sizes split_documents would give each split (a lone document's cut approximately)."""
-    if len(named_sizes) == 1:
-        size = named_sizes[0][1]
-        cut = int(size * (1 - val_fraction))
-        return [cut] if cut else [], [size - cut] if size - cut else []
-    train, val = _assign([n for n, _ in named_sizes], val_fraction)
-    return [named_sizes[i][1] for i in train], [named_sizes[i][1] for i in val]
 
 
 def split_named(named_docs: list[tuple[str, bytes]], data_cfg) -> tuple[list[bytes], list[bytes]]:

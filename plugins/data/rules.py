@@ -26,7 +26,7 @@ def check(cfg) -> list[Problem]:
 def _tokenizer_problems(cfg, source) -> list[Problem]:
     """data.tokenizer is one we know, and the model's embedding has a row for every id it produces."""
     d, m = cfg.data, cfg.model
-    if source.documents is None:
+    if source.tokens is not None:
         return []  # token sources adapt to the model's vocabulary
     spec = d.tokenizer
     folder = tokenizers.hf_folder(spec)

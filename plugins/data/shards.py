@@ -1,13 +1,18 @@
-"""Token shards on disk, the nanoGPT / Megatron format: a flat binary file of token ids per split (uint16 when the
-vocabulary fits, else uint32) plus the offsets where documents start, read back by memory map (no corpus in RAM).
+"""Token shards on disk, Megatron's indexed-dataset shape: the tokenize stage's tasks each append one part, and an
+index names the parts, which are read back by memory map as one corpus (no copy, no corpus in RAM).
 
-  train.bin  val.bin          the documents' tokens, each document ending in <eos>, back to back
-  train.idx.npy  val.idx.npy  int64 offsets: document i is tokens[idx[i]:idx[i+1]]
-  index.json                  dtype, token and document counts, vocabulary, <eos>/<pad> ids, tokenizer kind
+  part-00000/train.bin  val.bin   the documents' tokens, each document ending in <eos>, back to back (uint16 when
+                                  the vocabulary fits, else uint32; raw, no header: what memory-map readers expect)
+  part-00000/train.idx  val.idx   int64: where each document that ends in this part ends (a document may begin in
+                                  the part before: a big text file read by two tasks)
+  part-00000/part.json            the part's token and document counts (written last: the part is complete)
+  index.json                      dtype, counts, vocabulary, <eos>/<pad> ids, tokenizer kind, the parts in order
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -15,39 +20,158 @@ from plugins.data.registry import Corpus
 from storage.fsio import atomic_write_json, read_json
 
 INDEX = "index.json"
+PART = "part.json"
+SPLITS = ("train", "val")
 
 
 def dtype_for(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def write(folder: Path, splits: dict[str, list[np.ndarray]], vocab_size: int, eos: int, pad: int, kind: str) -> dict:
+def part_name(task: int) -> str:
+    return f"part-{task:05d}"
+
+
+class PartWriter:
+    """Appends documents to one part as they are tokenized: what it holds is a batch, never the corpus."""
+
+    def __init__(self, folder: Path, vocab_size: int, attempt: str = ""):
+        self.folder, self.attempt = Path(folder), attempt
+        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / PART).unlink(missing_ok=True)
+        self.dtype = dtype_for(vocab_size)
+        self.files = {s: open(self.folder / f"{s}.bin", "wb") for s in SPLITS}
+        self.ends = {s: open(self.folder / f"{s}.idx", "wb") for s in SPLITS}
+        self.tokens = dict.fromkeys(SPLITS, 0)
+        self.documents = dict.fromkeys(SPLITS, 0)
+
+    def append(self, split: str, ids: np.ndarray, closes: bool) -> None:
+        """A document's tokens (or a piece of it); closes: it ends here (its <eos> is in ids)."""
+        self.files[split].write(np.asarray(ids, dtype=self.dtype).tobytes())
+        self.tokens[split] += len(ids)
+        if closes:
+            self.ends[split].write(np.int64(self.tokens[split]).tobytes())
+            self.documents[split] += 1
+
+    def close(self, **extra) -> dict:
+        for f in (*self.files.values(), *self.ends.values()):
+            f.close()
+        summary = {"attempt": self.attempt, **extra, **{s: {"tokens": self.tokens[s], "documents": self.documents[s]}
+                                                        for s in SPLITS}}
+        atomic_write_json(self.folder / PART, summary)  # last: a part with part.json is complete
+        return summary
+
+
+def write_index(folder: Path, parts: list[str], vocab_size: int, eos: int, pad: int, kind: str, **extra) -> dict:
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    dtype = dtype_for(vocab_size)
-    index = {"dtype": dtype.name, "vocab_size": vocab_size, "eos": eos, "pad": pad, "tokenizer": kind}
-    for split, docs in splits.items():
-        lengths = np.array([len(d) for d in docs], dtype=np.int64)
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        with open(folder / f"{split}.bin", "wb") as f:  # raw tokens, no header: what memory-map readers expect
-            for doc in docs:
-                f.write(np.asarray(doc, dtype=dtype).tobytes())
-        np.save(folder / f"{split}.idx.npy", offsets)
-        index[split] = {"tokens": int(offsets[-1]), "documents": len(docs)}
+    summaries = [read_json(folder / p / PART) for p in parts]
+    index = {"dtype": dtype_for(vocab_size).name, "vocab_size": vocab_size, "eos": eos, "pad": pad, "tokenizer": kind,
+             "parts": parts, **extra}
+    for s in SPLITS:
+        index[s] = {"tokens": sum(x[s]["tokens"] for x in summaries), "documents": sum(x[s]["documents"]
+                                                                                      for x in summaries)}
     atomic_write_json(folder / INDEX, index)
     return index
 
 
-def read(folder: Path, packed: bool) -> Corpus:
-    """The corpus of a shard folder, memory-mapped: packed, one stream per split; else one view per document."""
+def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
+    """A corpus too small for its split rule (a few records, none drawn for the held-out split): the last document
+    of `src` moves to the end of `dst`, the same one whatever the number of parts. Returns the new index."""
     folder = Path(folder)
-    index = read_json(folder / INDEX)
+    part = next(p for p in reversed(index["parts"]) if read_json(folder / p / PART)[src]["documents"])
+    dtype, int64 = np.dtype(index["dtype"]), np.dtype(np.int64)
+    ends = np.fromfile(folder / part / f"{src}.idx", dtype=int64)
+    start, end = (int(ends[-2]) if len(ends) > 1 else 0), int(ends[-1])
+    tokens = np.array(_memmap(folder / part / f"{src}.bin", dtype)[start:end])
+    summary = read_json(folder / part / PART)
+    with open(folder / part / f"{dst}.bin", "ab") as f:
+        f.write(tokens.tobytes())
+    with open(folder / part / f"{dst}.idx", "ab") as f:
+        f.write(np.int64(summary[dst]["tokens"] + len(tokens)).tobytes())
+    os.truncate(folder / part / f"{src}.bin", start * dtype.itemsize)
+    os.truncate(folder / part / f"{src}.idx", (len(ends) - 1) * int64.itemsize)
+    for split, sign in ((src, -1), (dst, 1)):
+        summary[split] = {"tokens": summary[split]["tokens"] + sign * len(tokens),
+                          "documents": summary[split]["documents"] + sign}
+    atomic_write_json(folder / part / PART, summary)
+    extra = {k: v for k, v in index.items() if k not in ("dtype", "vocab_size", "eos", "pad", "tokenizer", "parts",
+                                                         *SPLITS)}
+    return write_index(folder, index["parts"], index["vocab_size"], index["eos"], index["pad"], index["tokenizer"],
+                       **extra)
+
+
+def write(folder: Path, splits: dict[str, list[np.ndarray]], vocab_size: int, eos: int, pad: int, kind: str) -> dict:
+    """Whole documents in memory as one part (sources that are tokens already, e.g. synthetic)."""
+    writer = PartWriter(Path(folder) / part_name(0), vocab_size)
+    for split, docs in splits.items():
+        for doc in docs:
+            writer.append(split, doc, True)
+    writer.close()
+    return write_index(folder, [part_name(0)], vocab_size, eos, pad, kind)
+
+
+class TokenStream:
+    """Several token arrays read as one: len() and slices (a slice across two parts is copied, others are views)."""
+
+    def __init__(self, arrays: Sequence[np.ndarray]):
+        self.arrays = [a for a in arrays if len(a)]
+        self.starts = np.cumsum([0] + [len(a) for a in self.arrays])
+        self.dtype = self.arrays[0].dtype if self.arrays else np.dtype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key):
+        if not isinstance(key, slice):
+            return self[key:key + 1][0]
+        start, stop, _ = key.indices(len(self))
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.starts, stop, side="left")) - 1
+        pieces = [self.arrays[i][max(start - self.starts[i], 0):stop - self.starts[i]] for i in range(first, last + 1)]
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self[:]
+        return whole.astype(dtype) if dtype is not None else np.asarray(whole)
+
+
+class Documents:
+    """The documents of a token stream, from the offsets where each ends: len() and [i] (a view when it can)."""
+
+    def __init__(self, stream: TokenStream, ends: np.ndarray):
+        self.stream, self.ends = stream, ends
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, i: int):
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        return self.stream[int(self.ends[i - 1]) if i else 0:int(self.ends[i])]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+
+def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
+    return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+
+
+def read(folder: Path, packed: bool, index: Optional[dict] = None) -> Corpus:
+    """The corpus of a shard folder, memory-mapped: packed, one stream per split; else its documents."""
+    folder = Path(folder)
+    index = index or read_json(folder / INDEX)
+    dtype = np.dtype(index["dtype"])
     splits = {}
-    for split in ("train", "val"):
-        tokens = np.memmap(folder / f"{split}.bin", dtype=np.dtype(index["dtype"]), mode="r")
-        if packed:
-            splits[split] = [tokens]
-        else:
-            offsets = np.load(folder / f"{split}.idx.npy")
-            splits[split] = [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+    for split in SPLITS:
+        tokens, ends, base = [], [], 0
+        for part in index["parts"]:
+            tokens.append(_memmap(folder / part / f"{split}.bin", dtype))
+            ends.append(_memmap(folder / part / f"{split}.idx", np.dtype(np.int64)) + base)
+            base += len(tokens[-1])
+        stream = TokenStream(tokens)
+        splits[split] = [stream] if packed else Documents(stream, np.concatenate(ends))
     return Corpus(splits["train"], splits["val"], index["vocab_size"], packed, index["pad"])

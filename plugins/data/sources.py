@@ -1,7 +1,8 @@
 """Built-in data sources: the Python standard library's source (default), the user's files, random tokens.
 
 `text` reads files and folders (globs too): text files are one document each; JSON Lines and Parquet files hold one
-document per record, in the column `data.text_field`.
+document per record, in the column `data.text_field`. Both are read in pieces (plugins/data/reading.py): the checks
+before launch read each file's head, the fingerprint each file's stamp (storage/file_hashes.py).
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from plugins.data.registry import Corpus, DataSource, register_source, split_sizes
-from storage.fsio import sha256_file, why_not_a_file
+from plugins.data.reading import RECORDS, layout
+from plugins.data.registry import Corpus, DataSource, register_source
+from storage import file_hashes
+from storage.fsio import why_not_a_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet")
-_RECORDS = (".jsonl", ".parquet")  # one document per record
 
 
 def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -> list[Path]:
@@ -31,102 +33,70 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -
     return found
 
 
-def _budget(files: list[tuple[str, Path]], max_bytes: int) -> list[tuple[str, Path]]:
-    """The files read under data.max_bytes: in order, up to the first that would exceed it."""
-    chosen, total = [], 0
-    for name, path in files:
-        size = path.stat().st_size
-        if max_bytes and total + size > max_bytes:
-            break
-        chosen.append((name, path))
-        total += size
-    return chosen
-
-
-def _read(files: list[tuple[str, Path]], max_bytes: int, text_field: str = "text") -> list[tuple[str, bytes]]:
-    docs = []
-    for name, path in _budget(files, max_bytes):
-        docs.extend(_records(name, path, text_field) if path.suffix in _RECORDS else [(name, path.read_bytes())])
-    return docs
-
-
-def _records(name: str, path: Path, field: str) -> list[tuple[str, bytes]]:
-    """The documents of a JSON Lines or Parquet file: one per record, its `field` column."""
-    if path.suffix == ".jsonl":
-        texts = [record[field] for _, record in _json_lines(path)]
-    else:
-        import pyarrow.parquet as pq
-
-        texts = pq.read_table(path, columns=[field]).column(field).to_pylist()
-    return [(f"{name}#{i}", str(t).encode("utf-8")) for i, t in enumerate(texts) if t]
-
-
-def _json_lines(path: Path):
-    """(line number, record) of each non-blank line; a line that is not a JSON object raises ValueError naming
-    the file and the line (json's own message names neither)."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}: line {number} is not JSON ({e})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}: line {number} is not a JSON object (a {type(record).__name__})")
-            yield number, record
-
-
 def _field_missing(path: Path, field: str) -> str:
-    """Why a records file cannot give `field` of every record ('' when it can). JSON Lines files are read whole:
-    tokenize would otherwise meet a bad line after the stages before it have run."""
+    """Why a records file cannot give `field` of its records ('' when it can), from its head: the first
+    SNIFF_BYTES of a JSON Lines file (the tokenize stage reads every line, naming file and line before publishing
+    anything), a Parquet file's schema."""
     try:
         if path.suffix == ".jsonl":
-            for number, record in _json_lines(path):
+            with open(path, "rb") as f:
+                head = f.read(SNIFF_BYTES)
+            lines = head.split(b"\n")
+            for number, line in enumerate(lines[:-1] if len(head) == SNIFF_BYTES else lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError as e:
+                    return f"line {number} is not JSON ({e})"
+                if not isinstance(record, dict):
+                    return f"line {number} is not a JSON object (a {type(record).__name__})"
                 if field not in record:
                     return f"line {number} has no field {field!r} (its fields: {', '.join(record) or 'none'})"
             return ""
         import pyarrow.parquet as pq
 
         keys = pq.read_schema(path).names
-    except ValueError as e:
-        return str(e).removeprefix(f"{path}: ")
     except OSError as e:
         return f"cannot be read ({e})"
+    except Exception as e:  # pyarrow's ArrowInvalid: not a Parquet file
+        return f"cannot be read as Parquet ({e})"
     return "" if field in keys else f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
 
 
 def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     """Enough text, after data.max_bytes and the held-out split, for one sequence in each split (packed), or one
-    document in each (unpacked)."""
+    document in each (unpacked). Records' splits are known only once read: their bytes count by data.val_fraction."""
     d, seq = cfg.data, cfg.train.seq_len
-    chosen = _budget(files, d.max_bytes)
-    if not chosen:
-        first = files[0][1].stat().st_size if files else 0
-        return [("data.max_bytes", d.max_bytes, f"data.max_bytes admits none of the {len(files)} file(s) (the first "
-                 f"holds {first:,} bytes)", f"data.max_bytes={max(first, 1_000_000)} or 0 (no limit)")] if files else \
-            [("data.paths", list(d.paths), "no text files found", "files or folders with *.txt, *.md or *.py files")]
-    train, val = split_sizes([(n, p.stat().st_size) for n, p in chosen], d.val_fraction)
-    tokens = (sum(train) + len(train), sum(val) + len(val))  # one <eos> per document
+    if not files:
+        return [("data.paths", list(d.paths), "no text files found", "files or folders with *.txt, *.md or *.py files")]
+    lay = layout(files, d.max_bytes, d.val_fraction)
+    records = sum(p.size for p in lay.pieces if p.split is None)
+    val = sum(p.size for p in lay.pieces if p.split == "val") + int(records * d.val_fraction)
+    tokens = (lay.read_bytes - val, val)
     if d.packing and min(tokens) < seq + 1:
         which = "training" if tokens[0] < seq + 1 else "held-out"
-        return [("data.max_bytes" if d.max_bytes and len(chosen) < len(files) else "data.paths",
-                 d.max_bytes if d.max_bytes and len(chosen) < len(files) else list(d.paths),
-                 f"the {which} split holds {min(tokens)} tokens (of {sum(tokens)} read, data.val_fraction="
+        cut = bool(d.max_bytes and lay.left_out)
+        return [("data.max_bytes" if cut else "data.paths", d.max_bytes if cut else list(d.paths),
+                 f"the {which} split holds about {min(tokens)} tokens (of {lay.read_bytes} bytes read"
+                 + (f", {lay.left_out:,} left out by data.max_bytes" if cut else "") + f", data.val_fraction="
                  f"{d.val_fraction}); one sequence needs train.seq_len+1 = {seq + 1}",
-                 (f"data.val_fraction={min(0.5, round(2 * (seq + 1) / sum(tokens), 4))}, " if which == "held-out" else "")
-                 + f"more text, a larger data.max_bytes, or train.seq_len={max(1, min(tokens) - 1)}")]
-    if not d.packing and (not train or not val):
-        return [("data.paths", list(d.paths), f"{len(chosen)} document(s): each split needs one",
+                 (f"data.val_fraction={min(0.5, round(2 * (seq + 1) / max(sum(tokens), 1), 4))}, "
+                  if which == "held-out" else "") + ("data.max_bytes=0 (all of the corpus), " if cut else "")
+                 + f"more text, or train.seq_len={max(1, min(tokens) - 1)}")]
+    plain = {p.name: p.split for p in lay.pieces if p.split}
+    if not d.packing and not records and len(set(plain.values())) < 2:
+        return [("data.paths", list(d.paths), f"{len(plain)} document(s): each split needs one",
                  "more files, or data.packing=true")]
     return []
 
 
 def _fingerprint_files(files: list[tuple[str, Path]], max_bytes: int) -> str:
-    """The content of the files read under data.max_bytes (a changed file, same size and time included)."""
-    h = hashlib.sha256(str(max_bytes).encode())
-    for name, path in _budget(files, max_bytes):
-        h.update(f"{name}\0{sha256_file(path)}\n".encode())
+    """The content of the files read under data.max_bytes (a changed file, same size and time included), each
+    hashed again only when its stamp changed (storage/file_hashes.py)."""
+    h = hashlib.sha256(f"{max_bytes}".encode())
+    for name, path in files[:layout(files, max_bytes, 0.5).files]:
+        h.update(f"{name}\0{file_hashes.sha256(path)}\n".encode())
     return h.hexdigest()[:16]
 
 
@@ -143,10 +113,6 @@ def _stdlib_files() -> list[tuple[str, Path]]:
 
 def _check_stdlib(cfg) -> list[tuple]:
     return _check_amount(_stdlib_files(), cfg)
-
-
-def _stdlib_documents(cfg) -> list[tuple[str, bytes]]:
-    return _read(_stdlib_files(), cfg.max_bytes)
 
 
 def _fingerprint_stdlib(cfg) -> str:
@@ -207,7 +173,7 @@ def _check_text(cfg) -> list[tuple]:
             files.append((p.name, p))
     bad = []
     for name, path in files:
-        why = why_not_a_file(path) or (_field_missing(path, d.text_field) if path.suffix in _RECORDS
+        why = why_not_a_file(path) or (_field_missing(path, d.text_field) if path.suffix in RECORDS
                                        else _not_text(path))
         if why:
             bad.append(f"{path}: {why}")
@@ -240,10 +206,6 @@ def _not_text(path: Path) -> str:
     return ""
 
 
-def _text_documents(cfg) -> list[tuple[str, bytes]]:
-    return _read(_text_files(cfg), cfg.max_bytes, cfg.text_field)
-
-
 def _is_glob(entry: str) -> bool:
     return any(c in entry for c in "*?[")
 
@@ -266,6 +228,6 @@ def _synthetic_tokens(cfg, model_vocab: int) -> Corpus:
     return Corpus([stream[n_val:]], [stream[:n_val]], model_vocab, packed=True)
 
 
-register_source("stdlib", DataSource(_fingerprint_stdlib, documents=_stdlib_documents, check=_check_stdlib))
-register_source("text", DataSource(_fingerprint_text, documents=_text_documents, check=_check_text))
+register_source("stdlib", DataSource(_fingerprint_stdlib, check=_check_stdlib, files=lambda cfg: _stdlib_files()))
+register_source("text", DataSource(_fingerprint_text, check=_check_text, files=_text_files))
 register_source("synthetic", DataSource(lambda cfg: "synthetic-v1", tokens=_synthetic_tokens))

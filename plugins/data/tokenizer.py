@@ -44,12 +44,15 @@ class Tokenizer:
 
     def encode_documents(self, docs: Iterable[bytes]) -> list[np.ndarray]:
         """Each document's tokens followed by <eos>."""
-        docs = list(docs)
+        return [np.append(ids, self.eos) for ids in self.encode(list(docs))]
+
+    def encode(self, texts: list[bytes]) -> list[np.ndarray]:
+        """The token ids of each text, nothing else kept (no offsets or strings: encode_batch_fast)."""
         if self.backend is None:
-            return encode_documents(docs)
-        texts = [d.decode("utf-8", errors="replace") for d in docs]
-        return [np.append(np.asarray(e.ids, dtype=np.int64), self.eos)
-                for e in self.backend.encode_batch(texts, add_special_tokens=False)]
+            return [encode(t) for t in texts]
+        decoded = [t.decode("utf-8", errors="replace") for t in texts]
+        return [np.asarray(e.ids, dtype=np.int64)
+                for e in self.backend.encode_batch_fast(decoded, add_special_tokens=False)]
 
     def save(self, folder: Path) -> None:
         """tokenizer.json and the tokenizer_config.json transformers reads beside it."""
@@ -95,8 +98,9 @@ def _byte_to_char() -> dict[int, str]:
     return chars
 
 
-def train_bpe(train_docs: list[bytes], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of vocab_size tokens (the 256 bytes, <eos>, <pad>, then merges) learned on train_docs."""
+def train_bpe(train_texts: Iterable[bytes], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of vocab_size tokens (the 256 bytes, <eos>, <pad>, then merges) learned on train_texts,
+    streamed (the trainer keeps word counts, not the texts)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -105,9 +109,18 @@ def train_bpe(train_docs: list[bytes], vocab_size: int) -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    backend.train_from_iterator((d.decode("utf-8", errors="replace") for d in train_docs), trainer=trainer)
+    backend.train_from_iterator((d.decode("utf-8", errors="replace") for d in train_texts), trainer=trainer)
     return Tokenizer("bpe", backend.get_vocab_size(), backend.token_to_id(EOS_TOKEN), backend.token_to_id(PAD_TOKEN),
                      backend)
+
+
+def load_saved(folder: Path) -> Tokenizer:
+    """A tokenizer this project saved (Tokenizer.save): the ids it was made with, whatever its kind."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    meta = json.loads((Path(folder) / "orchestrator_tokenizer.json").read_text())
+    backend = None if meta["kind"] == "bytes" else HFTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+    return Tokenizer(meta["kind"], meta["vocab_size"], meta["eos"], meta["pad"], backend)
 
 
 def hf_folder(spec: str) -> Optional[Path]:
@@ -154,10 +167,11 @@ def vocab_needed(data_cfg) -> Optional[int]:
     return load_hf(folder).vocab_size if folder is not None else None
 
 
-def make(data_cfg, train_docs: list[bytes]) -> Tokenizer:
+def make(data_cfg, train_texts: Iterable[bytes] = ()) -> Tokenizer:
+    """data.tokenizer: bytes, a BPE learned on train_texts (a sample of the training split), or an HF folder's."""
     spec = data_cfg.tokenizer
     if spec == "bytes":
         return Tokenizer("bytes", VOCAB_SIZE, EOS, PAD)
     if spec == "bpe":
-        return train_bpe(train_docs, data_cfg.vocab_size)
+        return train_bpe(train_texts, data_cfg.vocab_size)
     return load_hf(hf_folder(spec))

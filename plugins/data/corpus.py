@@ -1,0 +1,214 @@
+"""A corpus into token shards, streamed: what each task of the tokenize stage does, and the in-memory corpus of
+the same tokens (for tools and tests).
+
+A file source's pieces (plugins/data/reading.py) are dealt to tasks in contiguous runs; each task reads its
+pieces, encodes ENCODE_BYTES of documents at a time and appends the ids to its part of the shards
+(plugins/data/shards.py). A task holds one batch of text and its ids, never its share of the corpus. A source
+that yields documents (a third party's) runs as one task.
+"""
+from __future__ import annotations
+
+import itertools
+import resource
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
+
+import numpy as np
+
+from plugins.data import shards
+from plugins.data import tokenizer as tokenizers
+from plugins.data.reading import CHUNK_BYTES, Layout, documents, in_val, layout, partition
+from plugins.data.registry import Corpus, get_source, split_documents
+
+ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
+TOKENIZER_DIR, TOKENS_DIR = "tokenizer", "tokens"
+
+
+def corpus_layout(cfg) -> Optional[Layout]:
+    """The pieces a file source is read in (None: the source yields documents or tokens itself)."""
+    source = get_source(cfg.data.name)
+    return layout(source.files(cfg.data), cfg.data.max_bytes, cfg.data.val_fraction) if source.files else None
+
+
+def default_tasks(cfg, lay: Optional[Layout], cores: int) -> int:
+    """data.tasks, else `cores`; never more than the pieces there are (a task per CHUNK_BYTES at most)."""
+    if lay is None:
+        return 1
+    return max(1, min(cfg.data.tasks or cores, len(lay.pieces)))
+
+
+# -- the tokenizer ---------------------------------------------------------------------------------------------
+
+def bpe_sample(cfg, lay: Optional[Layout]) -> Iterator[bytes]:
+    """The training split's texts a BPE learns from: all of it up to data.bpe_sample_bytes, else pieces spread
+    evenly over the corpus (every k-th), so a corpus of any size gives a bounded, deterministic sample."""
+    d = cfg.data
+    if lay is None:
+        yield from _bounded((text for split, text in _source_documents(cfg) if split == "train"), d.bpe_sample_bytes)
+        return
+    stride = max(1, -(-lay.read_bytes // d.bpe_sample_bytes))
+    chosen = lay.pieces[::stride]
+    yield from _bounded((text for piece in chosen for split, text, _ in documents(piece, d.text_field, d.val_fraction)
+                         if split == "train"), d.bpe_sample_bytes)
+
+
+def _bounded(texts: Iterable[bytes], limit: int) -> Iterator[bytes]:
+    taken = 0
+    for text in texts:
+        if taken >= limit:
+            return
+        yield text[:limit - taken]
+        taken += len(text)
+
+
+def build_tokenizer(cfg, lay: Optional[Layout]) -> tokenizers.Tokenizer:
+    return tokenizers.make(cfg.data, bpe_sample(cfg, lay) if cfg.data.tokenizer == "bpe" else ())
+
+
+# -- the documents of a task -----------------------------------------------------------------------------------
+
+def _source_documents(cfg) -> Iterator[tuple[str, bytes]]:
+    """(split, text) of a source that yields documents: a list is split as a whole (a lone document cut in two),
+    an iterator document by document from its name."""
+    docs = get_source(cfg.data.name).documents(cfg.data)
+    if isinstance(docs, list):
+        train, val = split_documents(docs, cfg.data.val_fraction)
+        yield from itertools.chain((("train", t) for t in train), (("val", t) for t in val))
+    else:
+        for name, text in docs:
+            yield ("val" if in_val(name, cfg.data.val_fraction) else "train"), text
+
+
+def task_documents(cfg, lay: Optional[Layout], task: int, tasks: int) -> Iterator[tuple[str, bytes, bool, int]]:
+    """(split, text, closes its document, bytes read) of this task's share of the corpus."""
+    d = cfg.data
+    if lay is None:
+        for split, text in _source_documents(cfg):
+            yield split, text, True, len(text)
+        return
+    for piece in partition(lay.pieces, tasks)[task]:
+        size, first = piece.size, True
+        for split, text, closes in documents(piece, d.text_field, d.val_fraction):
+            yield split, text, closes, size if first else 0
+            first = False
+        if first:  # a piece without a document (blank lines, empty records) still counts as read
+            yield "train", b"", False, size
+
+
+def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Path, task: int, tasks: int,
+               progress: Callable[[int, int], None] = lambda read, tokens: None, attempt: str = "") -> dict:
+    """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards."""
+    t0 = time.perf_counter()
+    writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt)
+    batch: list[tuple[str, bytes, bool]] = []
+    held = read = 0
+
+    def flush():
+        nonlocal batch, held
+        for (split, _, closes), ids in zip(batch, tok.encode([text for _, text, _ in batch])):
+            writer.append(split, np.append(ids, tok.eos) if closes else ids, closes)
+        progress(read, sum(writer.tokens.values()))
+        batch, held = [], 0
+
+    for split, text, closes, size in task_documents(cfg, lay, task, tasks):
+        read += size
+        if text or closes:
+            batch.append((split, text, closes))
+            held += len(text)
+        if held >= ENCODE_BYTES:
+            flush()
+    flush()
+    return writer.close(bytes_read=read, seconds=time.perf_counter() - t0,
+                        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def source_tokens(cfg, folder: Path) -> dict:
+    """A source that is tokens already (synthetic): its corpus as one part."""
+    corpus = get_source(cfg.data.name).tokens(cfg.data, cfg.model.vocab_size)
+    return shards.write(folder, {"train": corpus.train, "val": corpus.val}, corpus.vocab_size, corpus.pad,
+                        corpus.pad, cfg.data.name)
+
+
+def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: Optional[Layout], **extra) -> dict:
+    """The index of the parts; a split left empty by a small corpus borrows the other's last document (as a list
+    of documents is split); a corpus too small for that is refused, naming what was read."""
+    index = shards.write_index(folder, parts, tok.vocab_size, tok.eos, tok.pad, tok.kind, **extra)
+    for src, dst in (("train", "val"), ("val", "train")):
+        if not index[dst]["documents"] and index[src]["documents"] > 1:
+            index = shards.move_last_document(folder, index, src, dst)
+    for split in shards.SPLITS:
+        if not index[split]["tokens"]:
+            read = f"{lay.read_bytes:,} bytes of {lay.files} file(s)" if lay else "the source's documents"
+            raise ValueError(f"data.name={cfg.data.name}: the {'held-out' if split == 'val' else 'training'} split "
+                             f"got no document from {read} (data.val_fraction={cfg.data.val_fraction}): too little "
+                             "to hold part out for evaluation; fix: more data, or a larger data.val_fraction")
+    return index
+
+
+def tokenize_into(cfg, folder: Path) -> dict:
+    """The whole corpus into shards (folder/tokens) and its tokenizer (folder/tokenizer) by this one process."""
+    folder = Path(folder)
+    if get_source(cfg.data.name).tokens is not None:
+        return source_tokens(cfg, folder / TOKENS_DIR)
+    lay = corpus_layout(cfg)
+    tok = build_tokenizer(cfg, lay)
+    tok.save(folder / TOKENIZER_DIR)
+    write_part(cfg, lay, tok, folder / TOKENS_DIR, 0, 1)
+    return finish(folder / TOKENS_DIR, [shards.part_name(0)], tok, cfg, lay)
+
+
+def tokenized(cfg) -> Corpus:
+    """The corpus in memory: what the tokenize stage's shards hold, packed or per document as data.packing says."""
+    with tempfile.TemporaryDirectory(prefix="tokenized-") as tmp:
+        index = tokenize_into(cfg, Path(tmp))
+        on_disk = shards.read(Path(tmp) / TOKENS_DIR, cfg.data.packing, index)
+        if cfg.data.packing:
+            return Corpus([np.asarray(on_disk.train[0], dtype=np.int64)], [np.asarray(on_disk.val[0], np.int64)],
+                          on_disk.vocab_size, True, on_disk.pad)
+        return Corpus([np.array(d, dtype=np.int64) for d in on_disk.train],
+                      [np.array(d, dtype=np.int64) for d in on_disk.val], on_disk.vocab_size, False, on_disk.pad)
+
+
+def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:
+    """Wait until another task has written what `ready` looks for (a task that fails ends the stage: the
+    executor stops the others)."""
+    while not ready():
+        time.sleep(poll_s)
+
+
+# -- what the plan says ----------------------------------------------------------------------------------------
+
+TASK_BASE_BYTES = 400 << 20     # a task's process (forked with torch imported) and its tokenizer
+BYTES_PER_S = {"bytes": 40e6, "bpe": 2e6, "hf": 2e6}   # per task, measured by benchmarks/data_scale.py
+LEFT_OUT_WARNING = 0.5          # data.max_bytes leaving out more than this share of the corpus is a warning
+
+
+def plan_lines(cfg, tasks: int) -> list[str]:
+    """The plan's lines on tokenize: what it reads, what data.max_bytes leaves out, tasks, memory and time."""
+    lay = corpus_layout(cfg)
+    if lay is None:
+        return []
+    gb = 2**30
+    kind = "hf" if cfg.data.tokenizer.startswith("hf:") else cfg.data.tokenizer
+    memory = TASK_BASE_BYTES + 12 * ENCODE_BYTES
+    seconds = lay.read_bytes / (BYTES_PER_S[kind] * tasks)
+    lines = [f"data: tokenize reads {lay.files:,} of {lay.total_files:,} file(s), {_size(lay.read_bytes)} of "
+             f"{_size(lay.total_bytes)}; {tasks} task(s) of about {memory / gb:,.2f} GB each; about "
+             f"{_seconds(seconds)}" + (f" (data.tokenizer=bpe learns from {_size(min(lay.read_bytes, cfg.data.bpe_sample_bytes))} first)"
+                                      if kind == "bpe" else "")]
+    if lay.left_out:
+        share = lay.left_out / max(lay.total_bytes, 1)
+        lines.append(f"{'warning: ' if share > LEFT_OUT_WARNING else ''}data.max_bytes={cfg.data.max_bytes} leaves out "
+                     f"{_size(lay.left_out)} of the corpus's {_size(lay.total_bytes)} ({share:.0%}); "
+                     "data.max_bytes=0 reads all of it")
+    return lines
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n:,} bytes"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:,.1f} s" if s < 120 else f"{s / 60:,.0f} min" if s < 7200 else f"{s / 3600:,.1f} h"

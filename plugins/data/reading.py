@@ -1,0 +1,214 @@
+"""Reading a corpus of files as a stream: the files cut into pieces, each piece read on its own, in bounded memory.
+
+A piece is a byte range of a text or JSON Lines file (the lines that start inside it) or one row group of a Parquet
+file. The cuts depend only on the files (every CHUNK_BYTES, at the next line start), never on how many tasks read
+them, so N tasks that each take a contiguous run of pieces write, part after part, exactly what one task writes.
+
+Which split a document belongs to is decided by its name, as before: a plain text file is one document, named by
+its path in the corpus (a lone file holds out its last data.val_fraction, cut at a line start); a record of a JSON
+Lines or Parquet file is one document, named `<file>@<byte offset>` or `<file>#<row>`.
+"""
+from __future__ import annotations
+
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+CHUNK_BYTES = 1 << 20      # a piece of a text or JSON Lines file: what one read holds (plus the line it ends in)
+RECORD_BATCH = 256         # Parquet rows read at a time
+RECORDS = (".jsonl", ".parquet")
+
+
+@dataclass(frozen=True)
+class Piece:
+    name: str                # the file's name in the corpus (its split and its records' names derive from it)
+    path: str
+    kind: str                # text | jsonl | parquet
+    start: int               # text, jsonl: the lines starting in [start, end); parquet: row group `start`
+    end: int
+    size: int                # bytes (Parquet: the row group's share of the file), for partitions and progress
+    split: Optional[str]     # text: the piece's split; records: None (each record's own name decides)
+    closes: bool = True      # text: the piece ends its document in its split (an <eos> follows it)
+    first_row: int = 0       # parquet: the row group's first row in the file
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The pieces of a corpus under data.max_bytes, and what that leaves out."""
+    pieces: list[Piece]
+    files: int               # files read (wholly or in part)
+    read_bytes: int
+    total_bytes: int         # of every file of the corpus
+    total_files: int
+
+    @property
+    def left_out(self) -> int:
+        return self.total_bytes - self.read_bytes
+
+
+def in_val(name: str, val_fraction: float) -> bool:
+    """The held-out split takes the names whose hash falls under val_fraction (stable as the corpus grows)."""
+    return zlib.crc32(name.encode()) % 10_000 < val_fraction * 10_000
+
+
+def assign(names: list[str], val_fraction: float) -> tuple[list[int], list[int]]:
+    """Indices of the train and held-out documents, by name, never leaving a split empty with two or more."""
+    train, val = [], []
+    for i, name in enumerate(names):
+        (val if in_val(name, val_fraction) else train).append(i)
+    if not val and len(train) > 1:
+        val.append(train.pop())
+    if not train and len(val) > 1:
+        train.append(val.pop(0))
+    return train, val
+
+
+def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -> Layout:
+    """The pieces of `files` ((name, path), in corpus order) holding their first max_bytes (0: all). Only sizes
+    and Parquet footers are read."""
+    sizes = [(name, Path(path), _size(Path(path))) for name, path in files]
+    total = sum(s for *_, s in sizes)
+    chosen, budget = [], max_bytes or total
+    for name, path, size in sizes:
+        if budget <= 0:
+            break
+        chosen.append((name, path, min(size, budget)))
+        budget -= size
+    plain = [name for name, path, _ in chosen if path.suffix not in RECORDS]
+    lone = len(chosen) == 1 and bool(plain)
+    train, _ = assign(plain, val_fraction)
+    train_names = {plain[i] for i in train}
+    pieces: list[Piece] = []
+    for name, path, read in chosen:
+        if path.suffix == ".parquet":
+            pieces += _row_groups(name, path, read)
+        elif path.suffix == ".jsonl":
+            pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
+        elif lone:
+            cut = int(read * (1 - val_fraction)) + 1  # lines starting at or before the cut byte are trained on
+            pieces += [Piece(name, str(path), "text", a, b, b - a, "train", b == min(cut, read))
+                       for a, b in _grid(min(cut, read))]
+            pieces += [Piece(name, str(path), "text", a, b, b - a, "val", b == read)
+                       for a, b in _grid(read, start=cut)]
+        else:
+            split = "train" if name in train_names else "val"
+            pieces += [Piece(name, str(path), "text", a, b, b - a, split, b == read) for a, b in _grid(read)]
+    return Layout(pieces, len(chosen), sum(p.size for p in pieces), total, len(files))
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size
+
+
+def _grid(end: int, start: int = 0) -> list[tuple[int, int]]:
+    """[start, end) cut every CHUNK_BYTES of the file (the same cuts whatever the range)."""
+    cuts = [start] + [k * CHUNK_BYTES for k in range(start // CHUNK_BYTES + 1, -(-end // CHUNK_BYTES))] + [end]
+    return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
+def _row_groups(name: str, path: Path, read: int) -> list[Piece]:
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    size, rows, pieces, row, taken = _size(path), max(meta.num_rows, 1), [], 0, 0
+    for g in range(meta.num_row_groups):
+        n = meta.row_group(g).num_rows
+        share = max(1, size * n // rows)
+        if taken >= read:
+            break
+        pieces.append(Piece(name, str(path), "parquet", g, g + 1, share, None, first_row=row))
+        row, taken = row + n, taken + share
+    return pieces
+
+
+def partition(pieces: list[Piece], tasks: int) -> list[list[Piece]]:
+    """Contiguous runs of pieces of about equal bytes, one per task (in order: part k follows part k-1)."""
+    total = sum(p.size for p in pieces) or 1
+    runs: list[list[Piece]] = [[] for _ in range(tasks)]
+    done = 0
+    for p in pieces:
+        runs[min(tasks - 1, (done + p.size // 2) * tasks // total)].append(p)
+        done += p.size
+    return runs
+
+
+# -- reading one piece -----------------------------------------------------------------------------------------
+
+def piece_bytes(piece: Piece) -> tuple[int, bytes]:
+    """(offset, bytes) of the lines that start in [piece.start, piece.end) of a text or JSON Lines file."""
+    with open(piece.path, "rb") as f:
+        start = _line_start(f, piece.start)
+        end = _line_start(f, piece.end)
+        f.seek(start)
+        return start, f.read(max(0, end - start))
+
+
+def _line_start(f, at: int) -> int:
+    """The first line start at or after byte `at`."""
+    if at <= 0:
+        return 0
+    f.seek(at - 1)
+    if f.read(1) in (b"\n", b""):
+        return at
+    return at + len(f.readline())
+
+
+def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tuple[str, bytes, bool]]:
+    """(split, text, closes its document) of a piece: a text piece whole, or each record of a records piece."""
+    if piece.kind == "text":
+        _, data = piece_bytes(piece)
+        yield piece.split, data, piece.closes
+    elif piece.kind == "jsonl":
+        offset, data = piece_bytes(piece)
+        for line_start, record in _json_records(piece, offset, data):
+            text = record.get(text_field) if text_field in record else _missing(piece, line_start, record, text_field)
+            if text:
+                name = f"{piece.name}@{line_start}"
+                yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+    else:
+        import pyarrow.parquet as pq
+
+        row = piece.first_row
+        for batch in pq.ParquetFile(piece.path).iter_batches(batch_size=RECORD_BATCH, row_groups=[piece.start],
+                                                             columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                name = f"{piece.name}#{row}"
+                row += 1
+                if text:
+                    yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+
+
+def _json_records(piece: Piece, offset: int, data: bytes) -> Iterator[tuple[int, dict]]:
+    at = 0
+    for line in data.split(b"\n"):
+        line_start, at = offset + at, at + len(line) + 1
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} is not JSON ({e})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} is not a JSON object "
+                             f"(a {type(record).__name__})")
+        yield line_start, record
+
+
+def _missing(piece: Piece, line_start: int, record: dict, field: str):
+    raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} has no field {field!r} (its fields: "
+                     f"{', '.join(record) or 'none'}): data.text_field= the field that holds the text")
+
+
+def line_number(path: str, offset: int) -> int:
+    """The line that starts at byte `offset` (counted only when a message needs it)."""
+    count, done = 1, 0
+    with open(path, "rb") as f:
+        while done < offset:
+            block = f.read(min(1 << 24, offset - done))
+            if not block:
+                break
+            count += block.count(b"\n")
+            done += len(block)
+    return count
