@@ -35,7 +35,7 @@ def memmap_vs_memory(rounds: int, steps: int, tasks: int) -> None:
     cfg = make_cfg("train.batch_size=16", "train.seq_len=128")
     with tempfile.TemporaryDirectory() as tmp:
         lay = corpus_layout(cfg)
-        tok = build_tokenizer(cfg, lay)
+        tok = build_tokenizer(cfg, [(cfg, lay)])
         for task in range(tasks):  # the parts `tasks` processes of the stage write
             write_part(cfg, lay, tok, Path(tmp), task, tasks)
         parts = [shards.part_name(t) for t in range(tasks)]

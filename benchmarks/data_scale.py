@@ -17,6 +17,7 @@ Targets (docs/models-and-data.md): peak RSS flat in corpus size (the largest wit
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import sys
@@ -38,37 +39,48 @@ from tests.conftest import make_cfg  # noqa: E402
 GB = 1e9
 
 
+FILE_BYTES = 250_000_000  # of text per generated file; a corpus of S GB is the first S / 0.25 of them (hard links)
+
+
 def make_corpus(folder: Path, size_gb: float, fmt: str) -> Path:
-    """Files of ~256 MB of documents (2-20 KB of real text each), deterministic; reused when already there."""
-    out = folder / f"{fmt}-{size_gb:g}GB"
-    if (out / "done").exists():
-        return out
-    out.mkdir(parents=True, exist_ok=True)
+    """Files of 0.25 GB of text each (documents of 2-20 KB cut from the standard library's source), deterministic
+    and made once; the corpus of size_gb is a folder of hard links to the first of them."""
+    files = folder / f"{fmt}-files"
+    files.mkdir(parents=True, exist_ok=True)
+    count = max(1, round(size_gb * GB / FILE_BYTES))
     import sysconfig
 
-    texts = [p.read_text(errors="replace") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))]
-    pool = "\n".join(texts)
-    rng = random.Random(0)
-    target, written, n = int(size_gb * GB), 0, 0
-    while written < target:
-        docs, file_bytes = [], 0
-        while file_bytes < min(256e6, target - written):
+    pool = None
+    for n in range(count):
+        path = files / f"part{n:04d}.{fmt}"
+        if path.exists():
+            continue
+        if pool is None:
+            texts = [p.read_text(errors="replace") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))]
+            pool = "\n".join(texts)
+        rng = random.Random(n)
+        docs, text_bytes = [], 0
+        while text_bytes < FILE_BYTES:
             start, length = rng.randrange(len(pool) - 20_000), rng.randrange(2_000, 20_000)
             docs.append(pool[start:start + length])
-            file_bytes += len(docs[-1].encode()) + 12
-        path = out / f"part{n:04d}.{fmt}"
+            text_bytes += len(docs[-1].encode())
+        partial = path.with_suffix(".partial")
         if fmt == "jsonl":
-            with open(path, "w") as f:
+            with open(partial, "w") as f:
                 for d in docs:
                     f.write(json.dumps({"text": d}) + "\n")
         else:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
-            pq.write_table(pa.table({"text": docs}), path, row_group_size=1000)
-        written += path.stat().st_size
-        n += 1
-    (out / "done").touch()
+            pq.write_table(pa.table({"text": docs}), partial, row_group_size=1000)
+        partial.rename(path)
+    out = folder / f"{fmt}-{size_gb:g}GB"
+    out.mkdir(exist_ok=True)
+    for n in range(count):
+        link = out / f"part{n:04d}.{fmt}"
+        if not link.exists():
+            os.link(files / link.name, link)
     return out
 
 

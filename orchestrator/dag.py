@@ -53,10 +53,26 @@ def content_view(node: Any) -> Any:
     return node
 
 
+def _without(node: Any, parts: list[str]) -> None:
+    """Remove the field at `parts` from a plain view, in every item of the lists on the way."""
+    if isinstance(node, list):
+        for item in node:
+            _without(item, parts)
+    elif isinstance(node, dict) and parts:
+        if len(parts) == 1:
+            node.pop(parts[0], None)
+        else:
+            _without(node.get(parts[0]), parts[1:])
+
+
 def stage_key(cfg: DictConfig, stage: Stage, input_keys: dict[str, str]) -> tuple[str, dict]:
+    config = {path: content_view(OmegaConf.select(cfg, path, throw_on_missing=True)) for path in stage.reads}
+    for ignored in stage.ignores:
+        read = next(r for r in stage.reads if ignored.startswith(r + "."))
+        _without(config[read], ignored[len(read) + 1:].split("."))
     material = {
         "stage": stage.name,
-        "config": {path: content_view(OmegaConf.select(cfg, path, throw_on_missing=True)) for path in stage.reads},
+        "config": config,
         "inputs": {name: input_keys[name] for name in stage.after},
         "code": code_material(stage.module),
         "extra": stage.fingerprint(cfg) if stage.fingerprint else None,

@@ -65,6 +65,9 @@ class Stage:
     """upstream stages: their output keys enter this stage's key, their folders are its inputs."""
     reads: tuple[str, ...] = ()
     """config paths (e.g. "model", "train") whose content enters the key."""
+    ignores: tuple[str, ...] = ()
+    """paths inside what it reads that do not enter its key; a list's items each lose the field (tokenize:
+    "data.mix.weight": the weights decide what train draws, not what is tokenized)."""
     resources: Callable[[Any], Resources] = lambda cfg: Resources()
     fingerprint: Optional[Callable[[Any], Any]] = None
     """extra key material computed from the config (e.g. a fingerprint of the data files)."""

@@ -17,8 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plugins.data import data_fingerprint, shards
-from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_layout, default_tasks,
-                                 finish, source_tokens, wait_for, write_part)
+from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
+                                 default_tasks, finish_all, source_tokens, wait_for, write_part)
 from plugins.data.reading import partition
 from plugins.data.registry import get_source
 from plugins.data.tokenizer import load_saved
@@ -35,37 +35,42 @@ def tokenize(ctx: StageContext) -> None:
     if get_source(cfg.data.name).tokens is not None:  # tokens already: nothing to encode
         _report(ctx, source_tokens(cfg, tokens), time.perf_counter() - t0, 0)
         return
-    lay = corpus_layout(cfg)
+    corpora = corpus_layouts(cfg)
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, usable_cores() // ctx.world_size)))
-    tok = _tokenizer(ctx, lay)
+    tok = _tokenizer(ctx, corpora)
     attempt = _attempt()
-    share = sum(p.size for p in _share(lay, ctx.rank, ctx.world_size)) if lay else 0
-    with _progress(ctx, share) as (bar, task):
-        last_log = [time.perf_counter()]
+    shares = [_share(lay, ctx.rank, ctx.world_size) for _, lay in corpora]
+    with _progress(ctx, sum(shares)) as (bar, task):
+        done, last_log = [0], [time.perf_counter()]
 
         def progress(read: int, n_tokens: int) -> None:
-            bar.update(task, completed=read, tokens=n_tokens / max(time.perf_counter() - t0, 1e-9))
+            bar.update(task, completed=done[0] + read, tokens=n_tokens / max(time.perf_counter() - t0, 1e-9))
             if time.perf_counter() - last_log[0] > LOG_EVERY_S:
                 last_log[0] = time.perf_counter()
-                ctx.log.info("tokenize task %d/%d: %s of %s read, %d tokens", ctx.rank, ctx.world_size,
-                             _mb(read), _mb(share), n_tokens)
+                ctx.log.info("tokenize task %d/%d: %s of %s read", ctx.rank, ctx.world_size, _mb(done[0] + read),
+                             _mb(sum(shares)))
 
-        write_part(cfg, lay, tok, tokens, ctx.rank, ctx.world_size, progress, attempt)
+        for i, (sub, lay) in enumerate(corpora):
+            write_part(sub, lay, tok, corpus_folder(tokens, cfg, i), ctx.rank, ctx.world_size, progress, attempt)
+            done[0] += shares[i]
     if not ctx.is_rank0:
         return
-    parts = [shards.part_name(t) for t in range(ctx.world_size)]
-    wait_for(lambda: all(_part_done(tokens / p, attempt) for p in parts))
-    extra = {"bytes_read": lay.read_bytes, "files_read": lay.files} if lay else {}
-    index = finish(tokens, parts, tok, cfg, lay, **extra)
-    _report(ctx, index, time.perf_counter() - t0, lay.read_bytes if lay else 0)
+    parts = [corpus_folder(tokens, cfg, i) / shards.part_name(t) for i in range(len(corpora))
+             for t in range(ctx.world_size)]
+    wait_for(lambda: all(_part_done(p, attempt) for p in parts))
+    read = sum(lay.read_bytes for _, lay in corpora if lay)
+    extra = {"bytes_read": read, "files_read": sum(lay.files for _, lay in corpora if lay)} \
+        if all(lay for _, lay in corpora) else {}
+    index = finish_all(tokens, ctx.world_size, tok, cfg, corpora, **extra)
+    _report(ctx, index, time.perf_counter() - t0, read)
 
 
-def _tokenizer(ctx: StageContext, lay):
+def _tokenizer(ctx: StageContext, corpora):
     """Task 0 makes it (a BPE learns here) and publishes it by a rename; the others wait and load it."""
     folder = ctx.out / TOKENIZER_DIR
     if ctx.is_rank0:
         t0 = time.perf_counter()
-        tok = build_tokenizer(ctx.cfg, lay)
+        tok = build_tokenizer(ctx.cfg, corpora)
         if ctx.cfg.data.tokenizer == "bpe":
             ctx.log.info("learned a BPE of %d tokens in %.1f s (data.bpe_sample_bytes=%d)", tok.vocab_size,
                          time.perf_counter() - t0, ctx.cfg.data.bpe_sample_bytes)
@@ -91,8 +96,9 @@ def _part_done(part: Path, attempt: str) -> bool:
         return False
 
 
-def _share(lay, task: int, tasks: int):
-    return partition(lay.pieces, tasks)[task]
+def _share(lay, task: int, tasks: int) -> int:
+    """The bytes this task reads of a corpus (0: a source that yields its documents, read by one task)."""
+    return sum(p.size for p in partition(lay.pieces, tasks)[task]) if lay else 0
 
 
 def _progress(ctx: StageContext, total: int):
@@ -143,7 +149,7 @@ def _resources(cfg) -> Resources:
         cores = cfg.cluster.nodes
     else:
         cores = usable_cores()
-    return Resources(tasks=default_tasks(cfg, corpus_layout(cfg), cores))
+    return Resources(tasks=default_tasks(cfg, corpus_layouts(cfg), cores))
 
 
 STAGE = Stage(
@@ -151,6 +157,7 @@ STAGE = Stage(
     run=tokenize,
     reads=("data", "model.vocab_size"),
     resources=_resources,
+    ignores=("data.mix.weight",),
     fingerprint=data_fingerprint,
     summary=_summary,
     collective=False,

@@ -167,6 +167,14 @@ class OrtEngineConfig(EngineConfig):
 
 
 @dataclass
+class MixSourceConfig:
+    paths: List[str] = key([], "this source's files, folders or glob patterns (as data.paths)")
+    weight: float = key(1.0, "its share of a batch's rows, relative to the other sources' weights (a row draws its "
+                              "source by weight from the seed and step); changing it re-tokenizes nothing", min=0.0)
+    text_field: Optional[str] = key(None, "the field or column of its records' text (default: data.text_field)")
+
+
+@dataclass
 class DataConfig:
     name: str = key(MISSING, "data source: an entry of the data registry (plugins/data: synthetic, stdlib, text; "
                     "packages add theirs through the orchestrator.data entry points)")
@@ -189,6 +197,10 @@ class DataConfig:
     bpe_sample_bytes: int = key(1_000_000_000, "data.tokenizer=bpe: it learns from at most this many bytes of the "
                                                "training split, pieces spread evenly over the corpus (streamed)",
                                 min=1)
+    mix: List[MixSourceConfig] = key([], "data=text: several sources mixed by weight (Megatron's blend), e.g. "
+                                         "'data.mix=[{paths: [/corpus/web], weight: 0.7}, {paths: [/corpus/code], "
+                                         "weight: 0.3}]'; each is tokenized on its own (data.max_bytes each), with "
+                                         "one tokenizer; data.paths stays empty")
     synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2)
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from plugins.data import shards
-from plugins.data.corpus import tokenized
+from plugins.data.corpus import sources_of, tokenized
 from plugins.data.registry import Corpus, get_source
 from storage import file_hashes
 
@@ -24,6 +24,7 @@ class Batch:
     labels: torch.Tensor         # (B, T) next token ids; -100 where there is nothing to predict
     input_density: float         # share of real (non-padding) input tokens
     label_density: float         # share of labels that enter the loss
+    sources: Optional[np.ndarray] = None   # a mixture's source of each row (data.mix)
 
     @property
     def n_labels(self) -> int:
@@ -31,29 +32,49 @@ class Batch:
 
 
 class Batcher:
-    """Global batches for a step (train) or an index (eval), the same on every rank and every resume."""
+    """Global batches for a step (train) or an index (eval), the same on every rank and every resume. A mixture
+    (several corpora and their weights) draws each row's source by weight first, from the same generator."""
 
-    def __init__(self, corpus: Corpus, batch_size: int, seq_len: int, seed: int):
+    def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None):
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
-        for split in ("train", "val") if corpus.packed else ():
-            longest = max(len(d) for d in getattr(corpus, split))
-            if longest < seq_len + 1:
-                raise ValueError(f"the {split} split holds {longest} tokens, fewer than train.seq_len+1="
-                                 f"{seq_len + 1}: use more data or a shorter train.seq_len")
+        corpora = corpus if isinstance(corpus, list) else [corpus]
+        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
+        if (self.weights is None) != (len(corpora) == 1 and not isinstance(corpus, list)):
+            raise ValueError("a mixture of corpora needs one weight per corpus, a single corpus none")
+        if self.weights is not None and len(self.weights) != len(corpora):
+            raise ValueError(f"{len(corpora)} corpora but {len(self.weights)} weights (data.mix)")
+        for i, c in enumerate(corpora):
+            for split in ("train", "val") if c.packed else ():
+                longest = max(len(d) for d in getattr(c, split))
+                if longest < seq_len + 1:
+                    where = f"source {i}'s " if self.weights is not None else "the "
+                    raise ValueError(f"{where}{split} split holds {longest} tokens, fewer than train.seq_len+1="
+                                     f"{seq_len + 1}: use more data or a shorter train.seq_len")
+        self.pad = corpora[0].pad
 
     def train_batch(self, step: int) -> Batch:
-        return self._batch(self.corpus.train, (self.seed, 0, step))
+        return self._draw("train", (self.seed, 0, step))
 
     def eval_batch(self, index: int) -> Batch:
-        return self._batch(self.corpus.val, (self.seed, 1, index))
+        return self._draw("val", (self.seed, 1, index))
 
-    def _batch(self, docs, key: tuple[int, ...]) -> Batch:
+    def _draw(self, split: str, key: tuple[int, ...]) -> Batch:
         rng = np.random.default_rng(key)
+        if self.weights is None:
+            return self._batch(getattr(self.corpus, split), rng)
+        sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights)
+        batch = self._batch([getattr(self.corpus[s], split) for s in sources], rng, per_row=True)
+        batch.sources = sources
+        return batch
+
+    def _batch(self, docs, rng: np.random.Generator, per_row: bool = False) -> Batch:
+        """Rows drawn from docs (one corpus split's documents, or per_row: row r's own)."""
         T = self.seq_len
-        rows = np.full((self.batch_size, T + 1), self.corpus.pad, dtype=np.int64)
+        rows = np.full((self.batch_size, T + 1), self.pad, dtype=np.int64)
         real = np.zeros((self.batch_size, T + 1), dtype=bool)
         for r in range(self.batch_size):
-            doc = docs[rng.integers(len(docs))] if len(docs) > 1 else docs[0]
+            pool = docs[r] if per_row else docs
+            doc = pool[rng.integers(len(pool))] if len(pool) > 1 else pool[0]
             if len(doc) >= T + 1:
                 start = rng.integers(0, len(doc) - T)
                 rows[r] = doc[start:start + T + 1]
@@ -69,16 +90,26 @@ class Batcher:
 
 def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
     """The batcher of an experiment: the tokenize stage's shards (memory-mapped) when given, else the corpus
-    tokenized in memory; batch, sequence length and seed from cfg.train."""
-    corpus = shards.read(tokens, cfg.data.packing) if tokens is not None else tokenized(cfg)
-    return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed)
+    tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights."""
+    corpus = shards.read_all(tokens, cfg.data.packing) if tokens is not None else tokenized(cfg)
+    mix = cfg.data.get("mix") or []
+    if not mix:
+        corpus = corpus[0] if isinstance(corpus, list) else corpus
+    return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
+                   [float(m.weight) for m in mix] if mix else None)
 
 
 def data_fingerprint(cfg) -> str:
-    """Changes whenever the experiment's data changes (enters the cache keys of stages that read data). Files are
-    hashed again only when their stamps changed, remembered in the cache (storage/file_hashes.py)."""
+    """Changes whenever the experiment's data changes (enters the cache keys of stages that read data): each
+    corpus's (a data.mix has several). Files are hashed again only when their stamps changed, remembered in the
+    cache (storage/file_hashes.py)."""
+    source = get_source(cfg.data.name)
+
+    def prints() -> str:
+        return "+".join(source.fingerprint(sub.data) for sub in sources_of(cfg))
+
     cache = Path(cfg.cache_dir).expanduser()
     if not cache.is_dir():  # nothing is written before the cache exists (a first dry run)
-        return get_source(cfg.data.name).fingerprint(cfg.data)
+        return prints()
     with file_hashes.remembering(cache / ".verified" / "files.json"):
-        return get_source(cfg.data.name).fingerprint(cfg.data)
+        return prints()

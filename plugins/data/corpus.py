@@ -8,6 +8,7 @@ that yields documents (a third party's) runs as one task.
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import resource
 import tempfile
@@ -26,17 +27,42 @@ ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer
 TOKENIZER_DIR, TOKENS_DIR = "tokenizer", "tokens"
 
 
+def sources_of(cfg) -> list:
+    """The corpora tokenized: the experiment's data, or each source of data.mix as a config of its own (its paths
+    and text field; the BPE sample shared out between them)."""
+    mix = cfg.data.get("mix") or []
+    if not mix:
+        return [cfg]
+    subs = []
+    for entry in mix:
+        sub = copy.deepcopy(cfg)
+        sub.data.paths, sub.data.mix = list(entry.paths), []
+        sub.data.text_field = entry.text_field or cfg.data.text_field
+        sub.data.bpe_sample_bytes = max(1, cfg.data.bpe_sample_bytes // len(mix))
+        subs.append(sub)
+    return subs
+
+
+def source_dir(i: int) -> str:
+    return f"source-{i:02d}"
+
+
+def corpus_layouts(cfg) -> list[tuple[object, Optional[Layout]]]:
+    """(config, pieces) of each corpus tokenized (one, or one per data.mix source)."""
+    return [(sub, corpus_layout(sub)) for sub in sources_of(cfg)]
+
+
 def corpus_layout(cfg) -> Optional[Layout]:
     """The pieces a file source is read in (None: the source yields documents or tokens itself)."""
     source = get_source(cfg.data.name)
     return layout(source.files(cfg.data), cfg.data.max_bytes, cfg.data.val_fraction) if source.files else None
 
 
-def default_tasks(cfg, lay: Optional[Layout], cores: int) -> int:
+def default_tasks(cfg, corpora: list[tuple[object, Optional[Layout]]], cores: int) -> int:
     """data.tasks, else `cores`; never more than the pieces there are (a task per CHUNK_BYTES at most)."""
-    if lay is None:
+    if any(lay is None for _, lay in corpora):
         return 1
-    return max(1, min(cfg.data.tasks or cores, len(lay.pieces)))
+    return max(1, min(cfg.data.tasks or cores, max(len(lay.pieces) for _, lay in corpora)))
 
 
 # -- the tokenizer ---------------------------------------------------------------------------------------------
@@ -63,8 +89,10 @@ def _bounded(texts: Iterable[bytes], limit: int) -> Iterator[bytes]:
         taken += len(text)
 
 
-def build_tokenizer(cfg, lay: Optional[Layout]) -> tokenizers.Tokenizer:
-    return tokenizers.make(cfg.data, bpe_sample(cfg, lay) if cfg.data.tokenizer == "bpe" else ())
+def build_tokenizer(cfg, corpora: list[tuple[object, Optional[Layout]]]) -> tokenizers.Tokenizer:
+    """data.tokenizer; a BPE learns from every corpus's sample (a mixture's sources share data.bpe_sample_bytes)."""
+    sample = itertools.chain.from_iterable(bpe_sample(sub, lay) for sub, lay in corpora)
+    return tokenizers.make(cfg.data, sample if cfg.data.tokenizer == "bpe" else ())
 
 
 # -- the documents of a task -----------------------------------------------------------------------------------
@@ -152,23 +180,43 @@ def tokenize_into(cfg, folder: Path) -> dict:
     folder = Path(folder)
     if get_source(cfg.data.name).tokens is not None:
         return source_tokens(cfg, folder / TOKENS_DIR)
-    lay = corpus_layout(cfg)
-    tok = build_tokenizer(cfg, lay)
+    corpora = corpus_layouts(cfg)
+    tok = build_tokenizer(cfg, corpora)
     tok.save(folder / TOKENIZER_DIR)
-    write_part(cfg, lay, tok, folder / TOKENS_DIR, 0, 1)
-    return finish(folder / TOKENS_DIR, [shards.part_name(0)], tok, cfg, lay)
+    for i, (sub, lay) in enumerate(corpora):
+        write_part(sub, lay, tok, corpus_folder(folder / TOKENS_DIR, cfg, i), 0, 1)
+    return finish_all(folder / TOKENS_DIR, 1, tok, cfg, corpora)
 
 
-def tokenized(cfg) -> Corpus:
-    """The corpus in memory: what the tokenize stage's shards hold, packed or per document as data.packing says."""
+def corpus_folder(tokens: Path, cfg, i: int) -> Path:
+    """Where corpus i's parts go: the tokens folder itself, or a folder per data.mix source."""
+    return Path(tokens) / source_dir(i) if cfg.data.get("mix") else Path(tokens)
+
+
+def finish_all(tokens: Path, tasks: int, tok: tokenizers.Tokenizer, cfg, corpora: list, **extra) -> dict:
+    """Every corpus's index (finish), and for a mixture the index above them that names the sources."""
+    parts = [shards.part_name(t) for t in range(tasks)]
+    indexes = [finish(corpus_folder(tokens, cfg, i), parts, tok, sub, lay, **(extra if len(corpora) == 1 else {}))
+               for i, (sub, lay) in enumerate(corpora)]
+    if not cfg.data.get("mix"):
+        return indexes[0]
+    return shards.write_mix_index(tokens, [source_dir(i) for i in range(len(corpora))], indexes, **extra)
+
+
+def tokenized(cfg):
+    """The corpus in memory: what the tokenize stage's shards hold, packed or per document as data.packing says (a
+    list of corpora for a data.mix)."""
     with tempfile.TemporaryDirectory(prefix="tokenized-") as tmp:
-        index = tokenize_into(cfg, Path(tmp))
-        on_disk = shards.read(Path(tmp) / TOKENS_DIR, cfg.data.packing, index)
-        if cfg.data.packing:
-            return Corpus([np.asarray(on_disk.train[0], dtype=np.int64)], [np.asarray(on_disk.val[0], np.int64)],
-                          on_disk.vocab_size, True, on_disk.pad)
-        return Corpus([np.array(d, dtype=np.int64) for d in on_disk.train],
-                      [np.array(d, dtype=np.int64) for d in on_disk.val], on_disk.vocab_size, False, on_disk.pad)
+        tokenize_into(cfg, Path(tmp))
+        corpora = [_in_memory(c) for c in shards.read_all(Path(tmp) / TOKENS_DIR, cfg.data.packing)]
+    return corpora if cfg.data.get("mix") else corpora[0]
+
+
+def _in_memory(c: Corpus) -> Corpus:
+    if c.packed:
+        return Corpus([np.asarray(c.train[0], np.int64)], [np.asarray(c.val[0], np.int64)], c.vocab_size, True, c.pad)
+    return Corpus([np.array(d, np.int64) for d in c.train], [np.array(d, np.int64) for d in c.val], c.vocab_size,
+                  False, c.pad)
 
 
 def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:
@@ -187,22 +235,29 @@ LEFT_OUT_WARNING = 0.5          # data.max_bytes leaving out more than this shar
 
 def plan_lines(cfg, tasks: int) -> list[str]:
     """The plan's lines on tokenize: what it reads, what data.max_bytes leaves out, tasks, memory and time."""
-    lay = corpus_layout(cfg)
-    if lay is None:
+    corpora = corpus_layouts(cfg)
+    if any(lay is None for _, lay in corpora):
         return []
     gb = 2**30
     kind = "hf" if cfg.data.tokenizer.startswith("hf:") else cfg.data.tokenizer
     memory = TASK_BASE_BYTES + 12 * ENCODE_BYTES
-    seconds = lay.read_bytes / (BYTES_PER_S[kind] * tasks)
-    lines = [f"data: tokenize reads {lay.files:,} of {lay.total_files:,} file(s), {_size(lay.read_bytes)} of "
-             f"{_size(lay.total_bytes)}; {tasks} task(s) of about {memory / gb:,.2f} GB each; about "
-             f"{_seconds(seconds)}" + (f" (data.tokenizer=bpe learns from {_size(min(lay.read_bytes, cfg.data.bpe_sample_bytes))} first)"
-                                      if kind == "bpe" else "")]
-    if lay.left_out:
-        share = lay.left_out / max(lay.total_bytes, 1)
-        lines.append(f"{'warning: ' if share > LEFT_OUT_WARNING else ''}data.max_bytes={cfg.data.max_bytes} leaves out "
-                     f"{_size(lay.left_out)} of the corpus's {_size(lay.total_bytes)} ({share:.0%}); "
-                     "data.max_bytes=0 reads all of it")
+    read = sum(lay.read_bytes for _, lay in corpora)
+    total = sum(lay.total_bytes for _, lay in corpora)
+    files = sum(lay.files for _, lay in corpora)
+    lines = [f"data: tokenize reads {files:,} of {sum(lay.total_files for _, lay in corpora):,} file(s), "
+             f"{_size(read)} of {_size(total)}"
+             + (f" from {len(corpora)} sources" if len(corpora) > 1 else "")
+             + f"; {tasks} task(s) of about {memory / gb:,.2f} GB each; about "
+             f"{_seconds(read / (BYTES_PER_S[kind] * tasks))}"
+             + (f" (data.tokenizer=bpe learns from {_size(min(read, cfg.data.bpe_sample_bytes))} first)"
+                if kind == "bpe" else "")]
+    for i, (_, lay) in enumerate(corpora):
+        if lay.left_out:
+            share = lay.left_out / max(lay.total_bytes, 1)
+            where = f"of source {i} " if len(corpora) > 1 else ""
+            lines.append(f"{'warning: ' if share > LEFT_OUT_WARNING else ''}data.max_bytes={cfg.data.max_bytes} leaves "
+                         f"out {_size(lay.left_out)} {where}of the corpus's {_size(lay.total_bytes)} ({share:.0%}); "
+                         "data.max_bytes=0 reads all of it")
     return lines
 
 

@@ -1,7 +1,7 @@
 """Reading a corpus of files as a stream: the files cut into pieces, each piece read on its own, in bounded memory.
 
-A piece is a byte range of a text or JSON Lines file (the lines that start inside it) or one row group of a Parquet
-file. The cuts depend only on the files (every CHUNK_BYTES, at the next line start), never on how many tasks read
+A piece is a byte range of a text or JSON Lines file (the lines that start inside it), one row group of a Parquet
+file, or a run of record batches of an Arrow stream (a Hugging Face `datasets` folder written by `save_to_disk`). The cuts depend only on the files (every CHUNK_BYTES, at the next line start), never on how many tasks read
 them, so N tasks that each take a contiguous run of pieces write, part after part, exactly what one task writes.
 
 Which split a document belongs to is decided by its name, as before: a plain text file is one document, named by
@@ -18,20 +18,21 @@ from typing import Iterator, Optional
 
 CHUNK_BYTES = 1 << 20      # a piece of a text or JSON Lines file: what one read holds (plus the line it ends in)
 RECORD_BATCH = 256         # Parquet rows read at a time
-RECORDS = (".jsonl", ".parquet")
+RECORDS = (".jsonl", ".parquet", ".arrow")
 
 
 @dataclass(frozen=True)
 class Piece:
     name: str                # the file's name in the corpus (its split and its records' names derive from it)
     path: str
-    kind: str                # text | jsonl | parquet
-    start: int               # text, jsonl: the lines starting in [start, end); parquet: row group `start`
+    kind: str                # text | jsonl | parquet | arrow
+    start: int               # text, jsonl: the lines starting in [start, end); parquet: row group `start`;
+                             # arrow: the record batches [start, end) of the stream
     end: int
     size: int                # bytes (Parquet: the row group's share of the file), for partitions and progress
     split: Optional[str]     # text: the piece's split; records: None (each record's own name decides)
     closes: bool = True      # text: the piece ends its document in its split (an <eos> follows it)
-    first_row: int = 0       # parquet: the row group's first row in the file
+    first_row: int = 0       # parquet, arrow: the piece's first row in the file
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,8 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
     for name, path, read in chosen:
         if path.suffix == ".parquet":
             pieces += _row_groups(name, path, read)
+        elif path.suffix == ".arrow":
+            pieces += _batch_runs(name, path, read)
         elif path.suffix == ".jsonl":
             pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
         elif lone:
@@ -121,6 +124,32 @@ def _row_groups(name: str, path: Path, read: int) -> list[Piece]:
         pieces.append(Piece(name, str(path), "parquet", g, g + 1, share, None, first_row=row))
         row, taken = row + n, taken + share
     return pieces
+
+
+def _batch_runs(name: str, path: Path, read: int) -> list[Piece]:
+    """An Arrow stream's record batches in runs of about CHUNK_BYTES (read through a memory map: no copy)."""
+    import pyarrow as pa
+
+    pieces, first, row, run_rows, run_bytes, taken, batches = [], 0, 0, 0, 0, 0, 0
+    with pa.memory_map(str(path)) as source:
+        for batch in pa.ipc.open_stream(source):
+            batches += 1
+            run_rows, run_bytes = run_rows + batch.num_rows, run_bytes + batch.nbytes
+            if run_bytes >= CHUNK_BYTES:
+                pieces.append(Piece(name, str(path), "arrow", first, batches, run_bytes, None, first_row=row))
+                first, row, taken, run_rows, run_bytes = batches, row + run_rows, taken + run_bytes, 0, 0
+                if taken >= read:
+                    return pieces
+    if run_rows:
+        pieces.append(Piece(name, str(path), "arrow", first, batches, run_bytes, None, first_row=row))
+    return pieces
+
+
+def arrow_fields(path: Path) -> list[str]:
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        return pa.ipc.open_stream(source).schema.names
 
 
 def partition(pieces: list[Piece], tasks: int) -> list[list[Piece]]:
@@ -167,6 +196,8 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
             if text:
                 name = f"{piece.name}@{line_start}"
                 yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+    elif piece.kind == "arrow":
+        yield from _arrow_documents(piece, text_field, val_fraction)
     else:
         import pyarrow.parquet as pq
 
@@ -174,6 +205,23 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
         for batch in pq.ParquetFile(piece.path).iter_batches(batch_size=RECORD_BATCH, row_groups=[piece.start],
                                                              columns=[text_field]):
             for text in batch.column(0).to_pylist():
+                name = f"{piece.name}#{row}"
+                row += 1
+                if text:
+                    yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+
+
+def _arrow_documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tuple[str, bytes, bool]]:
+    import pyarrow as pa
+
+    row = piece.first_row
+    with pa.memory_map(piece.path) as source:
+        for i, batch in enumerate(pa.ipc.open_stream(source)):
+            if i >= piece.end:
+                break
+            if i < piece.start:
+                continue
+            for text in batch.column(text_field).to_pylist():
                 name = f"{piece.name}#{row}"
                 row += 1
                 if text:

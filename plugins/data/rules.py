@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planning.problem import Problem
 from plugins.data import tokenizer as tokenizers
+from plugins.data.corpus import sources_of
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
 
@@ -15,6 +16,8 @@ def check(cfg) -> list[Problem]:
                         "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
     source = get_source(d.name)
     problems = _tokenizer_problems(cfg, source)
+    if d.get("mix"):
+        return problems + _mix_problems(cfg, source)
     if source.check is not None:
         problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]
     if d.paths and d.name != "text":
@@ -48,3 +51,26 @@ def _tokenizer_problems(cfg, source) -> list[Problem]:
                         f"model.vocab_size={-(-need // 64) * 64} or more (a multiple of 64 is fastest)"
                         + (f", or data.vocab_size={m.vocab_size}" if spec == "bpe" and m.vocab_size >= 259 else ""))]
     return []
+
+
+def _mix_problems(cfg, source) -> list[Problem]:
+    """data.mix: sources of files (data=text), data.paths left empty, a positive weight each, and each source's own
+    checks under its own key (data.mix[i].paths)."""
+    d = cfg.data
+    if source.files is None:
+        return [Problem("data.mix", "[...]", f"data.mix mixes sources of files; data={d.name} has none",
+                        "data=text with data.mix, or data.mix=[] for this source")]
+    problems = []
+    if d.paths:
+        problems.append(Problem("data.paths", list(d.paths), "with data.mix every source names its own paths; "
+                                "data.paths would be a source without a weight", "data.paths=[] (move them into a "
+                                "data.mix entry: {paths: [...], weight: 1.0})"))
+    if not any(m.weight > 0 for m in d.mix):
+        problems.append(Problem("data.mix", [float(m.weight) for m in d.mix], "at least one source needs a weight "
+                                "above 0", "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))
+    for i, sub in enumerate(sources_of(cfg)):
+        for p in source.check(sub) if source.check else []:
+            p = p if isinstance(p, Problem) else Problem(*p)
+            key = p.key.replace("data.", f"data.mix[{i}].", 1) if p.key in ("data.paths", "data.text_field") else p.key
+            problems.append(Problem(key, p.value, p.rule, p.fix.replace(p.key, key)))
+    return problems

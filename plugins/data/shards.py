@@ -100,6 +100,23 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
                        **extra)
 
 
+def write_mix_index(folder: Path, sources: list[str], indexes: list[dict], **extra) -> dict:
+    """The index of a mixture: its sources' folders (each a corpus with an index of its own), in data.mix's order."""
+    first = indexes[0]
+    index = {k: first[k] for k in ("dtype", "vocab_size", "eos", "pad", "tokenizer")} | {"mix": sources, **extra}
+    for s in SPLITS:
+        index[s] = {k: sum(i[s][k] for i in indexes) for k in ("tokens", "documents")}
+    atomic_write_json(Path(folder) / INDEX, index)
+    return index
+
+
+def read_all(folder: Path, packed: bool) -> list[Corpus]:
+    """The corpora of a shard folder: one, or a mixture's sources in order."""
+    folder = Path(folder)
+    index = read_json(folder / INDEX)
+    return [read(folder / s, packed) for s in index["mix"]] if "mix" in index else [read(folder, packed, index)]
+
+
 def write(folder: Path, splits: dict[str, list[np.ndarray]], vocab_size: int, eos: int, pad: int, kind: str) -> dict:
     """Whole documents in memory as one part (sources that are tokens already, e.g. synthetic)."""
     writer = PartWriter(Path(folder) / part_name(0), vocab_size)

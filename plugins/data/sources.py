@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from plugins.data.reading import RECORDS, layout
+from plugins.data.reading import RECORDS, arrow_fields, layout
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
 from storage.fsio import why_not_a_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet")
+_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet", ".arrow")
 
 
 def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -> list[Path]:
@@ -54,13 +54,16 @@ def _field_missing(path: Path, field: str) -> str:
                 if field not in record:
                     return f"line {number} has no field {field!r} (its fields: {', '.join(record) or 'none'})"
             return ""
-        import pyarrow.parquet as pq
+        if path.suffix == ".arrow":
+            keys = arrow_fields(path)
+        else:
+            import pyarrow.parquet as pq
 
-        keys = pq.read_schema(path).names
+            keys = pq.read_schema(path).names
     except OSError as e:
         return f"cannot be read ({e})"
-    except Exception as e:  # pyarrow's ArrowInvalid: not a Parquet file
-        return f"cannot be read as Parquet ({e})"
+    except Exception as e:  # pyarrow's ArrowInvalid: not a Parquet file or an Arrow stream
+        return f"cannot be read as {'an Arrow stream' if path.suffix == '.arrow' else 'Parquet'} ({e})"
     return "" if field in keys else f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
 
 
