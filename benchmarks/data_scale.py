@@ -2,14 +2,18 @@
 
 for each generated corpus (JSON Lines and Parquet, `sizes` in GB, documents cut from the standard library's text)
 and each tokenizer (`bytes`, a BPE of `vocab` tokens):
-  - the stage as the orchestrator runs it (`python -m orchestrator ... ` until tokenize, `data.tasks=1` and `=2`):
-    tokens/s and the peak RSS of every tokenize process (each part records its own);
+  - the stage as the orchestrator runs it (`orchestrate(...)` until tokenize, `data.tasks=1` and `=2`): the BPE's
+    learning (its own process, on every core) and the encoding timed apart, tokens/s of the encoding (the slowest
+    task's) and the peak RSS of every tokenize process (each part records its own);
   - `tokenizers`' own `encode_batch` called directly on the same texts and cores (the limit; BPE only: the bytes
     tokenizer is a NumPy view of the bytes);
   - the data checks and fingerprint of the untouched corpus, as a second dry run pays them.
 
     python benchmarks/data_scale.py [sizes=0.25,0.5,1,2,4] [formats=jsonl,parquet] [tokenizers=bytes,bpe]
-                                    [vocab=8192] [folder=/tmp/data_scale]
+                                    [vocab=8192] [folder=/tmp/data_scale] [tasks=1,2]
+
+tasks: a list of task counts; `1t1` is one task whose tokenizer uses one thread (the unit two tasks are 2x of:
+one task alone already encodes on every core through the tokenizers library's threads).
 
 Targets (docs/models-and-data.md): peak RSS flat in corpus size (the largest within 1.2x the smallest, under
 2 GB); tokens/s >= 0.9x the direct call; 2 tasks >= 1.7x 1 task; checks and fingerprint < 1 s.
@@ -23,6 +27,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -84,14 +89,20 @@ def make_corpus(folder: Path, size_gb: float, fmt: str) -> Path:
     return out
 
 
-def run_stage(corpus: Path, args: list[str], tasks: int, work: Path) -> dict:
-    """The tokenize stage as a user runs it (a fresh cache each time), and what its parts recorded."""
+def run_stage(corpus: Path, args: list[str], tasks: int, work: Path, threads: Optional[int] = None) -> dict:
+    """The tokenize stage as a user runs it (a fresh cache each time), and what its parts recorded. threads: the
+    tokenizers library's threads per task (default: the cores shared out between the tasks)."""
+    if threads:
+        os.environ["RAYON_NUM_THREADS"] = str(threads)
     cache = work / f"cache-{corpus.name}-{tasks}-{'-'.join(a.split('=')[1] for a in args)}"
     shutil.rmtree(cache, ignore_errors=True)
     overrides = ["data=text", f"data.paths=[{corpus}]", "data.max_bytes=0", f"data.tasks={tasks}", "tracking=none",
                  f"cache_dir={cache}", *args]
-    report = orchestrate(make_cfg(*overrides, runs_dir=work / "runs"), work / "runs" / f"run-{time.time_ns()}",
-                         overrides, until="tokenize")
+    try:
+        report = orchestrate(make_cfg(*overrides, runs_dir=work / "runs"), work / "runs" / f"run-{time.time_ns()}",
+                             overrides, until="tokenize")
+    finally:
+        os.environ.pop("RAYON_NUM_THREADS", None)
     assert report.results["tokenize"].status == "ran", report.results["tokenize"]
     seconds = report.results["tokenize"].seconds  # the stage, as its table shows it (not the plan before it)
     (entry,) = [p for p in (cache / "tokenize").iterdir() if not p.name.endswith(".work") and p.is_dir()]
@@ -99,8 +110,9 @@ def run_stage(corpus: Path, args: list[str], tasks: int, work: Path) -> dict:
     parts = [json.loads((entry / "tokens" / p / "part.json").read_text()) for p in index["parts"]]
     tokens = index["train"]["tokens"] + index["val"]["tokens"]
     encode = max(p["seconds"] for p in parts)  # the slowest task's reading and encoding (after the tokenizer is made)
+    learned = json.loads((entry / "bpe_learned.json").read_text()) if (entry / "bpe_learned.json").exists() else None
     return {"seconds": seconds, "tokens": tokens, "encode_s": encode, "tokens_per_s": tokens / encode, "entry": entry,
-            "peak_rss": [p["peak_rss"] for p in parts]}
+            "peak_rss": [p["peak_rss"] for p in parts], "learned": learned}
 
 
 def direct_rate(corpus: Path, entry: Path, args: list[str]) -> float:
@@ -148,9 +160,9 @@ def main() -> None:
     folder = Path(a["folder"])
     work = folder / "work"
     print(f"# {usable_cores()} usable cores; ENCODE_BYTES {ENCODE_BYTES >> 20} MiB", flush=True)
-    print("| corpus | tokenizer | tasks | tokens | stage s | of it encoding s | tokens/s encoding | vs direct | "
-          "vs 1 task | peak RSS per task (GB) | checks+fp s |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| corpus | tokenizer | tasks | tokens | stage s | BPE learned in s (peak GB) | encoding s | tokens/s "
+          "encoding | vs direct | vs 1 task | peak RSS per task (GB) | checks+fp s |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     for size in [float(s) for s in str(a["sizes"]).split(",")]:
         for fmt in str(a["formats"]).split(","):
             corpus = make_corpus(folder, size, fmt)
@@ -159,8 +171,10 @@ def main() -> None:
                 args = [f"data.tokenizer={tok}"] + ([f"data.vocab_size={a['vocab']}", f"model.vocab_size={a['vocab']}"]
                                                     if tok == "bpe" else [])
                 direct = one = None
-                for tasks in [int(t) for t in str(a["tasks"]).split(",")]:
-                    r = run_stage(corpus, args, tasks, work)
+                for spec in str(a["tasks"]).split(","):  # N tasks, or NtM: N tasks of M tokenizer threads
+                    tasks, _, threads = spec.partition("t")
+                    tasks = int(tasks)
+                    r = run_stage(corpus, args, tasks, work, int(threads) if threads else None)
                     if tok == "bpe" and direct is None:
                         direct = direct_rate(corpus, r["entry"], args)
                     if checks is None:
@@ -168,8 +182,11 @@ def main() -> None:
                     one = one or r["tokens_per_s"]
                     ratio = f"{r['tokens_per_s'] / direct:.2f}x" if direct else "-"
                     rss = ", ".join(f"{x / 2**30:.2f}" for x in r["peak_rss"])
-                    print(f"| {fmt} {size:g} GB | {tok} | {tasks} | {r['tokens']:,} | {r['seconds']:.1f} | "
-                          f"{r['encode_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | {r['tokens_per_s'] / one:.2f}x | "
+                    learned = r["learned"]
+                    learn = f"{learned['seconds']:.1f} ({learned['peak_rss'] / 2**30:.2f})" if learned else "-"
+                    print(f"| {fmt} {size:g} GB | {tok} | {spec} | {r['tokens']:,} | {r['seconds']:.1f} | {learn} | "
+                          f"{r['encode_s']:.1f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+                          f"{r['tokens_per_s'] / one:.2f}x | "
                           f"{rss} | {checks:.3f} |", flush=True)
 
 

@@ -29,6 +29,7 @@ from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate, warnings
 from planning.plan import memory_line, time_line
 from plugins.data.corpus import plan_lines
+from runtime.threads import usable_cores
 from storage.fsio import atomic_write_json, disk_space, read_json
 from stages import all_stages
 
@@ -61,7 +62,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     _write_plan(run_dir, plan, where, commands)
     console.print(plan_table(plan, where))
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
-    data = plan_lines(cfg, tokenize.resources.tasks) if tokenize else []
+    data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
     for line in [*choices, memory_line(cfg), time_line(cfg), *data, *warnings(cfg)]:
         console.print(line, soft_wrap=True)
     for ps in plan:

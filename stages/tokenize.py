@@ -9,21 +9,25 @@ task 0 waits for every part and writes the index that names them. The result doe
 """
 from __future__ import annotations
 
+import math
+import multiprocessing
 import os
+import resource
 import time
 from pathlib import Path
+from typing import Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plugins.data import data_fingerprint, shards
 from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
-                                 default_tasks, finish_all, source_tokens, wait_for, write_part)
+                                 default_tasks, estimate_seconds, finish_all, source_tokens, wait_for, write_part)
 from plugins.data.reading import partition
 from plugins.data.registry import get_source
 from plugins.data.tokenizer import load_saved
 from runtime.threads import usable_cores
-from storage.fsio import read_json, remove_tree
+from storage.fsio import atomic_write_json, read_json, remove_tree
 from stages.base import Resources, Stage, StageContext
 
 LOG_EVERY_S = 30.0
@@ -66,21 +70,60 @@ def tokenize(ctx: StageContext) -> None:
 
 
 def _tokenizer(ctx: StageContext, corpora):
-    """Task 0 makes it (a BPE learns here) and publishes it by a rename; the others wait and load it."""
+    """Task 0 makes it and publishes it by a rename; the others wait and load it."""
     folder = ctx.out / TOKENIZER_DIR
     if ctx.is_rank0:
-        t0 = time.perf_counter()
-        tok = build_tokenizer(ctx.cfg, corpora)
-        if ctx.cfg.data.tokenizer == "bpe":
-            ctx.log.info("learned a BPE of %d tokens in %.1f s (data.bpe_sample_bytes=%d)", tok.vocab_size,
-                         time.perf_counter() - t0, ctx.cfg.data.bpe_sample_bytes)
         partial = ctx.out / f".{TOKENIZER_DIR}.partial"
         remove_tree(partial)
-        tok.save(partial)
+        if ctx.cfg.data.tokenizer == "bpe":
+            _learn_bpe(ctx, corpora, partial)
+        else:
+            build_tokenizer(ctx.cfg, corpora).save(partial)
         os.rename(partial, folder)
-        return tok
-    wait_for(folder.is_dir)
+    else:
+        wait_for(folder.is_dir)
     return load_saved(folder)
+
+
+def _learn_bpe(ctx: StageContext, corpora, folder: Path) -> None:
+    """With several tasks the BPE learns in a child process on every core (the tokenizers library sizes its thread
+    pool once per process, and the tasks encode with one thread each); its time and peak go to the log."""
+    t0 = time.perf_counter()
+    if ctx.world_size > 1:
+        failed = ctx.out / ".bpe_failed"
+        child = multiprocessing.get_context("fork").Process(target=_learn, args=(ctx.cfg, corpora, folder,
+                                                                                usable_cores(), failed))
+        child.start()
+        try:
+            child.join()
+        finally:  # Ctrl-C, SIGTERM: the learning stops with the task, not after it
+            if child.is_alive():
+                child.kill()
+                child.join()
+        if child.exitcode:
+            raise RuntimeError(failed.read_text() if failed.exists() else f"learning the BPE failed (exit status "
+                               f"{child.exitcode})")
+    else:
+        _learn(ctx.cfg, corpora, folder, usable_cores())
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN if ctx.world_size > 1 else resource.RUSAGE_SELF).ru_maxrss
+    seconds = time.perf_counter() - t0
+    ctx.log.info("learned a BPE of %d tokens in %.1f s from at most %s (data.bpe_sample_bytes), peak RSS %.2f GB",
+                 ctx.cfg.data.vocab_size, seconds, _mb(ctx.cfg.data.bpe_sample_bytes), peak * 1024 / 2**30)
+    atomic_write_json(ctx.out / "bpe_learned.json", {"seconds": seconds, "peak_rss": peak * 1024})
+
+
+def _learn(cfg, corpora, folder: Path, cores: int, failed: Optional[Path] = None) -> None:
+    """The BPE into folder; in a child process (failed given) its own thread pool of every core while the other
+    tasks wait, and a failure's message in `failed` for the task to raise."""
+    if failed is None:
+        build_tokenizer(cfg, corpora).save(folder)
+        return
+    os.environ["RAYON_NUM_THREADS"] = str(cores)
+    try:
+        build_tokenizer(cfg, corpora).save(folder)
+    except BaseException as e:
+        failed.write_text(f"{type(e).__name__}: {e}")
+        os._exit(1)
 
 
 def _attempt() -> str:
@@ -149,7 +192,10 @@ def _resources(cfg) -> Resources:
         cores = cfg.cluster.nodes
     else:
         cores = usable_cores()
-    return Resources(tasks=default_tasks(cfg, corpus_layouts(cfg), cores))
+    corpora = corpus_layouts(cfg)
+    tasks = default_tasks(cfg, corpora, cores)
+    minutes = estimate_seconds(cfg, corpora, tasks, usable_cores()) / 60
+    return Resources(tasks=tasks, timeout_min=max(60, math.ceil(3 * minutes)))  # a big corpus is no hang
 
 
 STAGE = Stage(

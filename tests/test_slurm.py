@@ -32,13 +32,15 @@ def test_five_stages_as_jobs_with_the_loss_of_a_local_run(slurm, tmp_path, layou
     train = next(j for j in jobs if j["stage"] == "train")
     assert train["tasks"] == tasks and len(list(Path(train["folder"]).glob("*_log.out"))) == tasks
     assert len(node_list(train["job_id"])) == nodes  # sacct: the job ran on that many nodes
+    tokenize = next(j for j in jobs if j["stage"] == "tokenize")  # one task per node, each writing a part
+    assert tokenize["tasks"] == nodes and len(node_list(tokenize["job_id"])) == nodes
     assert all(s["state"] == "COMPLETED" for s in sacct([j["job_id"] for j in jobs]).values())
 
     (tmp_path / "local").mkdir()
     local = run_cli(["cluster=local", "tracking=none", *args], tmp_path / "local", timeout=600)
     assert local.returncode == 0, local.stdout + local.stderr
     (local_dir,) = [p.parent for p in (tmp_path / "local" / "runs").rglob("plan.json")]
-    assert losses(run_dir) == pytest.approx(losses(local_dir), abs=1e-5)
+    assert losses(run_dir) == pytest.approx(losses(local_dir), abs=1e-5)  # (the local run tokenizes with 2 tasks)
 
 
 def test_failed_stage_cancels_dependants_shows_traceback_and_rerun_resumes(slurm, workdir):

@@ -1,5 +1,7 @@
 """The tokenize stage: cached like any stage (a sweep tokenizes once, an edited file again), memory-mapped shards
-equal to the corpus in memory, a BPE trained on the corpus whose model `transformers` generates with."""
+equal to the corpus in memory, a BPE trained on the corpus whose model `transformers` generates with; streamed in
+pieces of every format by any number of tasks with the same result, a bad line named by the stage, what
+data.max_bytes leaves out said in the plan, fingerprints at stat speed, mixtures by weight."""
 from __future__ import annotations
 
 import json
@@ -40,17 +42,6 @@ def test_shards_hold_the_corpus_in_memory_bit_for_bit(tmp_path):
     assert np.array_equal(on_disk.corpus.val[0], in_memory.corpus.val[0])
     index = json.loads((tokens / shards.INDEX).read_text())
     assert index["tokenizer"] == "bytes" and index["vocab_size"] == 258 and index["eos"] == 256
-
-
-def test_unpacked_shards_keep_document_boundaries(tmp_path, corpus):
-    args = ["data=text", f"data.paths=[{corpus}/doc0*.txt]", "data.packing=false"]
-    report = run(tmp_path, *args)
-    assert report.exit_code == 0, report.results
-    cfg = make_cfg(*args)
-    on_disk = shards.read(cache_entry(tmp_path, report, "tokenize") / "tokens", packed=False)
-    in_memory = tokenized(cfg)
-    assert len(on_disk.train) == len(in_memory.train) == 9 and len(on_disk.val) == 1
-    assert all(np.array_equal(a, b) for a, b in zip(on_disk.train, in_memory.train))
 
 
 def test_a_sweep_of_three_learning_rates_tokenizes_once(workdir):
@@ -216,12 +207,12 @@ def test_a_bad_line_deep_in_a_big_jsonl_is_named_by_the_stage_and_nothing_is_pub
 def test_the_plan_says_what_tokenize_reads_and_what_max_bytes_leaves_out(corpus):
     cfg = make_cfg("data=text", f"data.paths=[{corpus}]", "data.text_field=body", "data.max_bytes=100000")
     size = sum(p.stat().st_size for p in corpus.iterdir())
-    lines = corpora.plan_lines(cfg, tasks=2)
+    lines = corpora.plan_lines(cfg, tasks=2, cores=2)
     assert lines[0].startswith("data: tokenize reads ") and "2 task(s)" in lines[0]
     assert lines[1].startswith(f"warning: data.max_bytes=100000 leaves out {(size - 100000) / 1e6:,.1f} MB")
     assert "data.max_bytes=0 reads all of it" in lines[1]
     assert len(corpora.plan_lines(make_cfg("data=text", f"data.paths=[{corpus}]", "data.text_field=body",
-                                           "data.max_bytes=0"), tasks=1)) == 1
+                                           "data.max_bytes=0"), tasks=1, cores=2)) == 1
 
 
 def test_an_untouched_corpus_is_fingerprinted_by_its_stamps(corpus, tmp_path, monkeypatch):

@@ -196,8 +196,12 @@ def _rejection(cfg: DictConfig, ps: PlannedStage, message: str) -> Problem:
         fix = f"cluster.cpus_per_task={max(1, most_cpus // per_node)}" if most_cpus else "fewer CPUs per task"
         return Problem("cluster.cpus_per_task", cpus, f"SLURM refused the {ps.name} job: {text} ({per_node} tasks x "
                        f"{cpus} CPUs per node{f'; a node has {most_cpus}' if most_cpus else ''})", fix)
-    return Problem("parallel", f"dp*hp*pp={tasks}", f"SLURM refused the {ps.name} job: {text} ({per_node} tasks per "
-                   f"node{f'; a node has {most_cpus} CPUs' if most_cpus else ''})",
+    where = f"{text} ({per_node} tasks per node{f'; a node has {most_cpus} CPUs' if most_cpus else ''})"
+    if ps.name == "tokenize":
+        fits = max(1, most_cpus // cpus) * job["nodes"] if most_cpus else None
+        return Problem("data.tasks", tasks, f"SLURM refused the tokenize job: {where}",
+                       f"data.tasks={fits} or fewer" if fits else "fewer data.tasks, or more nodes (cluster.nodes)")
+    return Problem("parallel", f"dp*hp*pp={tasks}", f"SLURM refused the {ps.name} job: {where}",
                    "a smaller layout, or spread the ranks over more nodes (cluster.nodes)")
 
 

@@ -228,29 +228,40 @@ def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:
 
 # -- what the plan says ----------------------------------------------------------------------------------------
 
-TASK_BASE_BYTES = 400 << 20     # a task's process (forked with torch imported) and its tokenizer
-BYTES_PER_S = {"bytes": 40e6, "bpe": 2e6, "hf": 2e6}   # per task, measured by benchmarks/data_scale.py
+# Measured by benchmarks/data_scale.py on the 2-core VM (docs/models-and-data.md): a task's peak RSS (its process,
+# forked with torch imported, the tokenizer and one batch: 0.26-0.46 GB flat in corpus size up to 4 GB), the BPE's
+# learning process (0.56 GB from 0.25 GB, 0.60 GB from 1 GB), the bytes read per second by one single-threaded task
+# and by the learning per core.
+TASK_PEAK_BYTES = 480 << 20
+LEARN_PEAK_BYTES = 700 << 20
+TASK_BYTES_PER_S = {"bytes": 75e6, "bpe": 3.5e6, "hf": 3.5e6}
+LEARN_BYTES_PER_S_PER_CORE = 4.5e6
 LEFT_OUT_WARNING = 0.5          # data.max_bytes leaving out more than this share of the corpus is a warning
 
 
-def plan_lines(cfg, tasks: int) -> list[str]:
+def estimate_seconds(cfg, corpora: list, tasks: int, cores: int) -> float:
+    """About how long tokenize takes: the BPE's learning (every core), then the slowest task's share."""
+    kind = "hf" if cfg.data.tokenizer.startswith("hf:") else cfg.data.tokenizer
+    read = sum(lay.read_bytes for _, lay in corpora if lay)
+    learn = min(read, cfg.data.bpe_sample_bytes) / (LEARN_BYTES_PER_S_PER_CORE * cores) if kind == "bpe" else 0.0
+    return learn + read / (TASK_BYTES_PER_S[kind] * tasks)
+
+
+def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
     """The plan's lines on tokenize: what it reads, what data.max_bytes leaves out, tasks, memory and time."""
     corpora = corpus_layouts(cfg)
     if any(lay is None for _, lay in corpora):
         return []
     gb = 2**30
-    kind = "hf" if cfg.data.tokenizer.startswith("hf:") else cfg.data.tokenizer
-    memory = TASK_BASE_BYTES + 12 * ENCODE_BYTES
     read = sum(lay.read_bytes for _, lay in corpora)
     total = sum(lay.total_bytes for _, lay in corpora)
     files = sum(lay.files for _, lay in corpora)
+    learn = f"; the BPE learns from {_size(min(read, cfg.data.bpe_sample_bytes))} first in a process of " \
+            f"{LEARN_PEAK_BYTES / gb:,.2f} GB" if cfg.data.tokenizer == "bpe" else ""
     lines = [f"data: tokenize reads {files:,} of {sum(lay.total_files for _, lay in corpora):,} file(s), "
-             f"{_size(read)} of {_size(total)}"
-             + (f" from {len(corpora)} sources" if len(corpora) > 1 else "")
-             + f"; {tasks} task(s) of about {memory / gb:,.2f} GB each; about "
-             f"{_seconds(read / (BYTES_PER_S[kind] * tasks))}"
-             + (f" (data.tokenizer=bpe learns from {_size(min(read, cfg.data.bpe_sample_bytes))} first)"
-                if kind == "bpe" else "")]
+             f"{_size(read)} of {_size(total)}" + (f" from {len(corpora)} sources" if len(corpora) > 1 else "")
+             + f"; {tasks} task(s) of about {TASK_PEAK_BYTES / gb:,.2f} GB each{learn}; about "
+             f"{_seconds(estimate_seconds(cfg, corpora, tasks, cores))} here"]
     for i, (_, lay) in enumerate(corpora):
         if lay.left_out:
             share = lay.left_out / max(lay.total_bytes, 1)

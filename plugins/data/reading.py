@@ -1,8 +1,9 @@
 """Reading a corpus of files as a stream: the files cut into pieces, each piece read on its own, in bounded memory.
 
 A piece is a byte range of a text or JSON Lines file (the lines that start inside it), one row group of a Parquet
-file, or a run of record batches of an Arrow stream (a Hugging Face `datasets` folder written by `save_to_disk`). The cuts depend only on the files (every CHUNK_BYTES, at the next line start), never on how many tasks read
-them, so N tasks that each take a contiguous run of pieces write, part after part, exactly what one task writes.
+file, or a run of record batches of an Arrow stream (a Hugging Face `datasets` folder written by `save_to_disk`).
+The cuts depend only on the files (every CHUNK_BYTES, at the next line start), never on how many tasks read them,
+so N tasks that each take a contiguous run of pieces write, part after part, exactly what one task writes.
 
 Which split a document belongs to is decided by its name, as before: a plain text file is one document, named by
 its path in the corpus (a lone file holds out its last data.val_fraction, cut at a line start); a record of a JSON

@@ -184,11 +184,13 @@ def read(folder: Path, packed: bool, index: Optional[dict] = None) -> Corpus:
     dtype = np.dtype(index["dtype"])
     splits = {}
     for split in SPLITS:
-        tokens, ends, base = [], [], 0
-        for part in index["parts"]:
-            tokens.append(_memmap(folder / part / f"{split}.bin", dtype))
-            ends.append(_memmap(folder / part / f"{split}.idx", np.dtype(np.int64)) + base)
-            base += len(tokens[-1])
+        tokens = [_memmap(folder / part / f"{split}.bin", dtype) for part in index["parts"]]
         stream = TokenStream(tokens)
-        splits[split] = [stream] if packed else Documents(stream, np.concatenate(ends))
+        if packed:
+            splits[split] = [stream]
+            continue
+        bases = np.cumsum([0] + [len(t) for t in tokens])  # a part's ends are offsets into it
+        ends = [_memmap(folder / part / f"{split}.idx", np.dtype(np.int64)) + base
+                for part, base in zip(index["parts"], bases)]
+        splits[split] = Documents(stream, np.concatenate(ends))
     return Corpus(splits["train"], splits["val"], index["vocab_size"], packed, index["pad"])
