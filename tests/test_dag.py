@@ -44,7 +44,8 @@ def test_layout_change_keeps_export(tmp_path):
 
 @pytest.mark.parametrize("override", ["train.resume=false", "train.log_every=5", "train.progress=false",
                                       "tracking=none", "tracking.uri=sqlite:///elsewhere.db", "cluster=debug",
-                                      "cluster.threads_per_rank=1", "dry_run=true", "train.keep_checkpoints=5"])
+                                      "cluster.threads_per_rank=1", "dry_run=true", "train.keep_checkpoints=5",
+                                      "data.tasks=1"])
 def test_execution_only_keys_do_not_change_keys(override, tmp_path):
     assert keys(override, cache_root=tmp_path) == keys(cache_root=tmp_path)
 
