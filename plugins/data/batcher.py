@@ -37,12 +37,12 @@ class Batcher:
 
     def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None):
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
-        corpora = corpus if isinstance(corpus, list) else [corpus]
-        self.weights = None if weights is None else np.asarray(weights, dtype=np.float64) / sum(weights)
-        if (self.weights is None) != (len(corpora) == 1 and not isinstance(corpus, list)):
-            raise ValueError("a mixture of corpora needs one weight per corpus, a single corpus none")
-        if self.weights is not None and len(self.weights) != len(corpora):
-            raise ValueError(f"{len(corpora)} corpora but {len(self.weights)} weights (data.mix)")
+        mixture = isinstance(corpus, list)
+        corpora = corpus if mixture else [corpus]
+        if mixture != (weights is not None) or (mixture and len(weights) != len(corpora)):
+            raise ValueError(f"a mixture of corpora needs one weight per corpus, a single corpus none ({len(corpora)} "
+                             f"corpora, weights {weights})")
+        self.weights = np.asarray(weights, dtype=np.float64) / sum(weights) if mixture else None
         for i, c in enumerate(corpora):
             for split in ("train", "val") if c.packed else ():
                 longest = max(len(d) for d in getattr(c, split))

@@ -193,40 +193,53 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
     elif piece.kind == "jsonl":
         offset, data = piece_bytes(piece)
         for line_start, record in _json_records(piece, offset, data):
-            text = record.get(text_field) if text_field in record else _missing(piece, line_start, record, text_field)
-            if text:
-                name = f"{piece.name}@{line_start}"
-                yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
-    elif piece.kind == "arrow":
-        yield from _arrow_documents(piece, text_field, val_fraction)
+            if text_field not in record:
+                raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} "
+                                 f"{no_field(text_field, record)}: data.text_field= the field that holds the text")
+            yield from _record(f"{piece.name}@{line_start}", record[text_field], val_fraction)
     else:
+        for row, text in enumerate(_column(piece, text_field), piece.first_row):
+            yield from _record(f"{piece.name}#{row}", text, val_fraction)
+
+
+def _record(name: str, text, val_fraction: float) -> Iterator[tuple[str, bytes, bool]]:
+    """A record's document, its split from its name (an empty record is none)."""
+    if text:
+        yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+
+
+def _column(piece: Piece, field: str) -> Iterator:
+    """The values of `field` in a Parquet row group or a run of an Arrow stream's record batches."""
+    if piece.kind == "parquet":
         import pyarrow.parquet as pq
 
-        row = piece.first_row
         for batch in pq.ParquetFile(piece.path).iter_batches(batch_size=RECORD_BATCH, row_groups=[piece.start],
-                                                             columns=[text_field]):
-            for text in batch.column(0).to_pylist():
-                name = f"{piece.name}#{row}"
-                row += 1
-                if text:
-                    yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
-
-
-def _arrow_documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tuple[str, bytes, bool]]:
+                                                             columns=[field]):
+            yield from batch.column(0).to_pylist()
+        return
     import pyarrow as pa
 
-    row = piece.first_row
     with pa.memory_map(piece.path) as source:
         for i, batch in enumerate(pa.ipc.open_stream(source)):
             if i >= piece.end:
                 break
-            if i < piece.start:
-                continue
-            for text in batch.column(text_field).to_pylist():
-                name = f"{piece.name}#{row}"
-                row += 1
-                if text:
-                    yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+            if i >= piece.start:
+                yield from batch.column(field).to_pylist()
+
+
+def json_object(line: bytes) -> dict:
+    """A JSON Lines record; ValueError saying why a line is not one (the caller names file and line)."""
+    try:
+        record = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"is not JSON ({e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"is not a JSON object (a {type(record).__name__})")
+    return record
+
+
+def no_field(field: str, keys) -> str:
+    return f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
 
 
 def _json_records(piece: Piece, offset: int, data: bytes) -> Iterator[tuple[int, dict]]:
@@ -236,18 +249,10 @@ def _json_records(piece: Piece, offset: int, data: bytes) -> Iterator[tuple[int,
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = json_object(line)
         except ValueError as e:
-            raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} is not JSON ({e})") from None
-        if not isinstance(record, dict):
-            raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} is not a JSON object "
-                             f"(a {type(record).__name__})")
+            raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} {e}") from None
         yield line_start, record
-
-
-def _missing(piece: Piece, line_start: int, record: dict, field: str):
-    raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} has no field {field!r} (its fields: "
-                     f"{', '.join(record) or 'none'}): data.text_field= the field that holds the text")
 
 
 def line_number(path: str, offset: int) -> int:

@@ -67,11 +67,14 @@ def write_index(folder: Path, parts: list[str], vocab_size: int, eos: int, pad: 
     summaries = [read_json(folder / p / PART) for p in parts]
     index = {"dtype": dtype_for(vocab_size).name, "vocab_size": vocab_size, "eos": eos, "pad": pad, "tokenizer": kind,
              "parts": parts, **extra}
-    for s in SPLITS:
-        index[s] = {"tokens": sum(x[s]["tokens"] for x in summaries), "documents": sum(x[s]["documents"]
-                                                                                      for x in summaries)}
+    index.update(_totals(summaries))
     atomic_write_json(folder / INDEX, index)
     return index
+
+
+def _totals(counts: list[dict]) -> dict:
+    """Each split's tokens and documents summed over parts (or over a mixture's sources)."""
+    return {s: {k: sum(c[s][k] for c in counts) for k in ("tokens", "documents")} for s in SPLITS}
 
 
 def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
@@ -90,22 +93,21 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
         f.write(np.int64(summary[dst]["tokens"] + len(tokens)).tobytes())
     os.truncate(folder / part / f"{src}.bin", start * dtype.itemsize)
     os.truncate(folder / part / f"{src}.idx", (len(ends) - 1) * int64.itemsize)
-    for split, sign in ((src, -1), (dst, 1)):
-        summary[split] = {"tokens": summary[split]["tokens"] + sign * len(tokens),
-                          "documents": summary[split]["documents"] + sign}
+    index = {**index}
+    for counts in (summary, index):  # the part's and the corpus's counts move alike
+        for split, sign in ((src, -1), (dst, 1)):
+            counts[split] = {"tokens": counts[split]["tokens"] + sign * len(tokens),
+                             "documents": counts[split]["documents"] + sign}
     atomic_write_json(folder / part / PART, summary)
-    extra = {k: v for k, v in index.items() if k not in ("dtype", "vocab_size", "eos", "pad", "tokenizer", "parts",
-                                                         *SPLITS)}
-    return write_index(folder, index["parts"], index["vocab_size"], index["eos"], index["pad"], index["tokenizer"],
-                       **extra)
+    atomic_write_json(folder / INDEX, index)
+    return index
 
 
 def write_mix_index(folder: Path, sources: list[str], indexes: list[dict], **extra) -> dict:
     """The index of a mixture: its sources' folders (each a corpus with an index of its own), in data.mix's order."""
     first = indexes[0]
     index = {k: first[k] for k in ("dtype", "vocab_size", "eos", "pad", "tokenizer")} | {"mix": sources, **extra}
-    for s in SPLITS:
-        index[s] = {k: sum(i[s][k] for i in indexes) for k in ("tokens", "documents")}
+    index.update(_totals(indexes))
     atomic_write_json(Path(folder) / INDEX, index)
     return index
 

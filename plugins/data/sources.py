@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import hashlib
-import json
 import os
 import sys
 import sysconfig
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plugins.data.reading import RECORDS, arrow_fields, layout
+from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
 from storage.fsio import why_not_a_file
@@ -46,13 +45,11 @@ def _field_missing(path: Path, field: str) -> str:
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
+                    record = json_object(line)
                 except ValueError as e:
-                    return f"line {number} is not JSON ({e})"
-                if not isinstance(record, dict):
-                    return f"line {number} is not a JSON object (a {type(record).__name__})"
+                    return f"line {number} {e}"
                 if field not in record:
-                    return f"line {number} has no field {field!r} (its fields: {', '.join(record) or 'none'})"
+                    return f"line {number} {no_field(field, record)}"
             return ""
         if path.suffix == ".arrow":
             keys = arrow_fields(path)
@@ -64,7 +61,7 @@ def _field_missing(path: Path, field: str) -> str:
         return f"cannot be read ({e})"
     except Exception as e:  # pyarrow's ArrowInvalid: not a Parquet file or an Arrow stream
         return f"cannot be read as {'an Arrow stream' if path.suffix == '.arrow' else 'Parquet'} ({e})"
-    return "" if field in keys else f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
+    return "" if field in keys else no_field(field, keys)
 
 
 def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
