@@ -15,6 +15,8 @@ from omegaconf import OmegaConf
 from planning.estimate import (Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate, stage_costs,
                                step_flops)
 from planning.problem import Problem
+from plugins.data.corpus import corpus_layouts, memory_problem, tokenize_tasks
+from plugins.data.registry import get_source, source_names
 from plugins.parallel import world_size
 from runtime.threads import rank_threads, usable_cores
 
@@ -136,6 +138,9 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
         return []
     more = "a node with more memory (cluster.mem_per_task_gb on SLURM)"
     problems = []
+    tokenize = _tokenize_problem(cfg, avail, where)
+    if tokenize:
+        problems.append(Problem(*tokenize))
     export, agg, without = plan.stages["export"], plan.stages["aggregate"], plan.aggregate_without_onnx
     if export.peak > avail:
         problems.append(Problem("model", cfg.model.name, f"the export stage needs about {export.peak / GB:,.1f} GB "
@@ -149,6 +154,18 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
         problems.append(Problem("model", cfg.model.name, f"the aggregate stage needs about {agg.peak / GB:,.1f} GB "
                                 f"({agg.what}), more than the {avail / GB:,.1f} GB it may use ({where})", more))
     return problems
+
+
+def _tokenize_problem(cfg, avail: int, where: str):
+    """The tokenize tasks against the memory they may use (a source or a corpus the data's own rules refuse is
+    theirs to name)."""
+    if cfg.data.name not in source_names() or get_source(cfg.data.name).tokens is not None:
+        return None
+    try:
+        corpora = corpus_layouts(cfg)
+    except OSError:  # a missing or unreadable file: the data's check says which
+        return None
+    return memory_problem(cfg, tokenize_tasks(cfg, corpora, usable_cores()), avail, where)
 
 
 def _disk_problems(cfg, plan: Plan) -> list[Problem]:

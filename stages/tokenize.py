@@ -22,7 +22,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from plugins.data import data_fingerprint, shards
 from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
-                                 default_tasks, estimate_seconds, finish_all, source_tokens, wait_for, write_part)
+                                 estimate_seconds, finish_all, source_tokens, tokenize_tasks, wait_for, write_part)
 from plugins.data.reading import partition
 from plugins.data.registry import get_source
 from plugins.data.tokenizer import load_saved
@@ -184,16 +184,9 @@ def _summary(out) -> str:
 
 
 def _resources(cfg) -> Resources:
-    """data.tasks; by default every usable core here (one in the debug cluster's one process), one task per node of
-    cluster.nodes on SLURM; never more tasks than pieces of the corpus."""
-    if cfg.cluster.name == "debug":
-        return Resources(tasks=1)
-    if cfg.cluster.name == "slurm" and not cfg.data.tasks:
-        cores = cfg.cluster.nodes
-    else:
-        cores = usable_cores()
+    """data.tasks or its default (corpus.tokenize_tasks); a local time limit three times the estimate."""
     corpora = corpus_layouts(cfg)
-    tasks = default_tasks(cfg, corpora, cores)
+    tasks = tokenize_tasks(cfg, corpora, usable_cores())
     minutes = estimate_seconds(cfg, corpora, tasks, usable_cores()) / 60
     return Resources(tasks=tasks, timeout_min=max(60, math.ceil(3 * minutes)))  # a big corpus is no hang
 

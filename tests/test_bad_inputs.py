@@ -131,6 +131,8 @@ CATALOGUE = [
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: 0}]"], "data.mix", "weight above 0"),
+    (["cluster=slurm", "cluster.mem_per_task_gb=0.5", "data.tokenizer=bpe", "data.vocab_size=300"], "data.tasks",
+     "the tokenize stage needs about"),
     (["data=text", "data.paths=[{tmp}/one.txt]", "data.mix=[{paths: [{tmp}/one.txt]}]"], "data.paths",
      "every source names its own paths"),
     (["data=text", "data.paths=[{tmp}/pipe.txt]"], "data.paths", "is a named pipe (FIFO), not a regular file"),

@@ -211,6 +211,9 @@ def test_the_plan_says_what_tokenize_reads_and_what_max_bytes_leaves_out(corpus)
     assert lines[0].startswith("data: tokenize reads ") and "2 task(s)" in lines[0]
     assert lines[1].startswith(f"warning: data.max_bytes=100000 leaves out {(size - 100000) / 1e6:,.1f} MB")
     assert "data.max_bytes=0 reads all of it" in lines[1]
+    key, tasks, rule, fix = corpora.memory_problem(cfg, 100, 8 << 30, "available RAM")  # all tasks on one host
+    assert (key, tasks, fix) == ("data.tasks", 100, "data.tasks=17 or fewer") and "46.88 GB" in rule
+    assert corpora.memory_problem(cfg, 2, 8 << 30, "available RAM") is None
     assert len(corpora.plan_lines(make_cfg("data=text", f"data.paths=[{corpus}]", "data.text_field=body",
                                            "data.max_bytes=0"), tasks=1, cores=2)) == 1
 

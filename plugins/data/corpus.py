@@ -65,6 +65,34 @@ def default_tasks(cfg, corpora: list[tuple[object, Optional[Layout]]], cores: in
     return max(1, min(cfg.data.tasks or cores, max(len(lay.pieces) for _, lay in corpora)))
 
 
+def tokenize_tasks(cfg, corpora: list[tuple[object, Optional[Layout]]], cores: int) -> int:
+    """The tokenize stage's task count: data.tasks; by default every usable core (`cores`) here, one in the debug
+    cluster's one process, one task per node of cluster.nodes on SLURM; never more than the corpus's pieces."""
+    if cfg.cluster.name == "debug":
+        return 1
+    return default_tasks(cfg, corpora, cfg.cluster.nodes if cfg.cluster.name == "slurm" and not cfg.data.tasks
+                         else cores)
+
+
+def memory_problem(cfg, tasks: int, avail: int, where: str) -> Optional[tuple]:
+    """(key, value, rule, fix) when the tokenize tasks cannot fit the memory they may use: on one machine all of
+    them (and the BPE's learning process), on SLURM each task (the first also learns)."""
+    if not avail:
+        return None
+    learn = LEARN_PEAK_BYTES if cfg.data.tokenizer == "bpe" else 0
+    local = cfg.cluster.name != "slurm"
+    need = (tasks if local else 1) * TASK_PEAK_BYTES + learn
+    if need <= avail:
+        return None
+    gb = 2**30
+    fits = max(0, (avail - learn) // TASK_PEAK_BYTES)
+    what = f"{tasks} task(s) of {TASK_PEAK_BYTES / gb:.2f} GB" if local else f"a task of {TASK_PEAK_BYTES / gb:.2f} GB"
+    return ("data.tasks", tasks, f"the tokenize stage needs about {need / gb:,.2f} GB ({what}"
+            + (f" and the BPE's learning, {learn / gb:.2f} GB" if learn else "") + f"), more than the "
+            f"{avail / gb:,.1f} GB it may use ({where})",
+            f"data.tasks={fits} or fewer" if local and fits >= 1 else "more memory per task (cluster.mem_per_task_gb)")
+
+
 # -- the tokenizer ---------------------------------------------------------------------------------------------
 
 def bpe_sample(cfg, lay: Optional[Layout]) -> Iterator[bytes]:
