@@ -1,7 +1,9 @@
 """`python -m orchestrator [overrides]`: compose the experiment with Hydra, then run its DAG.
 
-Configuration mistakes (bad types, unknown keys, missing options, broken cross-field rules) are printed
-as key / value / rule / fix and exit with status 2 before anything starts; a failed stage exits with 1.
+Configuration mistakes (bad types, unknown keys, missing options, broken cross-field rules, unresolvable values,
+a sweep's bad point or search space) are printed as key / value / rule / fix and exit with status 2 before anything
+is written (orchestrator/boundary.py); a failed stage exits with 1, and so does an unexpected error, in one line
+that names the file holding its traceback.
 """
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from orchestrator.config.errors import ConfigError, from_hydra
+from orchestrator.boundary import Refused, explain, task_overrides, unexpected
+from orchestrator.config.errors import ConfigError
 from orchestrator import interrupt
 from orchestrator.report import EXIT_CODES
 from orchestrator.config.schema import register
@@ -33,9 +36,9 @@ def _experiment(cfg: DictConfig) -> Optional[float]:
         if cfg.tune.name == "layout":
             from orchestrator.tune import tune
 
-            EXIT_CODES.append(tune(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task)))
+            EXIT_CODES.append(tune(cfg, Path(hc.runtime.output_dir), task_overrides(hc)))
             return None
-        report = orchestrate(cfg, Path(hc.runtime.output_dir), list(hc.overrides.task))
+        report = orchestrate(cfg, Path(hc.runtime.output_dir), task_overrides(hc))
         EXIT_CODES.append(report.exit_code)
         return objective.value(cfg.sweep.objective, report.train_summary(cfg))
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line
@@ -59,6 +62,12 @@ def main() -> int:
     try:
         _experiment()
         finish_study()
+    except Refused as r:  # the command's check (orchestrator/boundary.py), before Hydra wrote anything
+        if not r.error.problems:
+            print(unexpected(r.__cause__), file=sys.stderr)
+            return 1
+        print(f"error: {r.error}", file=sys.stderr)
+        return 2
     except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -67,10 +76,11 @@ def main() -> int:
         print(f"interrupted ({interrupt.said()}): finished stages are cached and checkpoints kept; run the same "
               "command to continue", file=sys.stderr)
         return interrupt.exit_code()
-    except Exception as e:
-        translated = from_hydra(e, tuple(sys.argv[1:]))
+    except Exception as e:  # what Hydra, OmegaConf or a sweeper raised outside the checks, or a bug
+        translated = explain(e, tuple(sys.argv[1:]))
         if translated is None:
-            raise
+            print(unexpected(e), file=sys.stderr)
+            return 1
         print(f"error: {translated}", file=sys.stderr)
         return 2
     return max(EXIT_CODES, default=0)

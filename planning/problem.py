@@ -24,7 +24,7 @@ def _show(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return str(value).lower()
-    return str(value)
+    return str(value) if str(value) != "" else "''"  # an empty value, visibly
 
 
 def divisors(n: int) -> list[int]:

@@ -34,9 +34,17 @@ def _owners() -> tuple[tuple, tuple]:
              tracking.check, cache.check))
 
 
-def validate(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
-    """Raise ConfigError with every problem."""
-    problems = schema_problems(cfg, list(overrides))
+_PASSED: set[str] = set()  # configs the command's pre-check validated (the run then does not check them again)
+
+
+def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = False) -> None:
+    """Raise ConfigError with every problem. remember: a config that passes is not checked again in this process
+    (orchestrator/boundary.py checks the command before Hydra writes anything; the run that follows is the same)."""
+    overrides = list(overrides)
+    seen = OmegaConf.to_yaml(cfg) + "\0".join(overrides)
+    if seen in _PASSED:
+        return
+    problems = schema_problems(cfg, overrides)
     if not problems:
         from planning import plan
         from storage import init_from
@@ -50,6 +58,8 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = ()) -> None:
             problems += plan.check(cfg, disk=not folders)
     if problems:
         raise ConfigError(problems)
+    if remember:
+        _PASSED.add(seen)
 
 
 def warnings(cfg: DictConfig) -> list[str]:
@@ -74,6 +84,10 @@ def _folder_problems(cfg: DictConfig) -> list[Problem]:
 
     problems = []
     for key in ("runs_dir", "cache_dir"):
+        if not str(cfg[key]).strip():
+            problems.append(Problem(key, cfg[key], f"{key} is empty: the folders under it would land at the "
+                                    "filesystem's root", f"{key}= a folder of its own (the default: runs)"))
+            continue
         folder = Path(cfg[key]).expanduser().absolute()
         # an existing cache may be read-only: it serves the stages it holds (orchestrate checks the others)
         writes = key == "runs_dir" or not folder.is_dir()
