@@ -17,7 +17,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from orchestrator.boundary import Refused, explain, task_overrides, unexpected
+from orchestrator.boundary import Refused, unexpected
+from orchestrator.config.command import explain, task_overrides
 from orchestrator.config.errors import ConfigError
 from orchestrator import interrupt
 from orchestrator.report import EXIT_CODES

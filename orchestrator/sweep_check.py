@@ -27,14 +27,14 @@ COUNTS = ("n_trials", "n_jobs", "budget", "num_workers", "max_batch_size")  # sw
 
 
 def check_sweep(config: DictConfig) -> None:
-    from orchestrator.boundary import group_lists, task_overrides, unresolved
+    from orchestrator.config.command import task_overrides
+    from orchestrator.config.values import unresolved
 
     task = task_overrides(config.hydra)
     sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
     basic = sweeper.endswith("BasicSweeper")
     overrides = _parse(task + _sweeper_params(config))
-    problems = unresolved(config, ("hydra.sweep.dir",)) + _count_problems(config) + \
-        group_lists([o.input_line for o in overrides if not o.is_sweep_override()])
+    problems = unresolved(config, ("hydra.sweep.dir",)) + _count_problems(config)
     spaces = {}
     for o in overrides:
         if o.is_sweep_override():
@@ -43,7 +43,7 @@ def check_sweep(config: DictConfig) -> None:
             spaces[o.get_key_element()] = values
     if problems:
         raise ConfigError(problems)
-    from orchestrator.boundary import folder_problems
+    from orchestrator.config.command import folder_problems
 
     problems = folder_problems("hydra.sweep.dir", str(config.hydra.sweep.dir))
     if problems:
@@ -121,7 +121,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
     """Compose and validate the points: every combination (the basic sweeper will run exactly those), or each
     value of each key with the others at their first (a sweeper that picks its points). order: the overrides as
     given, a swept key standing for its value."""
-    from orchestrator.boundary import check_experiment, experiment
+    from orchestrator.config.command import check_experiment, experiment
     from orchestrator.sweep import SweepConfigError, _check_direction
 
     keys = list(spaces)
@@ -144,7 +144,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         except ConfigError as e:
             failures.append((overrides, e))
         except HydraException as e:
-            from orchestrator.boundary import explain
+            from orchestrator.config.command import explain
 
             translated = explain(e, tuple(overrides))
             if translated is None:

@@ -269,6 +269,9 @@ def check(cfg) -> list:
     t = cfg.tracking
     if t.name != "mlflow":
         return []
+    if not str(t.experiment).strip():  # MLflow's own refusal comes after the stages ran, as a traceback
+        return [Problem("tracking.experiment", t.experiment, "an MLflow experiment needs a name",
+                        "tracking.experiment=orchestrator (the default), or another name")]
     uri, fix = t.uri, "tracking=none, or a local store: tracking.uri=sqlite:///runs/mlflow.db"
     if uri.startswith("sqlite:///"):
         db = Path(uri[len("sqlite:///"):])

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from planning.estimate import (Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate, stage_costs,
+from planning.estimate import (STAGE_RUNTIME, Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate,
+                               stage_costs,
                                step_flops)
 from planning.problem import Problem
 from plugins.data.corpus import corpus_layouts, memory_problem, tokenize_tasks
@@ -125,7 +126,11 @@ def _rank_problems(cfg, plan: Plan) -> list[Problem]:
     if cfg.memory.level == 0:
         fixes.append("memory=level1 (recompute activations)")
     fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
-    return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"the estimated peak per rank, {plan.rank.describe()}, "
+    m = cfg.model
+    model = f"model.n_layers={m.n_layers}, model.d_model={m.d_model}, model.d_ff={m.d_ff}, " \
+            f"model.vocab_size={m.vocab_size}"
+    return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"the estimated peak per rank ({model}), "
+                    f"{plan.rank.describe()}, "
                     f"exceeds the {plan.rank_limit / GB:,.1f} GB a rank may use ({plan.rank_limit_where})",
                     "; ".join(fixes))]
 
@@ -141,6 +146,7 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
     tokenize = _tokenize_problem(cfg, avail, where)
     if tokenize:
         problems.append(Problem(*tokenize))
+    problems += _example_problems(cfg, avail, where)
     export, agg, without = plan.stages["export"], plan.stages["aggregate"], plan.aggregate_without_onnx
     if export.peak > avail:
         problems.append(Problem("model", cfg.model.name, f"the export stage needs about {export.peak / GB:,.1f} GB "
@@ -153,6 +159,28 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
     elif agg.peak > avail:
         problems.append(Problem("model", cfg.model.name, f"the aggregate stage needs about {agg.peak / GB:,.1f} GB "
                                 f"({agg.what}), more than the {avail / GB:,.1f} GB it may use ({where})", more))
+    return problems
+
+
+def _example_problems(cfg, avail: int, where: str) -> list[Problem]:
+    """Inputs a stage makes whole in memory, against what it may use: the export check's example batch, and the
+    synthetic source's token stream (8 bytes a token, twice while it is drawn)."""
+    from plugins.onnx.rules import example_bytes
+
+    problems = []
+    room = avail - STAGE_RUNTIME
+    need = example_bytes(cfg)
+    if need > room:
+        fits = max(room // example_bytes(cfg, batch=1) - 1, 0)
+        problems.append(Problem("export.sample_batch", cfg.export.sample_batch, f"the export's check runs "
+                                f"export.sample_batch+1 example sequences through torch and ONNX Runtime: about "
+                                f"{need / GB:,.1f} GB, more than the {avail / GB:,.1f} GB it may use ({where})",
+                                f"export.sample_batch={fits}" if fits >= 1 else "a smaller export.sample_seq"))
+    if cfg.data.name == "synthetic" and 16 * cfg.data.synthetic_tokens > room:
+        problems.append(Problem("data.synthetic_tokens", cfg.data.synthetic_tokens, f"the synthetic stream is drawn "
+                                f"in memory, 16 bytes a token: {16 * cfg.data.synthetic_tokens / GB:,.1f} GB, more "
+                                f"than the {avail / GB:,.1f} GB it may use ({where})",
+                                f"data.synthetic_tokens={max(room // 16, 2):,}".replace(",", "")))
     return problems
 
 

@@ -8,13 +8,17 @@ import torch
 from torch import nn
 
 
-def eval_loss(layout, batcher, n_batches: int) -> float:
+def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]] = lambda: None) -> Optional[float]:
     """Mean next-token loss over the first n_batches held-out batches, computed in the layout (every rank calls it:
-    the sums are reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece."""
+    the sums are reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece.
+    stop: asked before each batch (by every rank, a collective when several run); when it says why, the evaluation
+    is abandoned and None returned, so that a signal is acted on within a batch, not after the whole evaluation."""
     layout.train(False)
     total, count = torch.zeros((), dtype=torch.float64), 0
     try:
         for i in range(n_batches):
+            if stop():
+                return None
             batch = batcher.eval_batch(i)
             total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels)).cpu()
             count += batch.n_labels

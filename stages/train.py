@@ -99,8 +99,14 @@ def train(ctx: StageContext) -> None:
             if evaluating or saving or reason or stalled or when.warmed_up(done) or when.flushes(done):
                 rows = window.flush()  # the only read-back from the device outside evaluation and fp16
                 diverged = first_nonfinite(rows) or (rows[-1] if stalled else None)
-                if evaluating and not diverged:
-                    rows[-1]["eval_loss"] = eval_loss(layout, batcher, t.eval_batches)
+                if evaluating and not diverged:  # a signal during it stops it within a batch (then saves, below)
+                    loss = eval_loss(layout, batcher, t.eval_batches, lambda: preemption.stop_requested(
+                        layout.world, control))
+                    if loss is None:
+                        reason = reason or preemption.stop_requested(layout.world, control) or "a signal"
+                        saving = True
+                    else:
+                        rows[-1]["eval_loss"] = loss
                 for row in rows:
                     if when.timed(row["step"]):
                         timed_tokens, timed_s = timed_tokens + row["tokens"], timed_s + row["step_time_s"]

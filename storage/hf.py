@@ -47,6 +47,11 @@ def read_config(folder: Path) -> tuple[str, dict]:
         raise HFError(f"architecture {', '.join(archs)} is not supported: the supported ones are "
                       f"{', '.join(ARCHITECTURES)}")
     if family == "gpt":
+        for field, plain in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
+                             ("scale_attn_weights", True)):
+            if c.get(field, plain) != plain:  # attention computed otherwise: the model would not be the same one
+                raise HFError(f"GPT-2 with {field}={str(c[field]).lower()} is not supported (its attention is "
+                              f"computed otherwise; only {field}={str(plain).lower()})")
         act = c.get("activation_function", "gelu_new")
         if act not in GPT2_ACTIVATIONS:
             raise HFError(f"GPT-2 activation_function={act} is not supported ({', '.join(GPT2_ACTIVATIONS)})")

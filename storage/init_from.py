@@ -24,6 +24,15 @@ def check(cfg, parameters: dict) -> list[Problem]:
                         "runs/cache/checkpoint/<key> or the checkpoint/ folder of a train stage's output",
                         "point it at a checkpoint folder, or remove it (train.init_from=null)")]
     manifest = read_json(manifest_path)
+    damaged = _damage(cfg, Path(path), manifest)
+    if damaged:
+        return [Problem("train.init_from", path, f"the checkpoint does not match its manifest: {damaged}",
+                        "copy it again from where it was written, or choose another checkpoint")]
+    theirs_opt = manifest.get("trainer", {}).get("optimizer")
+    if theirs_opt and theirs_opt != cfg.optimizer.name:
+        return [Problem("train.init_from", path, f"the checkpoint holds {theirs_opt}'s state; this run's optimizer "
+                        f"is {cfg.optimizer.name}", f"optimizer={theirs_opt} (training goes on with the state it "
+                        "saved)")]
     theirs = {n: q["shape"] for n, q in manifest.get("partition_plan", {}).get("parameters", {}).items()}
     ours = {n: q["shape"] for n, q in parameters.items()}
     differ = sorted(n for n in ours.keys() | theirs.keys() if ours.get(n) != theirs.get(n))
@@ -39,6 +48,26 @@ def check(cfg, parameters: dict) -> list[Problem]:
     return problems
 
 
+def _damage(cfg, folder: Path, manifest: dict) -> str:
+    """The first file that differs from the manifest's table: sizes always, sha256 at stat speed where the cache
+    remembers the file unchanged (storage/file_hashes.py; nothing is written where there is no cache yet)."""
+    import contextlib
+
+    from storage import file_hashes
+
+    store = Path(cfg.cache_dir) / ".verified" / "files.json"
+    with file_hashes.remembering(store) if store.parent.is_dir() else contextlib.nullcontext():
+        for rel, want in manifest.get("files", {}).items():
+            p = folder / rel
+            if not p.is_file():
+                return f"{rel} is missing"
+            if p.stat().st_size != want["bytes"]:
+                return f"{rel} holds {p.stat().st_size} bytes, the manifest says {want['bytes']}"
+            if file_hashes.sha256(p) != want["sha256"]:
+                return f"{rel}'s sha256 differs from the manifest's"
+    return ""
+
+
 def _hf_problems(cfg) -> list[Problem]:
     path, folder = cfg.train.init_from, hf.folder_of(cfg.train.init_from)
     if not folder.is_dir():
@@ -49,6 +78,9 @@ def _hf_problems(cfg) -> list[Problem]:
         return [Problem("train.init_from", path, str(e), "a GPT-2 or Llama folder, or another starting point")]
     except (KeyError, ValueError) as e:
         return [Problem("train.init_from", path, f"{folder}/config.json cannot be read: {e}", "a save_pretrained folder")]
+    if not any(folder.glob("*.safetensors")):
+        return [Problem("train.init_from", path, f"{folder} holds no *.safetensors weights",
+                        "a folder save_pretrained wrote with its weights (safe_serialization=True, its default)")]
     if not differ:
         return []
     family = differ.pop("name", (None, cfg.model.name))[1]

@@ -12,6 +12,7 @@ import pytest
 from hydra.errors import HydraException
 
 from orchestrator.config.errors import ConfigError, from_hydra
+from planning.problem import _show
 from orchestrator.config.validate import validate, warnings
 from tests.conftest import ROOT, make_cfg, run_cli
 
@@ -32,6 +33,14 @@ CATALOGUE = [
     (["trian.steps=4"], "trian.steps", "did you mean train?"),
     (["cluster.partition=gpu"], "cluster.partition", "is a key of cluster=slurm"),
     (["train.steps=4,8"], "train.steps", "-m train.steps=4,8"),
+    # values that cannot be read, and config groups given something else than one option
+    (["train.steps=${nope.key}"], "train.steps", "not a key of the config"),
+    (["train.steps=${train.steps}"], "train.steps", "refers to itself"),
+    (["data.max_bytes=${oc.env:ORCHESTRATOR_UNSET_VARIABLE}"], "data.max_bytes", "which is not set"),
+    (["train.seq_len=${nope:1}"], "train.seq_len", "a resolver that does not exist"),
+    (["~model"], "model", "a config group every experiment needs"),
+    (["model=[gpt_tiny,llama_tiny]"], "model", "a list merges its options"),
+    (["cluster=slurm", "cluster.setup=[[1]]"], "cluster.setup", "single values, not lists"),
     # overrides Hydra's grammar cannot read
     (["train.steps=４"], "train.steps", "type it in ASCII: train.steps=4"),
     (["optimizer.betas=[0.9,0.95"], "optimizer.betas", "close the list: optimizer.betas=[0.9,0.95]"),
@@ -55,9 +64,9 @@ CATALOGUE = [
     (["cluster.heartbeat_timeout_s=1"], "cluster.heartbeat_timeout_s", ">= 5"),
     (["cluster.start_method=spawn"], "cluster.start_method", "one of forkserver, exec"),
     (["optimizer.weight_decay=-1"], "optimizer.weight_decay", ">= 0.0"),
-    (["parallel.hp=0"], "parallel.hp", ">= 1"),
-    (["parallel.microbatches=0"], "parallel.microbatches", ">= 1"),
-    (["model.n_heads=0"], "model.n_heads", ">= 1"),
+    (["parallel.hp=0"], "parallel.hp", "between 1 and 65536"),
+    (["parallel.microbatches=0"], "parallel.microbatches", "between 1 and"),
+    (["model.n_heads=0"], "model.n_heads", "between 1 and"),
     (["cluster=slurm", "cluster.nodes=0"], "cluster.nodes", ">= 1"),
     (["tune.pp_schedules=[1f1b,zb]"], "tune.pp_schedules", "must be a list of gpipe, 1f1b"),
     (["tune.microbatches_per_stage=[2,0]"], "tune.microbatches_per_stage", "tune.microbatches_per_stage=[2]"),
@@ -99,6 +108,20 @@ CATALOGUE = [
     (["parallel.loss_parallel=true"], "parallel.loss_parallel", "parallel.hp > 1"),
     (["cluster=debug", "parallel=ddp2"], "cluster", "inside this process"),
     (["cluster=slurm", "+cluster.time_min.eval=5"], "cluster.time_min.eval", "per stage"),
+    # sizes bounded by what they act on
+    (["model.n_layers=2147483648"], "model.n_layers", "between 1 and 4096"),
+    (["train.eval_batches=100000000"], "train.eval_batches", "times each token"),
+    (["export.sample_batch=100000000000"], "export.sample_batch", "example sequences"),
+    (["data=synthetic", "data.synthetic_tokens=1000000000000000"], "data.synthetic_tokens", "drawn in memory"),
+    # keys that would do nothing in this config (refused: docs/reliability.md)
+    (["parallel.pp_schedule=gpipe"], "parallel.pp_schedule", "there is no pipeline"),
+    (["data.text_field=body"], "data.text_field", "has no fields"),
+    # a stage's preconditions, checked with the plan
+    (["transform.passes=[layernorm_stat_outputs]"], "transform.passes", "did you mean layernorm_stats_outputs?"),
+    (["export.verify_atol=0"], "export.verify_atol", "agree to the last bit"),
+    (["model=llama_tiny", "model.d_model=60", "model.n_heads=4"], "model.n_heads", "must be even"),
+    (["train.init_from=hf:{tmp}/gpt_vocab259"], "train.init_from", "holds no *.safetensors weights"),
+    (["train.init_from=hf:{tmp}/gpt_inverse_idx"], "train.init_from", "scale_attn_by_inverse_layer_idx=true"),
     # model and training
     (["train.seq_len=256"], "train.seq_len", "model.max_seq_len=128"),
     (["model.vocab_size=200"], "model.vocab_size", "token ids up to 257"),
@@ -144,6 +167,10 @@ CATALOGUE = [
     (["data.tokenizer=bpe", "data.vocab_size=4096"], "model.vocab_size", "data.vocab_size=320"),
     (["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", ">= 259"),
     # where outputs go
+    (["runs_dir="], "runs_dir", "is empty"),
+    (["triton=on", "triton.cache_dir=/proc/orchestrator-inductor"], "triton.cache_dir", "no folder can be made"),
+    (["tracking.artifact_root=/proc/orchestrator-artifacts"], "tracking.artifact_root", "no folder can be made"),
+    (["tracking.experiment=''"], "tracking.experiment", "needs a name"),
     (["cache_dir={tmp}/a_file/cache"], "cache_dir", "is a file, not a folder"),
     (["cache_dir=/"], "cache_dir", "it is the filesystem's root"),
     (["cache_dir={tmp}"], "cache_dir", "holds other things than cache entries"),
@@ -172,6 +199,10 @@ def corpus(tmp_path_factory) -> Path:
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever
     os.symlink(tmp / "loop_b", tmp / "loop_a")
     os.symlink(tmp / "loop_a", tmp / "loop_b")
+    (tmp / "gpt_inverse_idx").mkdir()  # GPT-2's config with an attention this model does not compute
+    (tmp / "gpt_inverse_idx" / "config.json").write_text(json.dumps({
+        "architectures": ["GPT2LMHeadModel"], "vocab_size": 320, "n_layer": 8, "n_head": 4, "n_embd": 64,
+        "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}))
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
@@ -208,7 +239,7 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
     assert found, f"{overrides}: nothing reported for {key}"
     p = found[0]
     assert words in p.rule + " " + p.fix, str(p)
-    assert p.rule and p.fix and str(p.value) != "", str(p)
+    assert p.rule and p.fix and _show(p.value) != "", str(p)
     shown = str(ConfigError([p]))
     assert f"x {key}=" in shown and "rule:" in shown and "fix:" in shown
     assert not (tmp_path / "runs" / "cache").exists()
@@ -222,6 +253,17 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
     (["train.steps=４"], "train.steps"),  # a lexer error names the key
     (["-m", "data.max_bytes=16000000,10"], "data.max_bytes"),
     (["-m", "optimizer.lr=1e-3,3e-4", "data=text", "data.paths=[/abs/dir]", "dry_run=true"], "data.paths"),
+    # the boundary: Hydra's own keys and errors, and whole sweeps with their search spaces, before anything is written
+    (["hydra.run.dir=/proc/orchestrator/run"], "hydra.run.dir"),
+    (["runs_dir=${oc.env:ORCHESTRATOR_UNSET_VARIABLE}"], "hydra.run.dir"),
+    (["model=null"], "model"),
+    (["-m", "parallel.hp=1,3"], "parallel.hp"),  # the first point is valid: nothing of it may run either
+    (["-m", "optimizer.lr=interval(1e-4,1e-3)"], "optimizer.lr"),
+    (["-m", "train.steps=range(5,5)"], "train.steps"),
+    (["-m", "hydra/sweeper=optuna", "optimizer.lr=tag(log,interval(0,1e-3))"], "optimizer.lr"),
+    (["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_trials=4", "parallel.hp=choice(1,3)"], "parallel.hp"),
+    (["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_jobs=0", "optimizer.lr=interval(1e-4,1e-3)"],
+     "hydra.sweeper.n_jobs"),
 ])
 def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     """Through the real command (a sweep is checked point by point, data included, before any point runs)."""
@@ -229,6 +271,19 @@ def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
     assert f"x {key}=" in result.stderr and "Traceback" not in result.stderr + result.stdout
     assert not (workdir / "runs" / "cache").exists()
+
+
+def test_an_unexpected_error_is_one_line_naming_the_file_that_holds_its_traceback():
+    from orchestrator.boundary import unexpected
+
+    try:
+        raise RuntimeError("a [bold]bug[/bold]\nsecond line")
+    except RuntimeError as e:
+        line = unexpected(e)
+    assert "\n" not in line and line.startswith("error: RuntimeError: a [bold]bug[/bold] (an unexpected error")
+    saved = Path(re.search(r"the traceback is in (\S+?);", line).group(1))
+    assert "Traceback (most recent call last)" in saved.read_text() and "second line" in saved.read_text()
+    saved.unlink()
 
 
 def test_legal_but_unwise_settings_run_with_a_warning():

@@ -75,6 +75,11 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
             return ConfigError([Problem(group, option, f"'{option}' is not an option of the config group '{group}' "
                                         f"(the files in conf/{group}/)", f"choose one of: {', '.join(options)}")])
         return ConfigError([Problem("config", missing, str(exc).splitlines()[0], "check the config name and path")])
+    group_value = re.match(r"Config group override must be a string or a list\. Got (\w+)", str(exc))
+    if group_value:  # `model=null`: Hydra's defaults list takes only option names
+        group = next((a.split("=", 1)[0].lstrip("+~") for a in argv if a.split("=", 1)[-1] in ("null", "~")), "group")
+        return ConfigError([Problem(group, "null", f"{group} is a config group: it takes the name of one of its "
+                                    "options", f"{group}=<option> (python -m orchestrator --help lists them)")])
     if isinstance(exc, OverrideParseException):
         return ConfigError([_unreadable_override(getattr(exc, "override", "") or "", str(exc))])
     if not isinstance(exc, ConfigCompositionException):
@@ -85,6 +90,12 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and full_key:
         given = next((a for a in argv if a.lstrip("+~").split("=", 1)[0] == full_key or
                       a.lstrip("+~").split("=", 1)[0].startswith(full_key + ".")), "")
+        inside = next((a for a in argv if "=" in a and re.search(rf"[{{,]\s*{re.escape(full_key)}\s*:",
+                                                                    a.split("=", 1)[1])), "")
+        if not given and inside:  # a key inside a value: data.mix=[{nope: 1}]
+            key = inside.lstrip("+~").split("=", 1)[0]
+            return ConfigError([dataclasses.replace(unknown_key_problem(full_key, schema, inside.split("=", 1)[1],
+                                                                        inside), key=f"{key}: {full_key}")])
         shown = given.lstrip("+~").split("=", 1)[0] if given else full_key  # trian.steps, not just trian
         problem = unknown_key_problem(full_key, schema, given.split("=", 1)[-1] if given else "?", given)
         return ConfigError([dataclasses.replace(problem, key=shown)])

@@ -29,20 +29,23 @@ def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
 PP_SCHEDULES = tuple(SCHEDULES)
 MAX_STEPS = 10**9  # no run takes a billion optimizer steps; a larger number is a typo (and overflows counters)
 MAX_SEED = 2**32 - 1  # NumPy's and torch's seeds are unsigned; 32 bits is what every library accepts
+# sizes past anything trained (the largest models have ~130 layers, widths of ~50k, vocabularies of ~260k): a larger
+# number is a typo, and would make the plan itself loop or allocate for ever before its memory check could say so
+MAX_LAYERS, MAX_WIDTH, MAX_VOCAB, MAX_TOKENS, MAX_RANKS = 4096, 2**20, 2**24, 2**24, 2**16
 
 
 @dataclass
 class ModelConfig:
     name: str = key("gpt", "model family: an entry of the model registry (plugins/models)")
-    vocab_size: int = key(320, "the vocabulary: must cover the data's (byte corpora need 258)", min=1)
+    vocab_size: int = key(320, "the vocabulary: must cover the data's (byte corpora need 258)", min=1, max=MAX_VOCAB)
     pad_vocab_to: int = key(1, "embedding and head rows rounded up to a multiple of this (Megatron's padding, e.g. "
                                "128: GPT-2's 50257 -> 50304, which hp up to 128 splits); the padding's logits never "
                                "count, so the loss is the unpadded model's", min=1)
-    n_layers: int = key(8, "transformer layers", min=1)
-    n_heads: int = key(4, "attention heads per layer", min=1)
-    d_model: int = key(64, "hidden size", min=1)
-    d_ff: int = key(256, "MLP inner size", min=1)
-    max_seq_len: int = key(128, "longest sequence (rows of the position embedding)", min=1)
+    n_layers: int = key(8, "transformer layers", min=1, max=MAX_LAYERS)
+    n_heads: int = key(4, "attention heads per layer", min=1, max=MAX_WIDTH)
+    d_model: int = key(64, "hidden size", min=1, max=MAX_WIDTH)
+    d_ff: int = key(256, "MLP inner size", min=1, max=MAX_WIDTH)
+    max_seq_len: int = key(128, "longest sequence (rows of the position embedding)", min=1, max=MAX_TOKENS)
     dropout: float = key(0.0, "dropout probability on attention output and MLP output", min=0.0, max=0.95)
     activation: str = key("gelu", "MLP activation (gelu_tanh: GPT-2's approximation)",
                           choices=("gelu", "gelu_tanh", "relu", "silu", "elu"))
@@ -66,14 +69,16 @@ class LlamaConfig(ModelConfig):
 
 @dataclass
 class ParallelConfig:
-    dp: int = key(1, "data-parallel degree", min=1)
-    hp: int = key(1, "horizontal (Megatron tensor) parallel degree", min=1)
-    pp: int = key(1, "pipeline-parallel degree (stages across ranks)", min=1)
+    dp: int = key(1, "data-parallel degree", min=1, max=MAX_RANKS)
+    hp: int = key(1, "horizontal (Megatron tensor) parallel degree", min=1, max=MAX_RANKS)
+    pp: int = key(1, "pipeline-parallel degree (stages across ranks)", min=1, max=MAX_RANKS)
     dp_mode: str = key("replicate", "replicate: DDP-like; shard: FSDP2, parameters/grads/optimizer state sharded",
                        choices=("replicate", "shard"))
-    microbatches: int = key(1, "microbatches per step: gradient accumulation, and pipeline microbatches when pp > 1", min=1)
+    microbatches: int = key(1, "microbatches per step: gradient accumulation, and pipeline microbatches when pp > 1", min=1,
+                            max=MAX_TOKENS)
     pp_schedule: str = key("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
-    pp_chunks: int = key(1, "model chunks (virtual stages) per pipeline rank; interleaved/V schedules need >= 2", min=1)
+    pp_chunks: int = key(1, "model chunks (virtual stages) per pipeline rank; interleaved/V schedules need >= 2", min=1,
+                         max=MAX_LAYERS)
     sequence_parallel: bool = key(False, "shard LayerNorm/dropout activations along the sequence across hp ranks")
     loss_parallel: bool = key(False, "vocab-parallel cross-entropy: logits stay sharded across hp ranks")
 
@@ -298,8 +303,8 @@ class TrackingConfig:
 @dataclass
 class TrainConfig:
     steps: int = key(300, "optimizer steps", min=1, max=MAX_STEPS)
-    batch_size: int = key(16, "global batch: sequences per optimizer step", min=1)
-    seq_len: int = key(128, "tokens per sequence", min=1)
+    batch_size: int = key(16, "global batch: sequences per optimizer step", min=1, max=MAX_TOKENS)
+    seq_len: int = key(128, "tokens per sequence", min=1, max=MAX_TOKENS)
     seed: int = key(1234, "seed of initialisation, data order and dropout", min=0, max=MAX_SEED)
     grad_clip: float = key(1.0, "clip the global gradient norm to this (0: off)", min=0.0)
     eval_every: int = key(100, "evaluate the held-out loss every N steps (and at the end); 0: only at the end", min=0)

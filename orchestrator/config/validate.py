@@ -25,12 +25,13 @@ def _owners() -> tuple[tuple, tuple]:
     from orchestrator.cluster import rules as cluster
     from plugins.data import rules as data
     from plugins.engines.ort import rules as ort
+    from plugins.onnx import rules as onnx
     from plugins.models import registry as models
     from plugins.parallel import rules as layout
     from runtime import kernels, optim, precision, profiling
 
     return ((models.check, layout.check),
-            (data.check, optim.check, profiling.check, cluster.check, ort.check, precision.check, kernels.check,
+            (data.check, onnx.check, optim.check, profiling.check, cluster.check, ort.check, precision.check, kernels.check,
              tracking.check, cache.check))
 
 
@@ -83,6 +84,15 @@ def _folder_problems(cfg: DictConfig) -> list[Problem]:
     from storage.fsio import why_unwritable
 
     problems = []
+    written = [("triton.cache_dir", "Inductor's compiled kernels")] if cfg.triton.enabled else []
+    if cfg.tracking.name == "mlflow" and "://" not in str(cfg.tracking.artifact_root):
+        written.append(("tracking.artifact_root", "MLflow's artifacts"))
+    for key, what in written:
+        folder = str(OmegaConf.select(cfg, key))
+        why = "it is empty" if not folder.strip() else why_unwritable(folder)
+        if why:
+            problems.append(Problem(key, folder, f"{what} are written under {key}, but {why}",
+                                    f"{key}= a folder you can write (or leave it unset: it defaults under runs_dir)"))
     for key in ("runs_dir", "cache_dir"):
         if not str(cfg[key]).strip():
             problems.append(Problem(key, cfg[key], f"{key} is empty: the folders under it would land at the "
@@ -104,8 +114,11 @@ def _folder_problems(cfg: DictConfig) -> list[Problem]:
 def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     from orchestrator.config.options import options_of
     from orchestrator.config.schema import GROUP_SCHEMAS
+    from orchestrator.config.values import group_lists, unresolved
 
-    problems: list[Problem] = []
+    problems: list[Problem] = unresolved(cfg) + group_lists(overrides)
+    if problems:  # a value that cannot be read cannot be checked
+        return problems
     for o in overrides:  # `model=model_schema` composes (Hydra sees the schema in the group), but is no option
         group, _, option = o.lstrip("+").partition("=")
         if group in GROUP_SCHEMAS and option in GROUP_SCHEMAS[group]:
@@ -140,6 +153,10 @@ def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
     if any(isinstance(v, float) and not math.isfinite(v) for v in items):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={default}")]
+    nested = [v for v in items if isinstance(v, (list, tuple, dict, ListConfig, DictConfig))] if is_list else []
+    if nested and f.name != "mix":
+        return [Problem(full, value, f"the items of {full} are single values, not lists or mappings "
+                        f"({meta['help']})", f"{full}=[a,b] (one level of brackets)")]
     choices = meta.get("choices")
     if choices and any(v not in choices for v in items):
         return [Problem(full, value, f"{full} must be {'a list of' if is_list else 'one of'} "

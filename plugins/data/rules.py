@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planning.problem import Problem
 from plugins.data import tokenizer as tokenizers
-from plugins.data.corpus import sources_of
+from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
 
@@ -15,15 +15,44 @@ def check(cfg) -> list[Problem]:
         return [Problem("data.name", d.name, "the data source must be registered (plugins/data, or a package's "
                         "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
     source = get_source(d.name)
-    problems = _tokenizer_problems(cfg, source)
+    problems = _tokenizer_problems(cfg, source) + _eval_problems(cfg, source)
     if d.get("mix"):
         return problems + _mix_problems(cfg, source)
     if source.check is not None:
         problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]
+    if d.text_field != "text" and d.name != "text":
+        problems.append(Problem("data.text_field", d.text_field, f"data.text_field names the field of JSON Lines or "
+                                f"Parquet records, which data=text reads; data={d.name} has no fields and would "
+                                "ignore it", "data=text with data.paths, or leave data.text_field unset"))
     if d.paths and d.name != "text":
         problems.append(Problem("data.paths", list(d.paths), f"data.paths is read by data=text only; data={d.name} "
                                 "ignores it", "data=text to train on these files, or leave data.paths empty"))
     return problems
+
+
+EVAL_READS = 10  # an evaluation draws random windows of the held-out split: past this many reads of each token on
+#                average it measures nothing more, and only takes longer
+
+
+def _eval_problems(cfg, source) -> list[Problem]:
+    """train.eval_batches against the held-out split it draws from (a bound from the corpus's size: a token is at
+    least a byte)."""
+    d, t = cfg.data, cfg.train
+    if source.tokens is not None:
+        held_out = d.synthetic_tokens * d.val_fraction if d.name == "synthetic" else None
+    else:
+        try:
+            held_out = d.val_fraction * sum(lay.read_bytes for _, lay in corpus_layouts(cfg) if lay is not None)
+        except (OSError, ValueError):  # the source's own check says what is wrong with its files
+            held_out = None
+    per_batch = t.batch_size * t.seq_len
+    if not held_out or t.eval_batches * per_batch <= EVAL_READS * held_out:
+        return []
+    fits = max(int(EVAL_READS * held_out // per_batch), 1)
+    return [Problem("train.eval_batches", t.eval_batches, f"an evaluation of {t.eval_batches:,} batches reads "
+                    f"{t.eval_batches * per_batch:,} tokens from a held-out split of about {held_out:,.0f} at most "
+                    f"(data.val_fraction={d.val_fraction}): over {EVAL_READS} times each token",
+                    f"train.eval_batches={fits}, or a larger data.val_fraction")]
 
 
 def _tokenizer_problems(cfg, source) -> list[Problem]:

@@ -153,7 +153,10 @@ def load_hf(folder: Path) -> Tokenizer:
     if eos is None:
         raise ValueError(f"{file}: no end-of-text token (eos_token in tokenizer_config.json, or <|endoftext|>, </s>)")
     pad = backend.token_to_id(token("pad_token")) if token("pad_token") else None
-    return Tokenizer("hf", backend.get_vocab_size(), eos, eos if pad is None else pad, backend)
+    # ids, not a count: a tokenizer's added tokens may sit past its vocabulary (an id of 100000 in a vocabulary of
+    # 50257), and the model's embedding needs a row for the largest id
+    ids = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
+    return Tokenizer("hf", max(backend.get_vocab_size(), ids), eos, eos if pad is None else pad, backend)
 
 
 def vocab_needed(data_cfg) -> Optional[int]:

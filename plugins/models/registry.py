@@ -112,6 +112,13 @@ def check(cfg) -> list:
         problems.append(Problem("model.n_heads", m.n_heads, f"model.d_model={m.d_model} must be divisible by "
                                 "model.n_heads (each head gets d_model/n_heads dimensions)",
                                 f"model.n_heads in {{{', '.join(map(str, divisors(m.d_model)[:8]))}}}"))
+    head_dim = m.d_model // m.n_heads
+    if m.name == "llama" and not m.d_model % m.n_heads and head_dim % 2:
+        even = [h for h in divisors(m.d_model) if (m.d_model // h) % 2 == 0][-3:]
+        problems.append(Problem("model.n_heads", m.n_heads, f"the rotary embedding turns pairs of a head's "
+                                f"dimensions: model.d_model/n_heads={head_dim} must be even",
+                                f"model.n_heads in {{{', '.join(map(str, even))}}}" if even else
+                                f"model.d_model={m.d_model + m.n_heads}"))
     kv = m.get("n_kv_heads")
     if kv and m.n_heads % kv:
         problems.append(Problem("model.n_kv_heads", kv, f"grouped-query attention shares each key/value head among "

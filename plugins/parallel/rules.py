@@ -57,6 +57,10 @@ def _pipeline(cfg) -> list[Problem]:
     if p.pp == 1 and p.pp_chunks != 1:
         problems.append(Problem("parallel.pp_chunks", p.pp_chunks, "virtual pipeline stages need a pipeline "
                                 "(parallel.pp > 1)", "parallel.pp_chunks=1, or set parallel.pp"))
+    if p.pp == 1 and p.pp_schedule != "1f1b":  # a key that does nothing here is refused (docs/reliability.md)
+        problems.append(Problem("parallel.pp_schedule", p.pp_schedule, "a pipeline schedule orders the microbatches "
+                                "of pipeline stages; with parallel.pp=1 there is no pipeline, and it would do nothing",
+                                "set parallel.pp (e.g. parallel=pipeline_pp2), or leave parallel.pp_schedule unset"))
     if p.pp == 1 or p.pp_schedule not in SCHEDULES:
         return problems
     schedule = SCHEDULES[p.pp_schedule]

@@ -1,0 +1,85 @@
+"""Fuzz the command: every key of the schema and of conf/'s groups with boundary values of its type, alone and in
+pairs (tests/fuzz_cases.py). Each case must be accepted (its plan made, as a dry run makes it) or refused with the
+key named, a rule and a fix, and nothing written; never a traceback, a hang, or a cache entry before a refusal.
+
+CI runs a fixed sample of the cases, seeded; `FUZZ=all pytest tests/test_fuzz.py -n 2` walks them all (the figures
+of the last full walk are in docs/reliability.md). In-process, through the same boundary as `python -m
+orchestrator` (orchestrator/boundary.py); tests/test_bad_inputs.py runs the real command."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from orchestrator.boundary import Refused, check_run
+from orchestrator.config.command import experiment, explain, task_overrides
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.schema import register
+from tests.conftest import CONF
+from tests.fuzz_cases import all_cases, sample
+
+SAMPLE = 160  # cases per CI run (about a minute on 2 workers)
+SEED = 20261125
+CASES = all_cases(SEED) if os.environ.get("FUZZ") == "all" else sample(SAMPLE, SEED)
+CASE_SECONDS = 60  # a case that takes longer hangs
+
+
+def outcome(overrides: list[str], where: Path) -> tuple[int, list]:
+    """(exit status, problems) of `python -m orchestrator <overrides> dry_run=true`, in process."""
+    from orchestrator.run import orchestrate
+
+    register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="orchestrator"):
+            config = compose(config_name="config", overrides=[*overrides, "dry_run=true", "tracking=none"],
+                             return_hydra_config=True)
+        check_run(config)
+        cfg = experiment(config)
+        if cfg.tune.name == "none":
+            orchestrate(cfg, where / "run", task_overrides(config.hydra))
+    except Refused as r:
+        return (2, r.error.problems) if r.error.problems else (1, [r.__cause__])
+    except Exception as e:
+        translated = explain(e, tuple(overrides))
+        if translated is None:
+            raise
+        return 2, translated.problems
+    return 0, []
+
+
+def _related(problem, keys: tuple[str, ...]) -> bool:
+    """The refusal is about what was fuzzed: the key itself, a part of it, or a rule that names it."""
+    words = f"{problem.rule} {problem.fix}"
+    return any(problem.key == k or problem.key.startswith(k + ".") or problem.key.startswith(k + "[") or
+               k.startswith(problem.key + ".") or k in words or k.rsplit(".", 1)[-1] in problem.key
+               for k in keys)
+
+
+class Hang(Exception):
+    pass
+
+
+def _alarm(signum, frame):
+    raise Hang(f"a case took over {CASE_SECONDS} s")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_a_fuzzed_command_is_accepted_or_refused_naming_the_key(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default runs_dir (runs) and any relative path land here
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(CASE_SECONDS)
+    try:
+        code, problems = outcome(list(case.overrides), tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert code in (0, 2), f"{case.id}: {problems}"
+    if code == 2:
+        assert problems and all(p.key and p.rule and p.fix for p in problems), problems
+        assert any(_related(p, case.keys) for p in problems), "\n".join(map(str, problems))
+        assert not (tmp_path / "runs" / "cache").exists(), "a cache entry was written before the refusal"
