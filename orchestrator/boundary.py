@@ -28,9 +28,6 @@ from orchestrator.config.command import (check_experiment, experiment, explain, 
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.values import unresolved
 
-# the keys of Hydra's own node that the orchestrator reads (the run and sweep folders, the job's name)
-HYDRA_KEYS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.job.name")
-
 
 class Refused(BaseException):
     """A refusal on its way out of a Hydra callback: Hydra turns a callback's Exception into a warning and goes
@@ -65,7 +62,7 @@ def _refusing(check, config: DictConfig) -> None:
 
 def check_run(config: DictConfig) -> None:
     """A single run: every key resolves, the run folder can be made, and the experiment validates."""
-    problems = unresolved(config, HYDRA_KEYS[:1])  # Hydra's keys (validate resolves the experiment's)
+    problems = unresolved(config, ("hydra.run.dir",))  # Hydra's key the run reads (validate resolves the rest)
     if problems:
         raise ConfigError(problems)
     check_experiment(experiment(config), task_overrides(config.hydra))

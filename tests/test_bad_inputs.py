@@ -61,7 +61,7 @@ CATALOGUE = [
     (["aggregate.onnx_external_data_mb=4096"], "aggregate.onnx_external_data_mb", "between 0.0 and 2000"),
     (["aggregate.onnx=maybe"], "aggregate.onnx", "aggregate.onnx"),
     (["train.nonfinite=ignore"], "train.nonfinite", "one of stop, skip"),
-    (["cluster.heartbeat_timeout_s=1"], "cluster.heartbeat_timeout_s", ">= 5"),
+    (["cluster.heartbeat_timeout_s=1"], "cluster.heartbeat_timeout_s", "between 5 and"),
     (["cluster.start_method=spawn"], "cluster.start_method", "one of forkserver, exec"),
     (["optimizer.weight_decay=-1"], "optimizer.weight_decay", ">= 0.0"),
     (["parallel.hp=0"], "parallel.hp", "between 1 and 65536"),
@@ -116,6 +116,10 @@ CATALOGUE = [
     # keys that would do nothing in this config (refused: docs/reliability.md)
     (["parallel.pp_schedule=gpipe"], "parallel.pp_schedule", "there is no pipeline"),
     (["data.text_field=body"], "data.text_field", "has no fields"),
+    (["triton.mode=max-autotune"], "triton.mode", "read only when triton.enabled=true"),
+    (["precision=bf16", "precision.init_scale=1024"], "precision.init_scale", "read only when precision.name=fp16"),
+    (["data.synthetic_tokens=5000"], "data.synthetic_tokens", "data=synthetic for it to apply"),
+    (["cluster.threads_per_rank=1000000000000000"], "cluster.threads_per_rank", "between 1 and 4096"),
     # a stage's preconditions, checked with the plan
     (["transform.passes=[layernorm_stat_outputs]"], "transform.passes", "did you mean layernorm_stats_outputs?"),
     (["export.verify_atol=0"], "export.verify_atol", "agree to the last bit"),
@@ -165,7 +169,7 @@ CATALOGUE = [
     (["data.tokenizer=sentencepiece"], "data.tokenizer", "bytes, bpe or hf:<folder>"),
     (["data.tokenizer=hf:{tmp}/no_text"], "data.tokenizer", "holds no tokenizer.json"),
     (["data.tokenizer=bpe", "data.vocab_size=4096"], "model.vocab_size", "data.vocab_size=320"),
-    (["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", ">= 259"),
+    (["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", "between 259 and"),
     # where outputs go
     (["runs_dir="], "runs_dir", "is empty"),
     (["triton=on", "triton.cache_dir=/proc/orchestrator-inductor"], "triton.cache_dir", "no folder can be made"),
@@ -266,11 +270,13 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
      "hydra.sweeper.n_jobs"),
 ])
 def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
-    """Through the real command (a sweep is checked point by point, data included, before any point runs)."""
+    """Through the real command (a sweep is checked point by point, data included, before any point runs), which
+    writes nothing before it refuses."""
     result = run_cli(args, workdir, timeout=300)
     assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
-    assert f"x {key}=" in result.stderr and "Traceback" not in result.stderr + result.stdout
-    assert not (workdir / "runs" / "cache").exists()
+    assert f"x {key}=" in result.stderr and "rule:" in result.stderr and "fix:" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (workdir / "runs").exists(), "written before the refusal: no run or sweep folder, no cache, no store"
 
 
 def test_an_unexpected_error_is_one_line_naming_the_file_that_holds_its_traceback():

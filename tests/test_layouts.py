@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,6 +125,23 @@ def test_checkpoint_reshards_into_other_layouts(runs, workdir):
         assert [r["step"] for r in got] == list(range(6, 11)), layout
         assert read_json(cont / "stages/train/output/summary.json")["resumed_from_step"] == 5
         assert_close([r["loss"] for r in got], reference, f"{layout} continuing dp2_hp2_pp2")
+    # what it requires of a checkpoint is checked with the plan: the optimizer whose state it holds, its checksums
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.config.validate import validate
+
+    def refusal(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            validate(make_cfg(*COMMON, "train.steps=10", *overrides, runs_dir=workdir / "runs"))
+        return "\n".join(str(p) for p in e.value.problems if p.key == "train.init_from")
+
+    assert "holds adamw's state" in refusal(f"train.init_from={checkpoint}", "optimizer=sgd")
+    damaged = workdir / "damaged"
+    shutil.copytree(checkpoint, damaged)
+    victim = max((p for p in damaged.rglob("*.distcp")), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert "sha256 differs from the manifest's" in refusal(f"train.init_from={damaged}")
 
 
 def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, workdir):

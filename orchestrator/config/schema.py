@@ -5,6 +5,7 @@ YAML files under conf/ only pick values; every key they may set is declared here
   choices  the allowed values of a string key
   content  False for keys that do not change what a stage produces (they stay out of the cache key)
   min/max  inclusive bounds of a number
+  read_when  (key, values): this key is read only when that key has one of these values
 """
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ from plugins.parallel.schedules import SCHEDULES
 
 
 def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
-        min: Optional[float] = None, max: Optional[float] = None):
-    """A config field with its documentation and rules (mutable defaults are copied per instance)."""
-    meta = {"help": help, "choices": choices, "content": content, "min": min, "max": max}
+        min: Optional[float] = None, max: Optional[float] = None, read_when: Optional[tuple] = None):
+    """A config field with its documentation and rules (mutable defaults are copied per instance). read_when:
+    (another key, the values it must have) for this key to be read at all; set otherwise, it is refused as a key
+    that would do nothing (docs/reliability.md)."""
+    meta = {"help": help, "choices": choices, "content": content, "min": min, "max": max, "read_when": read_when}
     if isinstance(default, (list, dict)):
         return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -32,6 +35,11 @@ MAX_SEED = 2**32 - 1  # NumPy's and torch's seeds are unsigned; 32 bits is what 
 # sizes past anything trained (the largest models have ~130 layers, widths of ~50k, vocabularies of ~260k): a larger
 # number is a typo, and would make the plan itself loop or allocate for ever before its memory check could say so
 MAX_LAYERS, MAX_WIDTH, MAX_VOCAB, MAX_TOKENS, MAX_RANKS = 4096, 2**20, 2**24, 2**24, 2**16
+MAX_THREADS, MAX_GPUS, MAX_WAIT_S = 4096, 64, 7 * 24 * 3600  # a node's cores and GPUs; a week (timedelta's range)
+FP16 = ("precision.name", ("fp16",))
+COMPILED = ("triton.enabled", (True,))
+BPE = ("data.tokenizer", ("bpe",))
+LAYOUT_TUNING = ("tune.name", ("layout",))
 
 
 @dataclass
@@ -90,7 +98,8 @@ class OptimizerConfig:
     weight_decay: float = key(0.0, "decoupled weight decay, applied to weight matrices and embeddings (not biases or norms)", min=0.0)
     warmup_steps: int = key(0, "linear warm-up steps from 0 to lr", min=0, max=MAX_STEPS)
     schedule: str = key("cosine", "learning-rate decay after warm-up", choices=("cosine", "constant"))
-    min_lr_ratio: float = key(0.1, "final lr of the cosine decay, as a fraction of lr", min=0.0, max=1.0)
+    min_lr_ratio: float = key(0.1, "final lr of the cosine decay, as a fraction of lr", min=0.0, max=1.0,
+                              read_when=("optimizer.schedule", ("cosine",)))
     impl: str = key("auto", "kernel: fused or foreach where torch offers it (auto picks the fastest available)",
                     choices=("auto", "fused", "foreach", "for_loop"))
 
@@ -122,25 +131,27 @@ class PrecisionConfig:
                             "dynamic loss scaling)", choices=("auto", "fp32", "bf16", "fp16"))
     tf32: bool = key(False, "on a GPU, let fp32 matmuls and convolutions use TF32 tensor cores (about 2.7x on an H100; "
                             "10-bit mantissa products)")
-    init_scale: float = key(65536.0, "fp16: the first loss scale (halved on every overflow)", min=1.0)
-    growth_interval: int = key(2000, "fp16: finite steps after which the loss scale doubles", min=1)
+    init_scale: float = key(65536.0, "fp16: the first loss scale (halved on every overflow)", min=1.0,
+                            read_when=FP16)
+    growth_interval: int = key(2000, "fp16: finite steps after which the loss scale doubles", min=1,
+                               read_when=FP16)
 
 
 @dataclass
 class TritonConfig:
     enabled: bool = key(False, "compile the model with torch.compile (Triton kernels on GPU, C++ on CPU)")
     mode: str = key("default", "compile mode; max-autotune is the analogue of ORT's kernel tuning switch",
-                    choices=("default", "reduce-overhead", "max-autotune"))
+                    choices=("default", "reduce-overhead", "max-autotune"), read_when=COMPILED)
     scope: str = key("blocks", "blocks: compile each transformer block (composes with hp/pp); model: whole model",
-                     choices=("blocks", "model"))
-    fullgraph: bool = key(False, "fail on graph breaks instead of falling back to eager for that part")
-    dynamic: bool = key(False, "compile for dynamic shapes")
+                     choices=("blocks", "model"), read_when=COMPILED)
+    fullgraph: bool = key(False, "fail on graph breaks instead of falling back to eager for that part", read_when=COMPILED)
+    dynamic: bool = key(False, "compile for dynamic shapes", read_when=COMPILED)
     cache_dir: str = key("${cache_dir}/inductor", "Inductor's cache, so a rerun does not recompile",
                          content=False)
     attention: str = key("sdpa", "sdpa: fused scaled-dot-product attention kernels; math: the reference kernel",
                          choices=("sdpa", "math"))
     fallback: str = key("fail", "on a compile failure: fail, or eager (continue uncompiled, recorded)",
-                        choices=("fail", "eager"))
+                        choices=("fail", "eager"), read_when=COMPILED)
 
 
 @dataclass
@@ -166,7 +177,8 @@ class OrtEngineConfig(EngineConfig):
                                 "torch engine (recorded in MLflow)", choices=("fail", "torch"))
     save_onnx: bool = key(False, "write the graphs ORT runs (forward and fw+bw) into the run folder and MLflow",
                           content=False)
-    intra_op_threads: int = key(0, "ORT intra-op threads; 0 means torch's thread count", content=False, min=0)
+    intra_op_threads: int = key(0, "ORT intra-op threads; 0 means torch's thread count", content=False, min=0,
+                                max=MAX_THREADS)
     seed: int = key(0, "ORT's random seed, for ops that draw random numbers inside ORT graphs (dropout stays in torch)",
                     min=0, max=MAX_SEED)
 
@@ -192,7 +204,7 @@ class DataConfig:
                                   "trained on the corpus, saved with the tokens), or hf:<folder> (a Hugging Face "
                                   "tokenizer.json / save_pretrained folder)")
     vocab_size: int = key(2048, "data.tokenizer=bpe: the vocabulary it learns (bytes, <eos>, <pad> and merges); "
-                                "model.vocab_size must be at least this", min=259)
+                                "model.vocab_size must be at least this", min=259, max=MAX_VOCAB, read_when=BPE)
     max_bytes: int = key(16_000_000, "read the corpus's first this many bytes, in file order, the last file cut at a "
                                      "line start (0: all of it); the plan says how much it leaves out", min=0)
     tasks: Optional[int] = key(None, "processes of the tokenize stage, each taking a contiguous part of the corpus "
@@ -201,12 +213,13 @@ class DataConfig:
                                      "cluster.nodes (slurm); at most one per MiB of corpus", content=False, min=1)
     bpe_sample_bytes: int = key(1_000_000_000, "data.tokenizer=bpe: it learns from at most this many bytes of the "
                                                "training split, pieces spread evenly over the corpus (streamed)",
-                                min=1)
+                                min=1, read_when=BPE)
     mix: List[MixSourceConfig] = key([], "data=text: several sources mixed by weight (Megatron's blend), e.g. "
                                          "'data.mix=[{paths: [/corpus/web], weight: 0.7}, {paths: [/corpus/code], "
                                          "weight: 0.3}]'; each is tokenized on its own (data.max_bytes each), with "
                                          "one tokenizer; data.paths stays empty")
-    synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2)
+    synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2,
+                                read_when=("data.name", ("synthetic",)))
 
 
 @dataclass
@@ -216,13 +229,13 @@ class ClusterConfig:
     nprocs: Optional[int] = key(None, "processes of the train stage; default dp*hp*pp (must equal it if set)", min=1)
     threads_per_rank: Optional[int] = key(None, "torch threads per rank; default: for one rank OMP_NUM_THREADS if set, "
                                           "else all usable cores; 1 each for several",
-                                          content=False, min=1)
+                                          content=False, min=1, max=MAX_THREADS)
     pg_timeout_s: int = key(300, "process-group timeout: a rank that stops answering fails the job after this long",
-                            content=False, min=1)
+                            content=False, min=1, max=MAX_WAIT_S)
     heartbeat_timeout_s: int = key(60, "local cluster: a rank whose process shows no sign of life (a heartbeat every "
                                        "2 s from a thread of its own) for this long is named and the stage stopped "
                                        "(frozen, stopped, swapped out); ranks waiting in a collective still beat",
-                                   content=False, min=5)
+                                   content=False, min=5, max=MAX_WAIT_S)
     start_method: str = key("forkserver", "local cluster: how stage processes start. forkserver: forked from one "
                                           "process per run that has imported torch, the stages and MLflow once "
                                           "(under 0.1 s each); exec: a fresh `python -m orchestrator.worker` each "
@@ -242,10 +255,10 @@ class SlurmClusterConfig(ClusterConfig):
                                                     "of one attempt; it is requeued from its checkpoint)",
                                    content=False)
     cpus_per_task: Optional[int] = key(None, "CPUs per task (rank); default: threads_per_rank, else 1", content=False,
-                                       min=1)
+                                       min=1, max=MAX_THREADS)
     mem_per_task_gb: Optional[float] = key(None, "memory per task in GB (default: the partition's default)",
                                            content=False, min=0.0)
-    gpus_per_task: int = key(0, "GPUs per task (rank)", content=False, min=0)
+    gpus_per_task: int = key(0, "GPUs per task (rank)", content=False, min=0, max=MAX_GPUS)
     nodes: int = key(1, "nodes of the train job; its tasks are spread evenly over them", content=False, min=1)
     setup: List[str] = key([], "shell lines run in each job before the stage (module load, source venv, ...)",
                            content=False)
@@ -267,18 +280,18 @@ class TuneConfig:
     name: str = key("none", "none: run the experiment; layout: try the layouts of tune.world_size ranks for a few "
                             "steps each, rank them and print the command that trains with the best",
                     choices=("none", "layout"), content=False)
-    world_size: int = key(1, "tune=layout: the ranks to lay out (dp*hp*pp)", min=1, content=False)
+    world_size: int = key(1, "tune=layout: the ranks to lay out (dp*hp*pp)", min=1, content=False, read_when=LAYOUT_TUNING)
     steps: int = key(5, "tune=layout: timed training steps per layout (the first steps of a run are warm-up)", min=4,
-                     content=False)
+                     content=False, read_when=LAYOUT_TUNING)
     pp_schedules: List[str] = key(["1f1b"], "tune=layout: the pipeline schedules tried for each layout with pp > 1 "
                                             "(interleaved_1f1b, looped_bfs, interleaved_zb and zbv with 2 model "
-                                            "chunks per rank)", content=False, choices=PP_SCHEDULES)
+                                            "chunks per rank)", content=False, choices=PP_SCHEDULES, read_when=LAYOUT_TUNING)
     microbatches_per_stage: List[int] = key([2], "tune=layout: pipeline microbatches per stage tried for each "
                                                  "layout with pp > 1 (parallel.microbatches = this x pp; more: a "
-                                                 "smaller bubble, smaller matmuls)", content=False, min=1)
+                                                 "smaller bubble, smaller matmuls)", content=False, min=1, read_when=LAYOUT_TUNING)
     objective: str = key("tokens_per_s", "tune=layout: what ranks the layouts: tokens_per_s (fastest first) or memory "
                                          "(smallest peak per rank first)", choices=("tokens_per_s", "memory"),
-                         content=False)
+                         content=False, read_when=LAYOUT_TUNING)
 
 
 @dataclass
@@ -350,7 +363,7 @@ class AggregateConfig:
     onnx_external_data_mb: float = key(100, "weights of model.onnx beyond this go to model.onnx.data (ONNX's external "
                                             "data), which ONNX Runtime maps instead of copying: inside the protobuf a "
                                             "load holds them several times over, and protobuf cannot hold more than "
-                                            "2 GiB at all; 0 puts them there always", min=0.0, max=2000)
+                                            "2 GiB at all; 0 puts them there always", min=0.0, max=2000, read_when=("aggregate.onnx", (True,)))
 
 
 @dataclass

@@ -140,10 +140,29 @@ def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
                 continue
             f = fields.get(name)
             if f is not None:
-                problems.extend(_field_problems(full, node[name], f))
+                found = _field_problems(full, node[name], f)
+                problems.extend(found or _unread_problems(cfg, full, node[name], f))
 
     walk(cfg, "")
     return problems
+
+
+def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) -> list[Problem]:
+    """A key set (away from its default) where the config never reads it: the user meant a run this is not."""
+    when = f.metadata.get("read_when")
+    if not when:
+        return []
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    other, wanted = when
+    actual = OmegaConf.select(cfg, other)
+    plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
+    if plain == default or actual in wanted:
+        return []
+    shown = " or ".join(str(w).lower() if isinstance(w, bool) else str(w) for w in wanted)
+    now = str(actual).lower() if isinstance(actual, bool) else actual
+    choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...
+    return [Problem(full, value, f"{full} is read only when {other}={shown}; with {other}={now} it would do nothing",
+                    f"{choose}={shown.split(' or ')[0]} for it to apply, or leave {full} unset")]
 
 
 def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:

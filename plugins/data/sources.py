@@ -6,6 +6,8 @@ before launch read each file's head, the fingerprint each file's stamp (storage/
 """
 from __future__ import annotations
 
+import functools
+
 import glob
 import hashlib
 import os
@@ -106,7 +108,9 @@ def _stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+@functools.lru_cache(maxsize=1)
 def _stdlib_files() -> list[tuple[str, Path]]:
+    """(the installed standard library does not change under a running process: listed once, not per check)"""
     root = _stdlib_root()
     return [(p.relative_to(root).as_posix(), p) for p in _walk(root, (".py",), _SKIP_DIRS)]
 
