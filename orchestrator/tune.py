@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.cache import Cache
 from orchestrator.config.errors import ConfigError
+from orchestrator.config.schema import TuneConfig
 from orchestrator.config.validate import schema_problems, validate
 from plugins.parallel.schedules import SCHEDULES
 from orchestrator.report import console, styled
@@ -89,7 +90,7 @@ def _trial_cfg(cfg: DictConfig, settings: dict) -> DictConfig:
     trial.train.steps = cfg.tune.steps
     trial.train.eval_every = 0
     trial.train.checkpoint_every = 0
-    trial.tune.name = "none"
+    trial.tune = OmegaConf.structured(TuneConfig)  # a trial is a plain run: tune's own keys do not apply to it
     return trial
 
 

@@ -37,7 +37,8 @@ def outcome(overrides: list[str], where: Path) -> tuple[int, list]:
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="orchestrator"):
-            config = compose(config_name="config", overrides=[*overrides, "dry_run=true", "tracking=none"],
+            quiet = [] if any(o.lstrip("+~").startswith("tracking") for o in overrides) else ["tracking=none"]
+            config = compose(config_name="config", overrides=[*overrides, "dry_run=true", *quiet],
                              return_hydra_config=True)
         check_run(config)
         cfg = experiment(config)
