@@ -169,6 +169,7 @@ CATALOGUE = [
     (["data.tokenizer=sentencepiece"], "data.tokenizer", "bytes, bpe or hf:<folder>"),
     (["data.tokenizer=hf:{tmp}/no_text"], "data.tokenizer", "holds no tokenizer.json"),
     (["data.tokenizer=bpe", "data.vocab_size=4096"], "model.vocab_size", "data.vocab_size=320"),
+    (["data.tokenizer=hf:{tmp}/sparse_tokenizer"], "model.vocab_size", "produces token ids up to 5000"),
     (["data.tokenizer=bpe", "data.vocab_size=100"], "data.vocab_size", "between 259 and"),
     # where outputs go
     (["runs_dir="], "runs_dir", "is empty"),
@@ -207,6 +208,11 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "gpt_inverse_idx" / "config.json").write_text(json.dumps({
         "architectures": ["GPT2LMHeadModel"], "vocab_size": 320, "n_layer": 8, "n_head": 4, "n_embd": 64,
         "n_positions": 128, "scale_attn_by_inverse_layer_idx": True}))
+    (tmp / "sparse_tokenizer").mkdir()  # 4 tokens, one of them id 5000: its size is not its largest id
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel(vocab={"a": 0, "b": 5000, "<unk>": 1, "<|endoftext|>": 2}, unk_token="<unk>")).save(
+        str(tmp / "sparse_tokenizer" / "tokenizer.json"))
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
