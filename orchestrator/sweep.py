@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -148,16 +149,28 @@ def _check_direction(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
 
 
 def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
+    """Run (or submit) the points. A signal stops the whole sweep: the point in flight takes the single run's path
+    (its ranks save, its stages end interrupted), no further point starts, and KeyboardInterrupt goes up to the
+    command (the sweeper, Optuna's included, stops with it; the summary says interrupted and not run)."""
     from orchestrator.cluster.follow import follow
     from orchestrator.run import orchestrate
 
+    stopped = threading.Event()
+
     def run(p: Point, follow_jobs: bool) -> None:
+        if stopped.is_set():
+            return
         console.rule(f"point {p.index}: {' '.join(p.overrides) or '(no overrides)'}")
         try:
             p.report = orchestrate(p.cfg, p.run_dir, p.overrides, sweep_run, follow_jobs=follow_jobs)
         except ConfigError as e:  # e.g. SLURM refused a job: that point is reported, the others go on
             p.error = str(e)
             console.print(f"error: {e}", soft_wrap=True)
+        except KeyboardInterrupt:  # a second signal, or one between stages
+            stopped.set()
+            raise
+        if p.report is not None and any(r.status == "interrupted" for r in p.report.results.values()):
+            stopped.set()
 
     on_slurm = [p for p in points if p.cfg.cluster.name == "slurm"]
     here = [p for p in points if p.cfg.cluster.name != "slurm"]
@@ -170,6 +183,8 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
     else:
         for p in here:
             run(p, True)
+    if stopped.is_set():
+        raise KeyboardInterrupt
     submitted = [p for p in on_slurm if p.report and p.report.submitted and (p.run_dir / "slurm_jobs.json").is_file()]
     waiting = [p for p in submitted if p.cfg.cluster.wait]
     if waiting:
@@ -193,6 +208,8 @@ def _status(p: Point) -> str:
     if p.report.submitted and not p.report.results:
         return "submitted"
     statuses = {r.status for r in p.report.results.values()}
+    if "interrupted" in statuses:
+        return "interrupted"
     if "failed" in statuses or "not run" in statuses:
         return "failed"
     return "cached" if statuses == {"cached"} else "ok"

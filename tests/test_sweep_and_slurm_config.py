@@ -142,3 +142,47 @@ def test_slurm_dry_run_needs_no_slurm(workdir, tmp_path):
     assert result.stdout.count("#SBATCH --job-name=") == 6 and "#SBATCH --ntasks-per-node=2" in result.stdout
     assert "train (submitted with --dependency=afterok on the jobs of transform, tokenize)" in result.stdout
     assert not (workdir / "runs" / "cache").exists()
+
+
+@pytest.mark.e2e
+def test_a_signal_stops_the_whole_sweep_and_says_so(workdir):
+    """SIGTERM to the command's process group while point 0 trains: it saves and ends interrupted, point 1 never
+    starts, the summary says so, the sweep's MLflow run ends KILLED and the command exits 143, as one run would."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from tests.conftest import cli_env
+
+    args = ["-m", "train.seed=21,22", "train.steps=300", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
+            "train.eval_every=0", "train.checkpoint_every=0", "tracking=mlflow"]
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=workdir, env=cli_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not any(re.search(r"step\s+5/300", line) for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=120)
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = "".join(lines)
+    assert proc.returncode == 143, out[-3000:]
+    assert "point 1:" not in out and "Traceback" not in out, out[-3000:]
+    summary = json.loads(next(workdir.rglob("sweep_summary.json")).read_text())
+    assert [r["status"] for r in sorted(summary["points"], key=lambda r: r["point"])] == ["interrupted", "not run"]
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    exp = client.get_experiment_by_name("orchestrator")
+    (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
+    assert sweep.info.status == "KILLED"
