@@ -23,9 +23,9 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from orchestrator.config.command import (check_experiment, experiment, explain, folder_problems,
-                                         task_overrides)
+from orchestrator.config.command import check_experiment, experiment, explain, task_overrides
 from orchestrator.config.errors import ConfigError
+from orchestrator.config.validate import folder_problems
 from orchestrator.config.values import unresolved
 
 
@@ -67,7 +67,7 @@ def check_run(config: DictConfig) -> None:
         raise ConfigError(problems)
     check_experiment(experiment(config), task_overrides(config.hydra))
     run_dir = str(config.hydra.run.dir)
-    problems = folder_problems("hydra.run.dir", run_dir)
+    problems = folder_problems("hydra.run.dir", run_dir, "the run's files")
     if problems:
         raise ConfigError(problems)
 

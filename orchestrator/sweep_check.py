@@ -43,9 +43,9 @@ def check_sweep(config: DictConfig) -> None:
             spaces[o.get_key_element()] = values
     if problems:
         raise ConfigError(problems)
-    from orchestrator.config.command import folder_problems
+    from orchestrator.config.validate import folder_problems
 
-    problems = folder_problems("hydra.sweep.dir", str(config.hydra.sweep.dir))
+    problems = folder_problems("hydra.sweep.dir", str(config.hydra.sweep.dir), "the sweep's files")
     if problems:
         raise ConfigError(problems)
     order = [o.get_key_element() if o.is_sweep_override() else o.input_line for o in overrides]
@@ -121,7 +121,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
     """Compose and validate the points: every combination (the basic sweeper will run exactly those), or each
     value of each key with the others at their first (a sweeper that picks its points). order: the overrides as
     given, a swept key standing for its value."""
-    from orchestrator.config.command import check_experiment, experiment
+    from orchestrator.config.command import check_experiment, experiment, explain
     from orchestrator.sweep import SweepConfigError, _check_direction
 
     keys = list(spaces)
@@ -144,8 +144,6 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         except ConfigError as e:
             failures.append((overrides, e))
         except HydraException as e:
-            from orchestrator.config.command import explain
-
             translated = explain(e, tuple(overrides))
             if translated is None:
                 raise

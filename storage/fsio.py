@@ -92,9 +92,11 @@ def file_table(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
 
 
 def verify_file_table(root: Path, table: dict[str, dict], checksums: bool = True,
-                      unchanged: frozenset[str] = frozenset()) -> list[str]:
+                      unchanged: frozenset[str] = frozenset(), digest=None) -> list[str]:
     """Problems found comparing the files below root with a file_table(); empty when everything matches.
-    unchanged: files known to be as they were when last hashed (their sizes are still checked)."""
+    unchanged: files known to be as they were when last hashed (their sizes are still checked). digest: the
+    sha256 of a path (default sha256_file; storage/file_hashes.sha256 reuses a hash while the file's stamp holds)."""
+    digest = digest or sha256_file
     problems = []
     for rel, want in table.items():
         p = Path(root) / rel
@@ -102,7 +104,7 @@ def verify_file_table(root: Path, table: dict[str, dict], checksums: bool = True
             problems.append(f"{rel}: missing")
         elif p.stat().st_size != want["bytes"]:
             problems.append(f"{rel}: {p.stat().st_size} bytes, manifest says {want['bytes']}")
-        elif checksums and rel not in unchanged and sha256_file(p) != want["sha256"]:
+        elif checksums and rel not in unchanged and digest(p) != want["sha256"]:
             problems.append(f"{rel}: sha256 differs from the manifest")
     return problems
 

@@ -49,23 +49,18 @@ def check(cfg, parameters: dict) -> list[Problem]:
 
 
 def _damage(cfg, folder: Path, manifest: dict) -> str:
-    """The first file that differs from the manifest's table: sizes always, sha256 at stat speed where the cache
-    remembers the file unchanged (storage/file_hashes.py; nothing is written where there is no cache yet)."""
+    """The first file that differs from the manifest's table (as the checkpoint's own verify compares them), the
+    sha256 at stat speed where the cache remembers the file unchanged (storage/file_hashes.py; nothing is written
+    where there is no cache yet)."""
     import contextlib
 
     from storage import file_hashes
+    from storage.fsio import verify_file_table
 
     store = Path(cfg.cache_dir) / ".verified" / "files.json"
     with file_hashes.remembering(store) if store.parent.is_dir() else contextlib.nullcontext():
-        for rel, want in manifest.get("files", {}).items():
-            p = folder / rel
-            if not p.is_file():
-                return f"{rel} is missing"
-            if p.stat().st_size != want["bytes"]:
-                return f"{rel} holds {p.stat().st_size} bytes, the manifest says {want['bytes']}"
-            if file_hashes.sha256(p) != want["sha256"]:
-                return f"{rel}'s sha256 differs from the manifest's"
-    return ""
+        problems = verify_file_table(folder, manifest.get("files", {}), digest=file_hashes.sha256)
+    return problems[0] if problems else ""
 
 
 def _hf_problems(cfg) -> list[Problem]:

@@ -141,7 +141,7 @@ def test_checkpoint_reshards_into_other_layouts(runs, workdir):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    assert "sha256 differs from the manifest's" in refusal(f"train.init_from={damaged}")
+    assert f"{victim.relative_to(damaged)}: sha256 differs from the manifest" in refusal(f"train.init_from={damaged}")
 
 
 def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, workdir):

@@ -4,13 +4,12 @@ command's boundary (orchestrator/boundary.py) and the whole-sweep check (orchest
 from __future__ import annotations
 
 import copy
-import traceback
 from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestrator.config.errors import ConfigError, Problem, from_hydra
+from orchestrator.config.errors import ConfigError, from_hydra
 from orchestrator.config.values import value_problem
 
 
@@ -29,8 +28,8 @@ def experiment(config: DictConfig) -> DictConfig:
 
 
 def check_experiment(cfg: DictConfig, overrides: list[str]) -> None:
-    """What `orchestrate` (or `tune`) checks first, on a copy: the same values (auto ones filled in), the same
-    validation (remembered, so that the run does not pay for it twice)."""
+    """What `orchestrate` (or `tune`) checks first: the same values (auto ones filled in, in cfg: pass a copy, such
+    as experiment()'s), the same validation (remembered, so that the run does not pay for it twice)."""
     from orchestrator.config.resolve import resolve_auto
     from orchestrator.config.validate import schema_problems, validate
 
@@ -39,20 +38,8 @@ def check_experiment(cfg: DictConfig, overrides: list[str]) -> None:
         if problems:
             raise ConfigError(problems)
         return
-    cfg = copy.deepcopy(cfg)
     resolve_auto(cfg)
     validate(cfg, overrides, remember=True)
-
-
-def folder_problems(key: str, folder: str) -> list[Problem]:
-    from storage.fsio import why_unwritable
-
-    if not folder.strip():
-        return [Problem(key, folder, f"{key} is empty: the outputs would land in the working directory's root "
-                        "or the filesystem's", f"{key}= a folder of its own")]
-    why = why_unwritable(folder)
-    return [Problem(key, folder, f"the run's files are written in {key}, but {why}",
-                    f"{key}= a folder you can write (or leave it unset: it defaults under runs_dir)")] if why else []
 
 
 def explain(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[ConfigError]:
@@ -65,10 +52,6 @@ def explain(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[ConfigEr
     for e in _chain(exc):
         if isinstance(e, OmegaConfBaseException) and getattr(e, "full_key", None):
             return ConfigError([value_problem(e.full_key, "?", e)])
-    if isinstance(exc, OSError) and _raised_in(exc, "hydra", "run_job"):
-        return ConfigError(folder_problems("hydra.run.dir", str(exc.filename or "")) or [
-            Problem("hydra.run.dir", exc.filename, f"the run folder cannot be made: {exc.strerror}",
-                    "hydra.run.dir= a folder you can write")])
     return None
 
 
@@ -78,7 +61,3 @@ def _chain(exc: BaseException):
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
-
-
-def _raised_in(exc: BaseException, package: str, function: str) -> bool:
-    return any(f.name == function and f"/{package}/" in f.filename for f in traceback.extract_tb(exc.__traceback__))

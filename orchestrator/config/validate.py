@@ -80,6 +80,15 @@ def warnings(cfg: DictConfig) -> list[str]:
     return notes
 
 
+def folder_problems(key: str, folder: str, what: str) -> list[Problem]:
+    """`what` is written under the folder that `key` names: it must be named, and be (or can be made) writable."""
+    from storage.fsio import why_unwritable
+
+    why = "it is empty" if not folder.strip() else why_unwritable(folder)
+    return [Problem(key, folder, f"{what} are written under {key}, but {why}",
+                    f"{key}= a folder you can write (or leave it unset: it defaults under runs_dir)")] if why else []
+
+
 def _folder_problems(cfg: DictConfig) -> list[Problem]:
     from storage.fsio import why_unwritable
 
@@ -88,11 +97,7 @@ def _folder_problems(cfg: DictConfig) -> list[Problem]:
     if cfg.tracking.name == "mlflow" and "://" not in str(cfg.tracking.artifact_root):
         written.append(("tracking.artifact_root", "MLflow's artifacts"))
     for key, what in written:
-        folder = str(OmegaConf.select(cfg, key))
-        why = "it is empty" if not folder.strip() else why_unwritable(folder)
-        if why:
-            problems.append(Problem(key, folder, f"{what} are written under {key}, but {why}",
-                                    f"{key}= a folder you can write (or leave it unset: it defaults under runs_dir)"))
+        problems += folder_problems(key, str(OmegaConf.select(cfg, key)), what)
     for key in ("runs_dir", "cache_dir"):
         if not str(cfg[key]).strip():
             problems.append(Problem(key, cfg[key], f"{key} is empty: the folders under it would land at the "
@@ -152,7 +157,7 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
     when = f.metadata.get("read_when")
     if not when:
         return []
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    default = _default(f)
     other, wanted = when
     actual = OmegaConf.select(cfg, other)
     plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
@@ -165,13 +170,16 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
                     f"{choose}={shown.split(' or ')[0]} for it to apply, or leave {full} unset")]
 
 
+def _default(f: dataclasses.Field):
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
 def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
     meta = f.metadata
     is_list = isinstance(value, (list, ListConfig))
     items = list(value) if is_list else [value]
     if any(isinstance(v, float) and not math.isfinite(v) for v in items):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={default}")]
+        return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={_default(f)}")]
     nested = [v for v in items if isinstance(v, (list, tuple, dict, ListConfig, DictConfig))] if is_list else []
     if nested and f.name != "mix":
         return [Problem(full, value, f"the items of {full} are single values, not lists or mappings "

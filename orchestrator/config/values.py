@@ -75,10 +75,8 @@ def value_problem(key: str, raw: Any, e: BaseException) -> Problem:
                        f"refer to a key that exists (python -m orchestrator --cfg job prints them all), or give "
                        f"{key} a value")
     if isinstance(e, UnsupportedInterpolationType):
-        from omegaconf import OmegaConf as oc
-
         known = sorted(n for n in ("oc.env", "oc.select", "oc.decode", "oc.create", "oc.deprecated", "now",
-                                   "hydra") if oc.has_resolver(n))
+                                   "hydra") if OmegaConf.has_resolver(n))
         return Problem(key, raw, f"{key} uses a resolver that does not exist ({said})",
                        f"use one of: {', '.join(known)}")
     if isinstance(e, InterpolationResolutionError) and "Environment variable" in said:
@@ -95,10 +93,9 @@ def group_lists(overrides: list[str]) -> list[Problem]:
     """`model=[a,b]` is legal in Hydra (both options merged into one config, the last winning), and never what a
     user of this command means: one option per group, or -m to sweep over them."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
 
     from orchestrator.config.schema import GROUP_SCHEMAS
-
-    from hydra.errors import HydraException
 
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
