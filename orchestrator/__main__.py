@@ -15,6 +15,8 @@ from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.plugins import Plugins
+from hydra_plugins.orchestrator_launcher.orchestrator_study import store as store_optuna_sweeper
 from omegaconf import DictConfig
 
 from orchestrator.boundary import Refused, unexpected
@@ -57,6 +59,8 @@ def main() -> int:
     logging.getLogger("alembic").setLevel(logging.WARNING)  # Optuna's import: a "setup plugin" line per plugin
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us: we explain them in config terms
     register()
+    Plugins.instance()  # Hydra scans its plugins once, storing their configs; then the Optuna sweeper's is replaced
+    store_optuna_sweeper()  # by the one whose study the same command continues (orchestrator/study.py)
     interrupt.install()  # SIGTERM takes Ctrl-C's path: save, mark the runs KILLED, say how to continue
     from orchestrator.sweep import finish_study
 

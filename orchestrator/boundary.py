@@ -45,14 +45,16 @@ class Precheck(Callback):
         _refusing(check_run, config)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from orchestrator.report import console
         from orchestrator.sweep_check import check_sweep
 
-        _refusing(check_sweep, config)
+        for line in _refusing(check_sweep, config):
+            console.print(line, soft_wrap=True, markup=False)
 
 
-def _refusing(check, config: DictConfig) -> None:
+def _refusing(check, config: DictConfig) -> Any:
     try:
-        check(config)
+        return check(config)
     except Exception as e:  # everything the checks meet is the command's problem, or a bug said in one line
         error = explain(e, tuple(task_overrides(config.hydra)))
         if error is None:

@@ -6,12 +6,17 @@ KeyboardInterrupt that Ctrl-C raises, remembering which came: the local executor
 the ranks (the train stage saves a checkpoint at the step it is on), finished stages stay cached, MLflow runs
 end KILLED, and the command exits 128 + the signal's number (130 for Ctrl-C, 143 for SIGTERM), as a shell reports
 a process that the signal ended. A second signal stops the ranks at once.
+
+Python runs signal handlers in the main thread only. Points of a sweep that run side by side (sweep.parallelism)
+wait for their ranks in other threads: they ask `requested()` (and `signals()`, for the second) as they poll, and
+take the same path.
 """
 from __future__ import annotations
 
 import signal
 
 _received = signal.SIGINT
+_count = 0  # signals received so far
 
 
 class Terminated(KeyboardInterrupt):
@@ -19,14 +24,26 @@ class Terminated(KeyboardInterrupt):
 
 
 def install() -> None:
-    """Turn SIGTERM into Terminated in this process (main thread only, as Python runs signal handlers there)."""
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    """Turn SIGTERM into Terminated in this process, and count both signals (main thread only, as Python runs
+    signal handlers there)."""
+    signal.signal(signal.SIGTERM, _on_signal)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where SIGINT is ignored (`cmd &`)
+        signal.signal(signal.SIGINT, _on_signal)
 
 
-def _on_sigterm(signum, frame) -> None:
-    global _received
-    _received = signal.SIGTERM
-    raise Terminated()
+def _on_signal(signum, frame) -> None:
+    global _received, _count
+    _received, _count = signal.Signals(signum), _count + 1
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def requested() -> bool:
+    """Whether a signal asked this process to stop (for threads, which Python does not interrupt)."""
+    return _count > 0
+
+
+def signals() -> int:
+    return _count
 
 
 def received() -> signal.Signals:

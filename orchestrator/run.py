@@ -23,7 +23,7 @@ from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
-from orchestrator import resume, tracking_later
+from orchestrator import interrupt, resume, tracking_later
 from orchestrator.tracking import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate, warnings
@@ -63,7 +63,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     console.print(plan_table(plan, where))
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
     data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
-    for line in [*choices, memory_line(cfg), time_line(cfg), *data, *warnings(cfg)]:
+    for line in [*choices, memory_line(cfg, orchestrator_bytes(cfg)), time_line(cfg), *data, *warnings(cfg)]:
         console.print(line, soft_wrap=True)
     for ps in plan:
         if ps.damage:
@@ -100,6 +100,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     results = report.results
     try:
         for ps in plan:
+            if interrupt.requested() and not any(r.status == "interrupted" for r in results.values()):
+                raise KeyboardInterrupt  # a signal between stages, seen from a sweep's thread (main: raised there)
             blocked = [u for u in ps.stage.after if results[u].status in ("failed", "not run", "interrupted")]
             if blocked:
                 results[ps.name] = StageResult(ps.name, ps.key, "not run", summary=f"needs {', '.join(blocked)}")
@@ -308,3 +310,22 @@ def _write_plan(run_dir: Path, plan: list[PlannedStage], where: dict[str, str], 
          "command": commands.get(ps.name), "material": ps.material}
         for ps in plan])
     (run_dir / "plan.txt").write_text(plan_text(plan, where))
+
+
+# What importing MLflow's client and store adds to this process (pandas, pyarrow, scipy, SQLAlchemy): 0.164 GB,
+# measured with this project's pins (torch and the stages imported first). Not imported to be measured: a run with
+# nothing to do never imports it (orchestrator/tracking_later.py), and the import takes seconds.
+MLFLOW_BYTES = int(0.17 * 2**30)
+
+
+def orchestrator_bytes(cfg: DictConfig) -> int:
+    """What this process (planning, the executors, MLflow's client) holds once it has imported what a run imports:
+    torch and every stage's module (ONNX among them) measured, MLflow's share added when tracking. The stages
+    themselves run in processes of their own (except on cluster=debug)."""
+    import psutil
+
+    from stages import all_stages
+
+    all_stages()
+    mlflow = MLFLOW_BYTES if cfg.tracking.name == "mlflow" and "mlflow" not in sys.modules else 0
+    return psutil.Process().memory_info().rss + mlflow

@@ -31,7 +31,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.table import Table
 
-from orchestrator import objective
+from orchestrator import interrupt, objective
 from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
 from storage.fsio import atomic_write_json
@@ -47,6 +47,7 @@ class Point:
     run_dir: Path
     report: Optional[Report] = None
     error: Optional[str] = None
+    interrupted: bool = False    # a signal stopped it before its stages' results were in
 
 
 class SweepConfigError(ConfigError):
@@ -105,6 +106,12 @@ class SweepLauncher(Launcher):
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         _finish(self.points, sweep_dir, self.sweep_run, time.perf_counter() - self.t0, interrupted)
 
+    def finished_values(self, n: int) -> list[Optional[float]]:
+        """The objectives of the last n points, None where a point did not finish (interrupted or not run): what a
+        sweeper stopped by a signal may still record (orchestrator/study.py)."""
+        return [objective.value(p.cfg.sweep.objective, _train_summary(p))
+                if _status(p) not in ("interrupted", "not run", "submitted") else None for p in self.points[-n:]]
+
     def _compose(self, index: int, overrides: list[str], sweep_dir: Path) -> Point:
         hydra_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
         with open_dict(hydra_cfg):
@@ -158,7 +165,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
     stopped = threading.Event()
 
     def run(p: Point, follow_jobs: bool) -> None:
-        if stopped.is_set():
+        if stopped.is_set() or interrupt.requested():  # a point queued behind others (sweep.parallelism)
             return
         console.rule(f"point {p.index}: {' '.join(p.overrides) or '(no overrides)'}")
         try:
@@ -167,6 +174,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
             p.error = str(e)
             console.print(f"error: {e}", soft_wrap=True)
         except KeyboardInterrupt:  # a second signal, or one between stages
+            p.interrupted = True
             stopped.set()
             raise
         if p.report is not None and any(r.status == "interrupted" for r in p.report.results.values()):
@@ -183,7 +191,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
     else:
         for p in here:
             run(p, True)
-    if stopped.is_set():
+    if stopped.is_set() or interrupt.requested():
         raise KeyboardInterrupt
     submitted = [p for p in on_slurm if p.report and p.report.submitted and (p.run_dir / "slurm_jobs.json").is_file()]
     waiting = [p for p in submitted if p.cfg.cluster.wait]
@@ -203,6 +211,8 @@ def _train_summary(p: Point) -> dict:
 
 
 def _status(p: Point) -> str:
+    if p.interrupted:
+        return "interrupted"
     if p.error or p.report is None:
         return "rejected" if p.error else "not run"
     if p.report.submitted and not p.report.results:

@@ -1,7 +1,7 @@
 """A `-m` sweep is checked whole before its first point starts (Hydra calls this from `on_multirun_start`,
 orchestrator/boundary.py, before the sweeper runs anything).
 
-Three things are checked, in the sweeper's own terms where it has them:
+Three things are checked, in the sweeper's own terms where it has them (then `plan_lines` says what it will cost):
   1. the sweeper's settings: counts of trials and parallel jobs of at least 1;
   2. each swept key's search space: not empty; of a kind this sweeper reads (the basic sweeper runs lists and
      ranges, not `interval(...)`); one its library accepts (Optuna's distributions are built here, as the sweeper
@@ -26,7 +26,8 @@ from orchestrator.config.errors import ConfigError, Problem
 COUNTS = ("n_trials", "n_jobs", "budget", "num_workers", "max_batch_size")  # sweepers' counts: none may be < 1
 
 
-def check_sweep(config: DictConfig) -> None:
+def check_sweep(config: DictConfig) -> list[str]:
+    """Refuses (ConfigError) what cannot run; returns the sweep's plan, printed before its first point."""
     from orchestrator.config.command import task_overrides
     from orchestrator.config.values import unresolved
 
@@ -46,10 +47,50 @@ def check_sweep(config: DictConfig) -> None:
     from orchestrator.config.validate import folder_problems
 
     problems = folder_problems("hydra.sweep.dir", str(config.hydra.sweep.dir), "the sweep's files")
+    if OmegaConf.select(config, "hydra.sweeper.study_dir") is not None:  # Optuna's, with its study kept
+        from orchestrator.study import KeptStudy
+
+        study = KeptStudy.of(config)
+        problems += folder_problems("hydra.sweeper.study_dir", str(study.folder), "the study") + \
+            study.problems(config)
     if problems:
         raise ConfigError(problems)
     order = [o.get_key_element() if o.is_sweep_override() else o.input_line for o in overrides]
-    _check_points(config, order, spaces, every_combination=basic)
+    points = _check_points(config, order, spaces, every_combination=basic)
+    return plan_lines(config, points, basic)
+
+
+def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool) -> list[str]:
+    """What the sweep will cost: its points (or trials), the time their training takes at least, and this process's
+    own memory beside the points' ranks (each point's plan gives theirs)."""
+    from orchestrator.run import orchestrator_bytes
+    from planning.plan import GB, duration, step_floor
+
+    sweeper = config.hydra.sweeper
+    n_trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
+    if basic:
+        count, what = len(points), f"{len(points)} point(s), every combination of the swept values"
+    elif OmegaConf.select(config, "hydra.sweeper.study_dir") is not None:
+        from orchestrator.study import KeptStudy
+
+        kept = KeptStudy.of(config)
+        count = kept.to_run(n_trials)
+        what = f"Optuna, {kept.describe(n_trials)}, {sweeper.n_jobs} at a time (hydra.sweeper.n_jobs)"
+    else:
+        count, what = None, "as many points as the sweeper picks (its own count, e.g. hydra.sweeper.optim.budget)"
+    at_once = points[0].sweep.parallelism if points else 1
+    lines = [f"sweep: {what}; {at_once} run at a time here (sweep.parallelism)"]
+    timed = [p for p in points if p.cluster.name != "slurm" and not p.dry_run]
+    if timed:
+        floors = [step_floor(p)[0] * p.train.steps for p in timed]
+        each = f"{duration(min(floors))}" + (f" to {duration(max(floors))}" if max(floors) > min(floors) else "")
+        total = sum(floors) if basic else min(floors) * count if count is not None else None
+        lines.append(f"  time: each point trains at least {each} (its steps at this machine's matmul rate)" +
+                     ("; nothing to run" if count == 0 else "" if total is None else
+                      f"; the sweep at least {duration(total)} (cached points take none)"))
+    lines.append(f"  memory: this process (the orchestrator) {orchestrator_bytes(points[0]) / GB:,.2f} GB, beside "
+                 "each point's ranks and stages (its plan says theirs)")
+    return lines
 
 
 def _parse(lines: list[str]) -> list[Override]:
@@ -117,7 +158,8 @@ def _optuna_problem(o: Override, key: str, text: str) -> Optional[Problem]:
     return None
 
 
-def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[str]], every_combination: bool) -> None:
+def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[str]],
+                  every_combination: bool) -> list[DictConfig]:
     """Compose and validate the points: every combination (the basic sweeper will run exactly those), or each
     value of each key with the others at their first (a sweeper that picks its points). order: the overrides as
     given, a swept key standing for its value."""
@@ -131,7 +173,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         first = {k: v[0] for k, v in spaces.items()}
         points = [first] + [{**first, k: v} for k in keys for v in spaces[k][1:]]
     loader = GlobalHydra.instance().hydra.config_loader
-    failures, seen = [], set()
+    failures, seen, checked = [], set(), []
     for point in points:
         overrides = [f"{o}={point[o]}" if o in point else o for o in order]
         if tuple(overrides) in seen:
@@ -141,6 +183,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             cfg = experiment(loader.load_sweep_config(config, overrides))
             check_experiment(cfg, overrides)
             _check_direction(cfg, config)
+            checked.append(cfg)
         except ConfigError as e:
             failures.append((overrides, e))
         except HydraException as e:
@@ -150,3 +193,4 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             failures.append((overrides, translated))
     if failures:
         raise SweepConfigError(failures)
+    return checked

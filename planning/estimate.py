@@ -20,6 +20,7 @@ block, or the root's embedding and head) under shard.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -169,9 +170,10 @@ def step_flops(cfg, n_parameters: int) -> float:
     return t.batch_size * t.seq_len * (6.0 * n_parameters + 12.0 * m.n_layers * m.d_model * t.seq_len)
 
 
+@functools.lru_cache(maxsize=None)
 def matmul_rate(device: str, dtype: str, threads: int) -> float:
-    """FLOP/s of a square matmul on this machine, measured now (about 0.1 s; the best of 8, as a busy machine
-    slows some): the best a step's matmuls can do."""
+    """FLOP/s of a square matmul on this machine, measured once per command (about 0.1 s; the best of 8, as a busy
+    machine slows some): the best a step's matmuls can do."""
     import time
 
     import torch

@@ -61,14 +61,15 @@ def plan_of(cfg) -> Plan:
     return _PLANS[key]
 
 
-def memory_line(cfg) -> str:
+def memory_line(cfg, orchestrator: int = 0) -> str:
     """The plan's lines on memory: a train rank's estimate against what it may use, then what the stages around
-    training need (one process each) and write."""
+    training need (one process each) and write; `orchestrator`: what the process printing the plan holds."""
     p = plan_of(cfg)
     of = f" of {p.rank_limit / GB:,.1f} GB ({p.rank_limit_where})" if p.rank_limit else f" ({p.rank_limit_where})"
     stages = "; ".join(f"{name} {c.peak / GB:,.2f} GB ({c.what})" for name, c in p.stages.items())
     host = f", of {p.host_limit / GB:,.1f} GB ({p.host_limit_where})" if p.host_limit else f" ({p.host_limit_where})"
-    return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}\n  disk: checkpoints "
+    return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}" +
+            (f"; the orchestrator itself {orchestrator / GB:,.2f} GB" if orchestrator else "") + "\n  disk: checkpoints "
             f"{p.stages['checkpoint'].writes / GB:,.2f} GB each, the aggregate's files "
             f"{p.stages['aggregate'].writes / GB:,.2f} GB")
 
@@ -83,22 +84,26 @@ def time_line(cfg) -> str:
         return f"{head}; the rate is not estimated here (the stages run on the cluster's nodes)"
     if cfg.dry_run:
         return f"{head}; this machine's matmul rate is measured when the run starts (not in a dry run)"
+    floor, rate, where = step_floor(cfg)
+    return (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
+            f"least {duration(floor)} and {cfg.train.steps} steps at least {duration(floor * cfg.train.steps)}")
+
+
+def step_floor(cfg) -> tuple[float, float, str]:
+    """(seconds a train step takes at least here, the matmul rate measured now, what measured it)."""
     import torch
 
-    p = cfg.parallel
-    ranks = world_size(p)
+    ranks = world_size(cfg.parallel)
     if torch.cuda.is_available():
         gpus = min(ranks, torch.cuda.device_count())
         rate, where = matmul_rate("cuda", cfg.precision.name, 1) * gpus, f"{gpus} GPU(s), {cfg.precision.name}"
     else:
         threads = min(usable_cores(), rank_threads(cfg.cluster.get("threads_per_rank"), ranks) * ranks)
         rate, where = matmul_rate("cpu", "fp32", threads), f"{threads} CPU thread(s)"
-    floor = flops / rate
-    return (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
-            f"least {_duration(floor)} and {cfg.train.steps} steps at least {_duration(floor * cfg.train.steps)}")
+    return step_flops(cfg, partition_plan(cfg)["n_parameters"]) / rate, rate, where
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
     if seconds < 1:
         return f"{seconds * 1000:,.0f} ms"
     if seconds < 120:

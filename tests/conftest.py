@@ -65,6 +65,36 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None =
                           capture_output=True, text=True, timeout=timeout)
 
 
+def signal_cli(args: list[str], cwd: Path, ready, sig: int = 15, wait_s: float = 300) -> tuple[int, str, float]:
+    """`python -m orchestrator args...` in cwd, signalled (its process group, as a terminal or `kill -- -PGID`
+    does) once ready(lines printed so far) holds: (exit code, its output, seconds it took to stop)."""
+    import signal
+    import threading
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=cli_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + wait_s
+        while not ready(lines):
+            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.05)
+        os.killpg(proc.pid, sig)
+        signalled = time.monotonic()
+        proc.wait(timeout=120)
+        took = time.monotonic() - signalled
+        reader.join(timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, "".join(lines), took
+
+
 def run_folder(result: subprocess.CompletedProcess) -> Path:
     """The run folder a CLI invocation printed (`outputs: <folder>`)."""
     import re

@@ -7,6 +7,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import psutil
 import pytest
 from filelock import FileLock
 
@@ -16,14 +17,20 @@ SMALL = ["model.n_layers=2", "train.batch_size=8", "train.seq_len=32", "train.lo
 
 
 NODES = {**os.environ, "NODES": "2", "SLURM_CPUS": "32"}  # 16 CPUs a node: the two SLURM test files run side by side
-STARTED_HERE = Path(tempfile.gettempdir()) / "orchestrator-tests-started-slurm"  # stop it when the session ends
+STARTED_HERE = Path(tempfile.gettempdir()) / "orchestrator-tests-started-slurm"  # the pid of the session that did
+
+
+def _session_pid() -> int:
+    """The pytest session's process: xdist's controller (a worker's parent), or this process under -n 0."""
+    return os.getppid() if os.environ.get("PYTEST_XDIST_WORKER") else os.getpid()
 
 
 @pytest.fixture(scope="session")
 def slurm():
     """A running 2-node cluster: the one already up, else one started here. Two test workers may ask at once: one
     starts it (under a lock); the session's end (conftest's pytest_sessionfinish, once all workers are done)
-    stops a cluster the tests started."""
+    stops a cluster this session started, and only that: another pytest session on the machine (a clone's CI) may
+    be using one it started itself. A cluster whose starting session is gone is adopted."""
     with FileLock(str(STARTED_HERE) + ".lock"):
         if subprocess.run([SCRIPT, "status"], capture_output=True, env=NODES).returncode != 0:
             if os.geteuid() != 0:
@@ -33,13 +40,17 @@ def slurm():
                             "pytest -m 'not slurm'")
             started = subprocess.run([SCRIPT, "start"], capture_output=True, text=True, timeout=900, env=NODES)
             assert started.returncode == 0, f"could not start SLURM:\n{started.stdout}\n{started.stderr}"
-            STARTED_HERE.touch()
+            STARTED_HERE.write_text(str(_session_pid()))
+        elif STARTED_HERE.exists() and not psutil.pid_exists(int(STARTED_HERE.read_text() or 0)):
+            STARTED_HERE.write_text(str(_session_pid()))
 
 
 def stop_if_started_here() -> None:
-    if STARTED_HERE.exists():
-        subprocess.run([SCRIPT, "stop"], capture_output=True, timeout=300)
-        STARTED_HERE.unlink()
+    """Called by the session's controller (its pid is the one the workers wrote)."""
+    with FileLock(str(STARTED_HERE) + ".lock"):
+        if STARTED_HERE.exists() and STARTED_HERE.read_text() == str(os.getpid()):
+            subprocess.run([SCRIPT, "stop"], capture_output=True, timeout=300)
+            STARTED_HERE.unlink()
 
 
 def jobs_of(run_dir: Path) -> list[dict]:

@@ -7,7 +7,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import mlflow
 import psutil
 import pytest
 
-from tests.conftest import QUICK, cli_env, run_cli, run_folder
+from tests.conftest import QUICK, cli_env, run_cli, run_folder, signal_cli
 
 pytestmark = pytest.mark.e2e
 STAGES = ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
@@ -180,32 +179,18 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_pat
                     ["train.steps=20", "train.eval_every=10", "train.eval_batches=6000"])
     args = ["parallel=ddp2", *steps, "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
             "train.checkpoint_every=0", "tracking=mlflow"]
-    env = cli_env()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        history = tmp_path / "runs" / "cache" / "train"
+    history = tmp_path / "runs" / "cache" / "train"
+
+    def ready(lines: list[str]) -> bool:
         if during == "training":
-            _wait_for(lambda: any(len(p.read_text().splitlines()) >= 10
-                                  for p in history.glob("*.work/scratch/metrics.jsonl")), 300, "10 training steps")
-        else:  # the metrics line of step 5 is printed; steps 6-10 take well under a second, the evaluation far longer
-            _wait_for(lambda: any(re.search(r"step\s+5/20", line) for line in lines), 300, "5 training steps")
-            time.sleep(3)
-        os.killpg(proc.pid, sig)
-        signalled = time.monotonic()
-        proc.wait(timeout=120)
-        took = time.monotonic() - signalled
-        reader.join(timeout=10)
-        out = "".join(lines)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    assert proc.returncode == code, out[-3000:]
+            return any(len(p.read_text().splitlines()) >= 10 for p in history.glob("*.work/scratch/metrics.jsonl"))
+        if any(re.search(r"step\s+5/20", line) for line in lines):  # steps 6-10 take well under a second, the
+            time.sleep(3)                                            # evaluation far longer
+            return True
+        return False
+
+    returncode, out, took = signal_cli(args, tmp_path, ready, sig)
+    assert returncode == code, out[-3000:]
     assert "interrupted: nothing is lost; run the same command to continue" in out
     assert "Traceback" not in out, out[-6000:]
     (checkpoint,) = history.glob("*.work/scratch/checkpoints/step_*/manifest.json")

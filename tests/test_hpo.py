@@ -1,5 +1,6 @@
 """Hyperparameter search with Hydra's Optuna sweeper: every trial returns its objective (sweep.objective), the
-study is one sweep (one table, one summary, one MLflow sweep run), a failed trial scores the worst value."""
+study is one sweep (one table, one summary, one MLflow sweep run) kept under runs/studies so that the same command
+continues it after a signal, a failed trial scores the worst value."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import mlflow
 import pytest
 import yaml
 
-from tests.conftest import run_cli
+from tests.conftest import run_cli, signal_cli
 
 pytestmark = pytest.mark.e2e
 SMALL = ["cluster=debug", "train.steps=4", "train.eval_every=4", "model.n_layers=1", "train.batch_size=4",
@@ -36,11 +37,19 @@ def sweep_runs(workdir: Path):
     return sweeps, points
 
 
-def test_optuna_minimises_the_trials_eval_loss_in_one_sweep(workdir):
-    result, summary, sweep_dir = study(workdir, "hydra.sweeper.sampler.seed=7", "optimizer.lr=interval(1e-4,3e-2)",
-                                       "hydra.sweeper.n_trials=4",
-                                       "hydra.sweeper.n_jobs=2")  # two batches of two trials: one study
+SEARCH = ["hydra.sweeper.sampler.seed=7", "optimizer.lr=interval(1e-4,3e-2)", "hydra.sweeper.n_trials=4",
+          "hydra.sweeper.n_jobs=2"]  # two batches of two trials: one study
+
+
+def kept_trials(workdir: Path) -> list[dict]:
+    (study_file,) = (workdir / "runs" / "studies").glob("*.json")
+    return json.loads(study_file.read_text())["trials"]
+
+
+def test_optuna_minimises_the_trials_eval_loss_and_the_same_command_continues_its_study(workdir, tmp_path):
+    result, summary, sweep_dir = study(workdir, *SEARCH)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "new, 4 trial(s) (hydra.sweeper.n_trials)" in result.stdout
     rows = summary["points"]
     assert len(rows) == 4 and summary["objective"] == "eval_loss" and summary["direction"] == "minimize"
     for row in rows:  # what the sweeper got is each point's own eval loss
@@ -51,12 +60,34 @@ def test_optuna_minimises_the_trials_eval_loss_in_one_sweep(workdir):
     optuna = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
     assert optuna["best_value"] == pytest.approx(rows[0]["objective"], rel=1e-12) == summary["best"]["objective"]
     assert f"optimizer.lr={optuna['best_params']['optimizer.lr']}" in rows[0]["all_overrides"]
-    assert result.stdout.count("sweep: ") == 1 and "sweep: 4 point(s)" in result.stdout
+    assert result.stdout.count("sweep: ") == 2 and "sweep: 4 point(s)" in result.stdout  # the plan, the table
     assert "best eval_loss first" in result.stdout
 
     (sweep,), points = sweep_runs(workdir)
     assert sweep.info.status == "FINISHED" and len(points[sweep.info.run_id]) == 4
     assert sweep.data.metrics["best_eval_loss"] == pytest.approx(rows[0]["objective"])
+    uninterrupted = [(t["params"], t["values"]) for t in kept_trials(workdir)]
+
+    # The same study, stopped by SIGTERM in trial 2 (the second of the first batch) and continued by the same command
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    args = ["-m", "hydra/sweeper=optuna", *SMALL, *SEARCH]
+    code, out, _ = signal_cli(args, stopped, lambda lines: any(line.startswith("─") and " point 1: " in line
+                                                               for line in lines))
+    assert code == 143, out[-3000:]
+    assert [t["state"] for t in kept_trials(stopped)] == ["COMPLETE", "RUNNING"]
+
+    again = run_cli(args, stopped, timeout=900)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "continued, 1 of 4 trial(s) done" in again.stdout and "1 interrupted (resumed first), 3 to run" in \
+        again.stdout
+    assert " point 0: " not in again.stdout and " point 1: " not in again.stdout  # trial 1 done, 2 interrupted
+    trials = kept_trials(stopped)
+    assert [t["state"] for t in trials] == ["COMPLETE", "FAIL", "COMPLETE", "COMPLETE", "COMPLETE"]
+    assert trials[1]["user_attrs"]["interrupted"] is True and trials[2]["params"] == trials[1]["params"]
+    assert [(t["params"], t["values"]) for t in trials if t["state"] == "COMPLETE"] == uninterrupted
+    continued = yaml.safe_load(next((stopped / "runs" / "multirun").rglob("optimization_results.yaml")).read_text())
+    assert continued["best_value"] == optuna["best_value"]
 
 
 def test_a_failed_trial_scores_the_worst_value_and_the_study_goes_on(workdir):
@@ -82,3 +113,14 @@ def test_a_sweeper_told_to_maximise_a_loss_is_refused_before_anything_runs(workd
     assert "hydra.sweeper.direction=maximize" in result.stderr and "goes down" in result.stderr
     assert "sweep.objective=tokens_per_s" in result.stderr
     assert not (workdir / "runs" / "cache").exists()
+
+
+def test_a_study_file_that_does_not_read_is_refused_with_what_to_do(tmp_path):
+    from orchestrator.config.errors import ConfigError
+    from orchestrator.study import KeptStudy
+
+    kept = KeptStudy(tmp_path, "study-x", {"space": []})
+    kept.path.write_text('{"name": "study-x", "trials": ')  # cut short
+    with pytest.raises(ConfigError) as e:
+        kept.saved()
+    assert "x hydra.sweeper.study_dir=" in str(e.value) and "move it aside" in str(e.value)

@@ -144,45 +144,48 @@ def test_slurm_dry_run_needs_no_slurm(workdir, tmp_path):
     assert not (workdir / "runs" / "cache").exists()
 
 
+SWEEP_SIGNAL = ["train.steps=200", "model.n_layers=1", "train.batch_size=4", "train.seq_len=32", "train.log_every=5",
+                "train.eval_every=0", "train.checkpoint_every=0", "tracking=mlflow"]
+
+
 @pytest.mark.e2e
-def test_a_signal_stops_the_whole_sweep_and_says_so(workdir):
-    """SIGTERM to the command's process group while point 0 trains: it saves and ends interrupted, point 1 never
-    starts, the summary says so, the sweep's MLflow run ends KILLED and the command exits 143, as one run would."""
-    import os
+@pytest.mark.parametrize("seeds,parallelism,statuses", [("21,22", 1, ["interrupted", "not run"]),
+                                                        ("21,22,23", 2, ["interrupted", "interrupted", "not run"])],
+                         ids=["one-at-a-time", "side-by-side"])
+def test_a_signal_stops_the_whole_sweep_and_the_same_command_continues(workdir, tmp_path, seeds, parallelism,
+                                                                       statuses):
+    """SIGTERM to the command's process group while point 0 trains (and point 1 beside it, with sweep.parallelism=2,
+    in a thread the signal does not interrupt): the points in flight save and end interrupted, no further point
+    starts, the summary says so, the sweep's MLflow run ends KILLED and the command exits 143, as one run would.
+    One at a time, the same command then finishes both points: point 0 from its checkpoint, with the loss of a run
+    that never stopped."""
     import re
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
 
-    from tests.conftest import cli_env
+    from tests.conftest import signal_cli
 
-    args = ["-m", "train.seed=21,22", "train.steps=300", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
-            "train.eval_every=0", "train.checkpoint_every=0", "tracking=mlflow"]
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=workdir, env=cli_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 300
-        while not any(re.search(r"step\s+5/300", line) for line in lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-3000:]
-            time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=120)
-        reader.join(timeout=10)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    out = "".join(lines)
-    assert proc.returncode == 143, out[-3000:]
-    assert "point 1:" not in out and "Traceback" not in out, out[-3000:]
+    args = ["-m", f"train.seed={seeds}", f"sweep.parallelism={parallelism}", *SWEEP_SIGNAL]
+    code, out, took = signal_cli(args, workdir, lambda lines: sum(bool(re.search(r"step\s+5/200", line))
+                                                                  for line in lines) >= parallelism)
+    assert code == 143, out[-3000:]
+    assert f"point {parallelism}:" not in out and "Traceback" not in out, out[-3000:]
+    assert took < 10, f"the sweep took {took:.1f} s to stop"  # tests/test_cli_e2e.py: SIGNAL_BOUND_S
     summary = json.loads(next(workdir.rglob("sweep_summary.json")).read_text())
-    assert [r["status"] for r in sorted(summary["points"], key=lambda r: r["point"])] == ["interrupted", "not run"]
+    assert [r["status"] for r in sorted(summary["points"], key=lambda r: r["point"])] == statuses
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
     exp = client.get_experiment_by_name("orchestrator")
     (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
     assert sweep.info.status == "KILLED"
+    if parallelism > 1:
+        return  # continuing is the same path as one at a time
+
+    again = run_cli(args, workdir)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert re.search(r"resumes from step \d+", again.stdout)
+    rows = {r["point"]: r for r in json.loads(sorted(workdir.rglob("sweep_summary.json"))[-1].read_text())["points"]}
+    assert [rows[i]["status"] for i in (0, 1)] == ["ok", "ok"]
+    reference = tmp_path / "uninterrupted"
+    reference.mkdir()
+    alone = run_cli(["train.seed=21", *SWEEP_SIGNAL[:-1], "tracking=none"], reference)
+    assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
+    (trained,) = (reference / "runs" / "cache" / "train").glob("*/summary.json")
+    assert rows[0]["final_loss"] == json.loads(trained.read_text())["final_loss"]

@@ -170,6 +170,8 @@ class LocalExecutor:
                     if p.poll() is None:
                         p.send_signal(interrupt.received())
                 while any(p.poll() is None for p in procs):
+                    if interrupt.signals() > 1:  # a second signal, seen from a sweep's thread
+                        raise KeyboardInterrupt
                     time.sleep(self.poll_s)
                 for pump in pumps:
                     pump.join(timeout=5)
@@ -207,6 +209,8 @@ class LocalExecutor:
                 return rank, describe_exit(code)
             if all(c == 0 for c in codes):
                 return None
+            if interrupt.requested():  # in a sweep's thread, which the signal does not interrupt
+                raise KeyboardInterrupt
             if time.perf_counter() - t0 > timeout_s:
                 _kill(procs)
                 return 0, f"timed out after {timeout_s / 60:.0f} min (stage resources timeout_min)"

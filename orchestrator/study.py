@@ -1,0 +1,260 @@
+"""`-m hydra/sweeper=optuna`: Hydra's Optuna sweeper with a study that the same command continues.
+
+Hydra's sweeper keeps its study in memory: a sweep stopped by a signal lost its trials, and the same command began a
+new study with a new sampler. Optuna's own RDB storage would keep it, but the Optuna that hydra-optuna-sweeper 1.3
+allows (2.10) cannot create its tables under SQLAlchemy 2, which MLflow needs (`get_current_version`:
+AssertionError, see docs/slurm-and-sweeps.md). So the study is kept here, beside the MLflow store:
+
+  <runs_dir>/studies/<name>.json      its search, and every trial: state, params with their distributions, values
+  <runs_dir>/studies/<name>.sampler   the sampler, pickled (as Optuna's FAQ keeps one): its random state goes on
+
+- The name comes from what makes the study: the experiment (without sweep.parallelism), the search space, the
+  sampler's settings and the direction. hydra.sweeper.n_trials and n_jobs are not part of it, so a larger n_trials
+  continues the study; a changed search space is another study. hydra.sweeper.study_name names it instead.
+- The study is saved before each batch of trials is launched (its trials running, the sampler past them), and at the
+  end. On a signal, the batch's trials whose points finished are told their values first.
+- Loaded again, the trials are as they were. A trial left running was interrupted: it is kept as FAIL (tagged
+  `interrupted`) and its params are queued, so the next trial asked takes them and its point resumes from its
+  checkpoint; the sampler goes on from its saved state, so the trials after it are the ones an uninterrupted study
+  would have run. hydra.sweeper.n_trials counts the study's completed trials, not this command's.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import pickle
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from rich.table import Table
+
+from orchestrator.report import console
+from storage.fsio import atomic_write_bytes, atomic_write_json
+
+INTERRUPTED = "interrupted"  # the user attribute of a trial a signal stopped
+
+
+def search_of(config: DictConfig, arguments: list[str]) -> dict:
+    """What makes the study (its name is a digest of this): the experiment, the search, the sampler, the direction."""
+    experiment = OmegaConf.to_container(config, resolve=False)
+    experiment.pop("hydra", None)
+    experiment.get("sweep", {}).pop("parallelism", None)  # how many points run at a time, not what they are
+    sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
+    digest = hashlib.sha256(json.dumps(experiment, sort_keys=True, default=str).encode()).hexdigest()
+    return {"space": sorted(arguments) + sorted(f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()),
+            "sampler": sweeper.get("sampler"), "direction": str(sweeper.get("direction")), "experiment": digest}
+
+
+def swept(config: DictConfig) -> list[str]:
+    """The command's sweep overrides (`optimizer.lr=interval(...)`): the search space the sweeper will read."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from orchestrator.config.command import task_overrides
+
+    task = task_overrides(config.hydra)
+    parsed = OverridesParser.create().parse_overrides(task)
+    return [line for line, o in zip(task, parsed) if o.is_sweep_override()]
+
+
+def study_name(config: DictConfig, search: dict) -> str:
+    given = OmegaConf.select(config, "hydra.sweeper.study_name")
+    if given:
+        return str(given)
+    digest = hashlib.sha256(json.dumps(search, sort_keys=True, default=str).encode()).hexdigest()
+    return f"study-{digest[:12]}"
+
+
+@dataclass
+class KeptStudy:
+    """A study's two files under <runs_dir>/studies."""
+    folder: Path
+    name: str
+    search: dict
+
+    @classmethod
+    def of(cls, config: DictConfig) -> "KeptStudy":
+        search = search_of(config, swept(config))
+        return cls(Path(str(config.hydra.sweeper.study_dir)).resolve(), study_name(config, search), search)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / f"{self.name}.json"
+
+    def saved(self) -> Optional[dict]:
+        """The study as last saved (None: a new one). Its files are written atomically; one that does not read
+        (edited by hand, another version's) is refused rather than half-used."""
+        if not self.path.is_file():
+            return None
+        try:
+            saved = json.loads(self.path.read_text())
+            if not isinstance(saved, dict) or not isinstance(saved.get("trials"), list):
+                raise ValueError("no list of trials")
+            return saved
+        except (OSError, ValueError) as e:
+            from orchestrator.config.errors import ConfigError, Problem
+
+            raise ConfigError([Problem("hydra.sweeper.study_dir", str(self.folder), f"the study {self.path} cannot "
+                                       f"be read ({e})", f"move it aside to start the study again, or "
+                                       f"hydra.sweeper.study_name=<another name>")]) from None
+
+    def problems(self, config: DictConfig) -> list:
+        """What the sweeper would meet later: a storage of Optuna's own, or a study named to continue whose
+        search is another."""
+        from orchestrator.config.errors import Problem
+
+        storage = OmegaConf.select(config, "hydra.sweeper.storage")
+        if storage:
+            return [Problem("hydra.sweeper.storage", storage, "Optuna 2.10 (what hydra-optuna-sweeper 1.3 allows) "
+                            "cannot create its RDB tables under SQLAlchemy 2, which MLflow needs; the orchestrator "
+                            "keeps the study itself", f"leave hydra.sweeper.storage unset: the study is kept in "
+                            f"{self.folder} (hydra.sweeper.study_dir)")]
+        saved = self.saved()
+        if saved and saved["search"] != self.search:
+            changed = [k for k in self.search if saved["search"].get(k) != self.search[k]]
+            return [Problem("hydra.sweeper.study_name", self.name, f"the study {self.path} searched another "
+                            f"experiment or space (its {', '.join(changed)} differ): its trials would mislead the "
+                            f"sampler", "another hydra.sweeper.study_name (or none: each search gets its own "
+                            "study), or the same search as before")]
+        return []
+
+    def to_run(self, n_trials: int) -> int:
+        """The trials this command will run: n_trials less the study's completed ones."""
+        saved = self.saved()
+        return max(0, n_trials - sum(t["state"] == "COMPLETE" for t in saved["trials"])) if saved else n_trials
+
+    def describe(self, n_trials: int) -> str:
+        """The plan's line on the study: new, or how far it got."""
+        saved = self.saved()
+        where = f"study {self.name} ({self.path})"
+        if saved is None:
+            return f"{where}: new, {n_trials} trial(s) (hydra.sweeper.n_trials)"
+        states = [t["state"] for t in saved["trials"]]
+        stopped = f", {states.count('RUNNING')} interrupted (resumed first)" if "RUNNING" in states else ""
+        return (f"{where}: continued, {states.count('COMPLETE')} of {n_trials} trial(s) done (hydra.sweeper.n_trials "
+                f"counts the study's){stopped}, {self.to_run(n_trials)} to run")
+
+    def save(self, study: Any, sampler: Any = None) -> None:
+        """The trials (and, when given, the sampler) written atomically: a signal or a full disk leaves the last
+        saved state."""
+        from optuna.distributions import distribution_to_json
+
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if sampler is not None:
+            atomic_write_bytes(self.folder / f"{self.name}.sampler", pickle.dumps(sampler))
+        atomic_write_json(self.path, {"name": self.name, "search": self.search, "trials": [
+            {"number": t.number, "state": t.state.name, "values": t.values, "params": t.params,
+             "distributions": {k: distribution_to_json(d) for k, d in t.distributions.items()},
+             "user_attrs": t.user_attrs} for t in study.trials if t.state.name != "WAITING"]})
+
+    def load(self, sampler: Any) -> tuple[Any, Any, int]:
+        """(the storage holding the study as saved, the sampler to go on with, its completed trials)."""
+        import optuna
+
+        storage = _KeptStorage(self.path)
+        saved = self.saved()
+        path = self.folder / f"{self.name}.sampler"
+        if saved is None:
+            return storage, sampler, 0
+        if path.is_file():
+            sampler = pickle.loads(path.read_bytes())
+        study = optuna.create_study(storage=storage, study_name=self.name, sampler=sampler,
+                                    directions=_directions(self.search["direction"]))
+        again = []
+        with warnings.catch_warnings():  # add_trial, create_trial and enqueue_trial are "experimental" in Optuna 2
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            self._add(study, saved["trials"], again)
+            for params in again:
+                study.enqueue_trial(params)
+        return storage, sampler, sum(t["state"] == "COMPLETE" for t in saved["trials"])
+
+    @staticmethod
+    def _add(study: Any, trials: list[dict], again: list[dict]) -> None:
+        from optuna.distributions import json_to_distribution
+        from optuna.trial import TrialState, create_trial
+
+        for t in trials:
+            distributions = {k: json_to_distribution(d) for k, d in t["distributions"].items()}
+            if t["state"] == "RUNNING":  # a signal stopped it: run its params again, first
+                study.add_trial(create_trial(state=TrialState.FAIL, params=t["params"], distributions=distributions,
+                                             user_attrs={**t["user_attrs"], INTERRUPTED: True}))
+                again.append(t["params"])
+            else:
+                study.add_trial(create_trial(state=TrialState[t["state"]], params=t["params"],
+                                             distributions=distributions, values=t["values"],
+                                             user_attrs=t["user_attrs"]))
+
+
+
+    def table(self) -> Table:
+        """Every trial of the study, this command's and the earlier ones', in order."""
+        trials = (self.saved() or {"trials": []})["trials"]
+        names = sorted({k for t in trials for k in t["params"]})
+        table = Table(title=f"study {self.name}: {len(trials)} trial(s)", title_justify="left")
+        for col in ("trial", "state", *names, "value"):
+            table.add_column(col)
+        for t in trials:
+            state = INTERRUPTED if t["state"] == "RUNNING" or t["user_attrs"].get(INTERRUPTED) else t["state"].lower()
+            table.add_row(str(t["number"]), state, *(f"{t['params'][n]:.6g}" if isinstance(t["params"].get(n), float)
+                                                     else str(t["params"].get(n, "-")) for n in names),
+                          ", ".join(f"{v:.6g}" for v in t["values"]) if t["values"] else "-")
+        return table
+
+
+def _KeptStorage(path: Path) -> Any:
+    """Optuna's in-memory storage, named for where it is kept (Hydra's sweeper logs the storage it was given)."""
+    from optuna.storages import InMemoryStorage
+
+    class KeptStorage(InMemoryStorage):
+        def __str__(self) -> str:
+            return f"{path} (kept by the orchestrator)"
+
+    return KeptStorage()
+
+
+def _directions(direction: str) -> list[str]:
+    """The sweeper's direction as saved (`Direction.minimize`, `minimize` or a list of them) as Optuna's names."""
+    names = direction.strip("[]").replace("'", "").split(",")
+    return [n.strip().rsplit(".", 1)[-1] for n in names]
+
+
+def run_study(sweeper: Any, config: DictConfig, arguments: list[str]) -> None:
+    """Run Hydra's Optuna sweep (sweeper: its OptunaSweeperImpl) on the kept study."""
+    import optuna
+
+    kept = KeptStudy.of(config)
+    storage, sweeper.sampler, done = kept.load(sweeper.sampler)
+    sweeper.storage, sweeper.study_name = storage, kept.name
+    sweeper.n_trials = max(0, sweeper.n_trials - done)  # n_trials counts the study's trials, not this command's
+    saved = kept.saved()
+    sweeper.job_idx = len(saved["trials"]) if saved else 0  # point i is the study's trial i
+    launcher = sweeper.launcher
+    sweeper.launcher = _SavingLauncher(launcher, kept, storage, sweeper)
+    Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)  # the results file, trials or none
+    try:
+        sweeper.sweep(arguments)
+    except KeyboardInterrupt:  # the finished trials of the batch in flight keep their values
+        study = optuna.load_study(study_name=kept.name, storage=storage)
+        running = [t for t in study.trials if t.state.name == "RUNNING"]
+        for trial, value in zip(running, launcher.finished_values(len(running))):
+            if value is not None:
+                study.tell(trial.number, value)
+        raise
+    finally:
+        if optuna.study.get_all_study_summaries(storage):
+            kept.save(optuna.load_study(study_name=kept.name, storage=storage), sweeper.sampler)
+            console.print(kept.table())
+
+
+class _SavingLauncher:
+    """The sweeper's launcher, saving the study before each batch: its trials running, the sampler past them."""
+
+    def __init__(self, launcher: Any, kept: KeptStudy, storage: Any, sweeper: Any):
+        self.launcher, self.kept, self.storage, self.sweeper = launcher, kept, storage, sweeper
+
+    def launch(self, job_overrides, initial_job_idx: int):
+        import optuna
+
+        self.kept.save(optuna.load_study(study_name=self.kept.name, storage=self.storage), self.sweeper.sampler)
+        return self.launcher.launch(job_overrides, initial_job_idx)
