@@ -130,9 +130,9 @@ def direct_rate(corpus: Path, entry: Path, args: list[str]) -> float:
         tokens += sum(len(e.ids) for e in backend.encode_batch(batch, add_special_tokens=False))
         seconds += time.perf_counter() - t0
 
-    for _, text, _, _ in task_documents(cfg, lay, 0, 1):
-        batch.append(text.decode("utf-8", errors="replace"))
-        held += len(text)
+    for _, texts, _, _ in task_documents(cfg, lay, 0, 1):
+        batch.extend(text.decode("utf-8", errors="replace") for text in texts)
+        held += sum(len(text) for text in texts)
         if held >= ENCODE_BYTES:
             encode()
             batch, held = [], 0

@@ -39,6 +39,7 @@ MAX_THREADS, MAX_GPUS, MAX_WAIT_S = 4096, 64, 7 * 24 * 3600  # a node's cores an
 FP16 = ("precision.name", ("fp16",))
 COMPILED = ("triton.enabled", (True,))
 BPE = ("data.tokenizer", ("bpe",))
+PROMPT_COMPLETION = ("data.format", ("prompt_completion",))
 LAYOUT_TUNING = ("tune.name", ("layout",))
 
 
@@ -199,7 +200,19 @@ class DataConfig:
     packing: bool = key(True, "concatenate documents (separated by <eos>) instead of padding each one")
     paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "
                                "glob patterns of UTF-8 text; JSON Lines and Parquet files hold one document per record")
-    text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text")
+    format: str = key("text", "what a record is: text (one field, every token trained) or prompt_completion (a "
+                              "prompt and its completion, JSON Lines or Parquet: the completion is what the model "
+                              "learns, data.loss_on)", choices=("text", "prompt_completion"))
+    text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text",
+                          read_when=("data.format", ("text",)))
+    prompt_field: str = key("prompt", "data.format=prompt_completion: the field that holds a record's prompt",
+                            read_when=PROMPT_COMPLETION)
+    completion_field: str = key("completion", "data.format=prompt_completion: the field that holds its completion",
+                                read_when=PROMPT_COMPLETION)
+    loss_on: str = key("completion", "data.format=prompt_completion: the tokens whose labels enter the loss: "
+                                     "completion (and the <eos> after it; the prompt's labels are -100, TRL's "
+                                     "completion_only_loss) or all", choices=("completion", "all"),
+                       read_when=PROMPT_COMPLETION)
     tokenizer: str = key("bytes", "bytes (one token per byte, lossless), bpe (a byte-level BPE of data.vocab_size "
                                   "trained on the corpus, saved with the tokens), or hf:<folder> (a Hugging Face "
                                   "tokenizer.json / save_pretrained folder)")

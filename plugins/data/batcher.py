@@ -61,31 +61,34 @@ class Batcher:
     def _draw(self, split: str, key: tuple[int, ...]) -> Batch:
         rng = np.random.default_rng(key)
         if self.weights is None:
-            return self._batch(getattr(self.corpus, split), rng)
+            return self._batch([self.corpus] * self.batch_size, split, rng)
         sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights)
-        batch = self._batch([getattr(self.corpus[s], split) for s in sources], rng, per_row=True)
+        batch = self._batch([self.corpus[s] for s in sources], split, rng)
         batch.sources = sources
         return batch
 
-    def _batch(self, docs, rng: np.random.Generator, per_row: bool = False) -> Batch:
-        """Rows drawn from docs (one corpus split's documents, or per_row: row r's own)."""
+    def _batch(self, corpora: list[Corpus], split: str, rng: np.random.Generator) -> Batch:
+        """Rows drawn from each row's corpus's split: a window of a document (a packed stream is one), padded when
+        short. A label enters the loss where its token is real and, in a masked corpus, trained (the completion)."""
         T = self.seq_len
         rows = np.full((self.batch_size, T + 1), self.pad, dtype=np.int64)
         real = np.zeros((self.batch_size, T + 1), dtype=bool)
-        for r in range(self.batch_size):
-            pool = docs[r] if per_row else docs
-            doc = pool[rng.integers(len(pool))] if len(pool) > 1 else pool[0]
-            if len(doc) >= T + 1:
-                start = rng.integers(0, len(doc) - T)
-                rows[r] = doc[start:start + T + 1]
-                real[r] = True
-            else:
-                rows[r, :len(doc)] = doc
-                real[r, :len(doc)] = True
+        trained = np.ones((self.batch_size, T + 1), dtype=bool)
+        for r, corpus in enumerate(corpora):
+            pool, masks = getattr(corpus, split), getattr(corpus, f"{split}_mask")
+            i = rng.integers(len(pool)) if len(pool) > 1 else 0
+            doc = pool[i]
+            start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 else 0
+            window = doc[start:start + T + 1]
+            rows[r, :len(window)] = window
+            real[r, :len(window)] = True
+            if masks is not None:
+                trained[r, :len(window)] = masks[i][start:start + T + 1]
         tokens = torch.from_numpy(rows)
         inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
-        labels[torch.from_numpy(~real[:, 1:])] = -100
-        return Batch(inputs, labels, float(real[:, :-1].mean()), float(real[:, 1:].mean()))
+        learned = real[:, 1:] & trained[:, 1:]
+        labels[torch.from_numpy(~learned)] = -100
+        return Batch(inputs, labels, float(real[:, :-1].mean()), float(learned.mean()))
 
 
 def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:

@@ -20,7 +20,7 @@ import numpy as np
 
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
-from plugins.data.reading import CHUNK_BYTES, Layout, documents, in_val, layout, partition
+from plugins.data.reading import CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records
 from plugins.data.registry import Corpus, get_source, split_documents
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -104,8 +104,8 @@ def bpe_sample(cfg, lay: Optional[Layout]) -> Iterator[bytes]:
         return
     stride = max(1, -(-lay.read_bytes // d.bpe_sample_bytes))
     chosen = lay.pieces[::stride]
-    yield from _bounded((text for piece in chosen for split, text, _ in documents(piece, d.text_field, d.val_fraction)
-                         if split == "train"), d.bpe_sample_bytes)
+    yield from _bounded((text for piece in chosen for split, texts, _ in _piece_documents(d, piece)
+                         for text in texts if split == "train"), d.bpe_sample_bytes)
 
 
 def _bounded(texts: Iterable[bytes], limit: int) -> Iterator[bytes]:
@@ -137,46 +137,71 @@ def _source_documents(cfg) -> Iterator[tuple[str, bytes]]:
             yield ("val" if in_val(name, cfg.data.val_fraction) else "train"), text
 
 
-def task_documents(cfg, lay: Optional[Layout], task: int, tasks: int) -> Iterator[tuple[str, bytes, bool, int]]:
-    """(split, text, closes its document, bytes read) of this task's share of the corpus."""
-    d = cfg.data
+def _piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
+    """(split, its texts, closes its document) of a piece: one text, or a record's prompt and completion
+    (data.format=prompt_completion; a record whose completion is empty has no texts: nothing in it would be learned,
+    it is counted and left out)."""
+    if d.format == "text":
+        for split, text, closes in documents(piece, d.text_field, d.val_fraction):
+            yield split, (text,), closes
+        return
+    for split, record in records(piece, record_fields(d), d.val_fraction):
+        learned = record["completion_field"]
+        yield split, (record["prompt_field"], learned) if learned else (), True
+
+
+def task_documents(cfg, lay: Optional[Layout], task: int,
+                   tasks: int) -> Iterator[tuple[str, tuple[bytes, ...], bool, int]]:
+    """(split, texts, closes its document, bytes read) of this task's share of the corpus: a document's texts are
+    one, or a prompt and its completion."""
     if lay is None:
         for split, text in _source_documents(cfg):
-            yield split, text, True, len(text)
+            yield split, (text,), True, len(text)
         return
     for piece in partition(lay.pieces, tasks)[task]:
         size, first = piece.size, True
-        for split, text, closes in documents(piece, d.text_field, d.val_fraction):
-            yield split, text, closes, size if first else 0
+        for split, texts, closes in _piece_documents(cfg.data, piece):
+            yield split, texts, closes, size if first else 0
             first = False
         if first:  # a piece without a document (blank lines, empty records) still counts as read
-            yield "train", b"", False, size
+            yield "train", (b"",), False, size
 
 
 def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Path, task: int, tasks: int,
                progress: Callable[[int, int], None] = lambda read, tokens: None, attempt: str = "") -> dict:
     """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards."""
     t0 = time.perf_counter()
-    writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt)
-    batch: list[tuple[str, bytes, bool]] = []
+    masked = masks_loss(cfg)
+    writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
+    batch: list[tuple[str, tuple[bytes, ...], bool]] = []
     held = read = 0
 
     def flush():
         nonlocal batch, held
-        for (split, _, closes), ids in zip(batch, tok.encode([text for _, text, _ in batch])):
-            writer.append(split, np.append(ids, tok.eos) if closes else ids, closes)
+        encoded = iter(tok.encode([text for _, texts, _ in batch for text in texts]))
+        for split, texts, closes in batch:
+            pieces = [next(encoded) for _ in texts]  # one, or the prompt's and the completion's ids
+            ids = np.concatenate(pieces + ([np.array([tok.eos])] if closes else []))
+            trained = None
+            if masked:  # the prompt's tokens are not learned; the completion's and its <eos> are
+                trained = np.ones(len(ids), dtype=bool)
+                trained[:len(pieces[0])] = False
+            writer.append(split, ids, closes, trained)
         progress(read, sum(writer.tokens.values()))
         batch, held = [], 0
 
-    for split, text, closes, size in task_documents(cfg, lay, task, tasks):
+    unlearned = 0
+    for split, texts, closes, size in task_documents(cfg, lay, task, tasks):
         read += size
-        if text or closes:
-            batch.append((split, text, closes))
-            held += len(text)
+        if not texts:
+            unlearned += 1
+        elif any(texts) or closes:
+            batch.append((split, texts, closes))
+            held += sum(len(t) for t in texts)
         if held >= ENCODE_BYTES:
             flush()
     flush()
-    return writer.close(bytes_read=read, seconds=time.perf_counter() - t0,
+    return writer.close(bytes_read=read, seconds=time.perf_counter() - t0, unlearned=unlearned,
                         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
@@ -194,6 +219,10 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     for src, dst in (("train", "val"), ("val", "train")):
         if not index[dst]["documents"] and index[src]["documents"] > 1:
             index = shards.move_last_document(folder, index, src, dst)
+    if index.get("unlearned") and not index["train"]["documents"] + index["val"]["documents"]:
+        raise ValueError(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
+                         f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
+                         "the answers")
     for split in shards.SPLITS:
         if not index[split]["tokens"]:
             read = f"{lay.read_bytes:,} bytes of {lay.files} file(s)" if lay else "the source's documents"
@@ -241,10 +270,16 @@ def tokenized(cfg):
 
 
 def _in_memory(c: Corpus) -> Corpus:
-    if c.packed:
-        return Corpus([np.asarray(c.train[0], np.int64)], [np.asarray(c.val[0], np.int64)], c.vocab_size, True, c.pad)
-    return Corpus([np.array(d, np.int64) for d in c.train], [np.array(d, np.int64) for d in c.val], c.vocab_size,
-                  False, c.pad)
+    def copied(docs, dtype):
+        return None if docs is None else [np.array(d, dtype) for d in docs]
+
+    return Corpus(copied(c.train, np.int64), copied(c.val, np.int64), c.vocab_size, c.packed, c.pad,
+                  copied(c.train_mask, bool), copied(c.val_mask, bool))
+
+
+def masks_loss(cfg) -> bool:
+    """Whether the records say which tokens the model learns (the shards then hold a mask beside the tokens)."""
+    return cfg.data.format == "prompt_completion" and cfg.data.loss_on == "completion"
 
 
 def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:

@@ -190,32 +190,52 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
     if piece.kind == "text":
         _, data = piece_bytes(piece)
         yield piece.split, data, piece.closes
-    elif piece.kind == "jsonl":
+        return
+    for split, record in records(piece, {"text_field": text_field}, val_fraction):
+        if record["text_field"]:  # an empty record is no document
+            yield split, record["text_field"], True
+
+
+def record_fields(data_cfg) -> dict[str, str]:
+    """The fields a record is read from, by the data key that names each (data.format)."""
+    if data_cfg.get("format", "text") == "prompt_completion":
+        return {"prompt_field": data_cfg.prompt_field, "completion_field": data_cfg.completion_field}
+    return {"text_field": data_cfg.text_field}
+
+
+def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """(split, {key: the text of its field, as UTF-8}) of each record of a JSON Lines or Parquet piece; fields maps
+    the data keys that name fields (text_field, prompt_field, ...) to the names. The split comes from the record's
+    name (file and line, or file and row). A record without one of the fields is refused, naming file and line."""
+    if piece.kind == "jsonl":
         offset, data = piece_bytes(piece)
         for line_start, record in _json_records(piece, offset, data):
-            if text_field not in record:
+            missing = next((k for k, f in fields.items() if f not in record), None)
+            if missing is not None:
                 raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} "
-                                 f"{no_field(text_field, record)}: data.text_field= the field that holds the text")
-            yield from _record(f"{piece.name}@{line_start}", record[text_field], val_fraction)
-    else:
-        for row, text in enumerate(_column(piece, text_field), piece.first_row):
-            yield from _record(f"{piece.name}#{row}", text, val_fraction)
+                                 f"{no_field(fields[missing], record)}: data.{missing}= the field that holds it")
+            yield _split(f"{piece.name}@{line_start}", val_fraction), {k: _utf8(record[f]) for k, f in fields.items()}
+    elif piece.kind != "text":
+        for row, values in enumerate(_rows(piece, tuple(fields.values())), piece.first_row):
+            yield _split(f"{piece.name}#{row}", val_fraction), {k: _utf8(values[f]) for k, f in fields.items()}
 
 
-def _record(name: str, text, val_fraction: float) -> Iterator[tuple[str, bytes, bool]]:
-    """A record's document, its split from its name (an empty record is none)."""
-    if text:
-        yield ("val" if in_val(name, val_fraction) else "train"), str(text).encode("utf-8"), True
+def _utf8(value) -> bytes:
+    return str(value).encode("utf-8") if value is not None else b""
 
 
-def _column(piece: Piece, field: str) -> Iterator:
-    """The values of `field` in a Parquet row group or a run of an Arrow stream's record batches."""
+def _split(name: str, val_fraction: float) -> str:
+    return "val" if in_val(name, val_fraction) else "train"
+
+
+def _rows(piece: Piece, fields: tuple[str, ...]) -> Iterator[dict]:
+    """The values of `fields` in a Parquet row group or a run of an Arrow stream's record batches, row by row."""
     if piece.kind == "parquet":
         import pyarrow.parquet as pq
 
         for batch in pq.ParquetFile(piece.path).iter_batches(batch_size=RECORD_BATCH, row_groups=[piece.start],
-                                                             columns=[field]):
-            yield from batch.column(0).to_pylist()
+                                                             columns=list(fields)):
+            yield from batch.to_pylist()
         return
     import pyarrow as pa
 
@@ -224,7 +244,7 @@ def _column(piece: Piece, field: str) -> Iterator:
             if i >= piece.end:
                 break
             if i >= piece.start:
-                yield from batch.column(field).to_pylist()
+                yield from batch.select(list(fields)).to_pylist()
 
 
 def json_object(line: bytes) -> dict:

@@ -25,6 +25,8 @@ class Corpus:
     vocab_size: int          # tokens ids are < vocab_size
     packed: bool
     pad: int = PAD           # the id that fills the inputs after a short document (unpacked)
+    train_mask: Optional[list] = None   # per token, whether its label enters the loss (as train / val are laid
+    val_mask: Optional[list] = None     # out); None: every token's does
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,11 @@ def check(cfg) -> list[Problem]:
                         "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
     source = get_source(d.name)
     problems = _tokenizer_problems(cfg, source) + _eval_problems(cfg, source)
+    if d.format != "text" and (d.name != "text" or d.get("mix")):
+        return problems + [Problem("data.format", d.format, f"prompt/completion records are read from JSON Lines or "
+                                   f"Parquet files by data=text, one corpus (data.mix of such records is not read "
+                                   f"yet); data={d.name}" + (" with data.mix" if d.get("mix") else "") +
+                                   " has none", "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
     if d.get("mix"):
         return problems + _mix_problems(cfg, source)
     if source.check is not None:

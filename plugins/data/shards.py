@@ -5,6 +5,8 @@ index names the parts, which are read back by memory map as one corpus (no copy,
                                   the vocabulary fits, else uint32; raw, no header: what memory-map readers expect)
   part-00000/train.idx  val.idx   int64: where each document that ends in this part ends (a document may begin in
                                   the part before: a big text file read by two tasks)
+  part-00000/train.mask val.mask  uint8, one per token: 1 where its label enters the loss (written only when the
+                                  records say which tokens the model learns, data.format=prompt_completion)
   part-00000/part.json            the part's token and document counts (written last: the part is complete)
   index.json                      dtype, counts, vocabulary, <eos>/<pad> ids, tokenizer kind, the parts in order
 """
@@ -35,29 +37,33 @@ def part_name(task: int) -> str:
 class PartWriter:
     """Appends documents to one part as they are tokenized: what it holds is a batch, never the corpus."""
 
-    def __init__(self, folder: Path, vocab_size: int, attempt: str = ""):
-        self.folder, self.attempt = Path(folder), attempt
+    def __init__(self, folder: Path, vocab_size: int, attempt: str = "", masked: bool = False):
+        self.folder, self.attempt, self.masked = Path(folder), attempt, masked
         self.folder.mkdir(parents=True, exist_ok=True)
         (self.folder / PART).unlink(missing_ok=True)
         self.dtype = dtype_for(vocab_size)
         self.files = {s: open(self.folder / f"{s}.bin", "wb") for s in SPLITS}
         self.ends = {s: open(self.folder / f"{s}.idx", "wb") for s in SPLITS}
+        self.masks = {s: open(self.folder / f"{s}.mask", "wb") for s in SPLITS} if masked else {}
         self.tokens = dict.fromkeys(SPLITS, 0)
         self.documents = dict.fromkeys(SPLITS, 0)
 
-    def append(self, split: str, ids: np.ndarray, closes: bool) -> None:
-        """A document's tokens (or a piece of it); closes: it ends here (its <eos> is in ids)."""
+    def append(self, split: str, ids: np.ndarray, closes: bool, trained: Optional[np.ndarray] = None) -> None:
+        """A document's tokens (or a piece of it); closes: it ends here (its <eos> is in ids); trained (a masked
+        part): which of them the model learns."""
         self.files[split].write(np.asarray(ids, dtype=self.dtype).tobytes())
+        if self.masked:
+            self.masks[split].write(np.asarray(trained if trained is not None else np.ones(len(ids)), np.uint8).tobytes())
         self.tokens[split] += len(ids)
         if closes:
             self.ends[split].write(np.int64(self.tokens[split]).tobytes())
             self.documents[split] += 1
 
     def close(self, **extra) -> dict:
-        for f in (*self.files.values(), *self.ends.values()):
+        for f in (*self.files.values(), *self.ends.values(), *self.masks.values()):
             f.close()
-        summary = {"attempt": self.attempt, **extra, **{s: {"tokens": self.tokens[s], "documents": self.documents[s]}
-                                                        for s in SPLITS}}
+        summary = {"attempt": self.attempt, "masked": self.masked, **extra,
+                   **{s: {"tokens": self.tokens[s], "documents": self.documents[s]} for s in SPLITS}}
         atomic_write_json(self.folder / PART, summary)  # last: a part with part.json is complete
         return summary
 
@@ -66,7 +72,8 @@ def write_index(folder: Path, parts: list[str], vocab_size: int, eos: int, pad: 
     folder = Path(folder)
     summaries = [read_json(folder / p / PART) for p in parts]
     index = {"dtype": dtype_for(vocab_size).name, "vocab_size": vocab_size, "eos": eos, "pad": pad, "tokenizer": kind,
-             "parts": parts, **extra}
+             "parts": parts, "masked": any(s.get("masked") for s in summaries),
+             "unlearned": sum(s.get("unlearned", 0) for s in summaries), **extra}  # records with nothing to learn
     index.update(_totals(summaries))
     atomic_write_json(folder / INDEX, index)
     return index
@@ -89,6 +96,11 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
     summary = read_json(folder / part / PART)
     with open(folder / part / f"{dst}.bin", "ab") as f:
         f.write(tokens.tobytes())
+    if index.get("masked"):  # the mask moves with its tokens
+        trained = np.array(_memmap(folder / part / f"{src}.mask", np.dtype(np.uint8))[start:end])
+        with open(folder / part / f"{dst}.mask", "ab") as f:
+            f.write(trained.tobytes())
+        os.truncate(folder / part / f"{src}.mask", start)
     with open(folder / part / f"{dst}.idx", "ab") as f:
         f.write(np.int64(summary[dst]["tokens"] + len(tokens)).tobytes())
     os.truncate(folder / part / f"{src}.bin", start * dtype.itemsize)
@@ -184,15 +196,16 @@ def read(folder: Path, packed: bool, index: Optional[dict] = None) -> Corpus:
     folder = Path(folder)
     index = index or read_json(folder / INDEX)
     dtype = np.dtype(index["dtype"])
-    splits = {}
+    splits, masks = {}, {}
     for split in SPLITS:
         tokens = [_memmap(folder / part / f"{split}.bin", dtype) for part in index["parts"]]
-        stream = TokenStream(tokens)
-        if packed:
-            splits[split] = [stream]
-            continue
+        trained = [_memmap(folder / part / f"{split}.mask", np.dtype(np.uint8)) for part in index["parts"]] \
+            if index.get("masked") else None
         bases = np.cumsum([0] + [len(t) for t in tokens])  # a part's ends are offsets into it
-        ends = [_memmap(folder / part / f"{split}.idx", np.dtype(np.int64)) + base
-                for part, base in zip(index["parts"], bases)]
-        splits[split] = Documents(stream, np.concatenate(ends))
-    return Corpus(splits["train"], splits["val"], index["vocab_size"], packed, index["pad"])
+        ends = None if packed else np.concatenate([_memmap(folder / part / f"{split}.idx", np.dtype(np.int64)) + base
+                                                   for part, base in zip(index["parts"], bases)])
+        splits[split] = [TokenStream(tokens)] if packed else Documents(TokenStream(tokens), ends)
+        if trained is not None:  # the same documents (or stream) of masks, token for token
+            masks[split] = [TokenStream(trained)] if packed else Documents(TokenStream(trained), ends)
+    return Corpus(splits["train"], splits["val"], index["vocab_size"], packed, index["pad"],
+                  masks.get("train"), masks.get("val"))

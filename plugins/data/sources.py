@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field
+from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
 from storage.fsio import why_not_a_file
@@ -175,19 +175,26 @@ def _check_text(cfg) -> list[tuple]:
                              if not os.path.lexists(p) else "a regular text file, or a folder of them"))
         else:
             files.append((p.name, p))
-    bad = []
+    bad, field_key = [], None
+    fields = record_fields(d)
     for name, path in files:
-        why = why_not_a_file(path) or (_field_missing(path, d.text_field) if path.suffix in RECORDS
-                                       else _not_text(path))
+        why = why_not_a_file(path)
+        if not why and path.suffix in RECORDS:
+            field_key, why = next(((k, w) for k, f in fields.items() if (w := _field_missing(path, f))), (None, ""))
+        elif not why:
+            why = _not_text(path) or ("text, not records: data.format=prompt_completion reads JSON Lines or Parquet "
+                                      "records" if d.format != "text" else "")
         if why:
             bad.append(f"{path}: {why}")
     if bad:
-        key = "data.text_field" if all("has no field" in b for b in bad) else "data.paths"
-        problems.append((key, d.text_field if key == "data.text_field" else list(d.paths), f"{len(bad)} file(s) cannot "
-                         "be read as text: " + "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else ""),
-                         "data.text_field= the column that holds the text" if key == "data.text_field" else
+        key = f"data.{field_key}" if field_key and all("has no field" in b for b in bad) else "data.paths"
+        problems.append((key, fields[field_key] if key != "data.paths" else list(d.paths), f"{len(bad)} file(s) "
+                         "cannot be read as " + ("text: " if d.format == "text" else "prompt/completion records: ") +
+                         "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else ""),
+                         f"{key}= the column that holds it" if key != "data.paths" else
                          "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
-                         "per line)"))
+                         "per line)" + ("; data.format=prompt_completion reads .jsonl and .parquet files only"
+                                        if d.format != "text" else "")))
     return problems or _check_amount(files, cfg)
 
 
