@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from plugins.data.batcher import build_batcher
 from plugins.data.corpus import tokenized
 from tests.conftest import make_cfg, run_cli
+from tests.test_chat import hf_tokenizer  # noqa: F401 (a fixture: a tokenizer folder with a ChatML template)
 from tests.test_hf import FAMILIES, saved
 
 import transformers  # noqa: E402  (the [hf] extra, part of .[dev])
@@ -106,3 +107,26 @@ def test_ten_steps_equal_a_transformers_loop_with_the_prompts_labels_ignored(tmp
     assert len(ours) == steps
     assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-5, (ours, theirs)
     assert theirs[-1] < theirs[0]
+
+
+def test_chat_records_learn_what_apply_chat_template_marks_as_the_assistants(tmp_path, hf_tokenizer):
+    """data.format=chat with an HF tokenizer folder's ChatML template: each document is the rendered chat's ids as
+    transformers' apply_chat_template gives them, then <eos>; what is learned is its assistant mask (and the <eos>
+    after an answer)."""
+    hf, folder = hf_tokenizer
+    rng = random.Random(0)
+    chats = [[{"role": "user", "content": f"Add {a} and {b}."}, {"role": "assistant", "content": f"{a + b}."}]
+             for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(200))]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    expected = {}
+    for chat in chats:
+        theirs = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        expected[tuple(theirs["input_ids"]) + (hf.eos_token_id,)] = list(theirs["assistant_masks"]) + [1]
+    cfg = make_cfg("data=text", f"data.paths=[{tmp_path}/chats.jsonl]", "data.format=chat",
+                   f"data.tokenizer=hf:{folder}", "data.packing=false", "train.seq_len=32", "train.batch_size=4",
+                   runs_dir=tmp_path)
+    corpus = tokenized(cfg)
+    documents = list(zip(corpus.train, corpus.train_mask)) + list(zip(corpus.val, corpus.val_mask))
+    assert len(documents) == len(chats)
+    for ids, trained in documents:
+        assert trained.astype(int).tolist() == expected[tuple(ids.tolist())]

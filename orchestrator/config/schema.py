@@ -200,19 +200,27 @@ class DataConfig:
     packing: bool = key(True, "concatenate documents (separated by <eos>) instead of padding each one")
     paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "
                                "glob patterns of UTF-8 text; JSON Lines and Parquet files hold one document per record")
-    format: str = key("text", "what a record is: text (one field, every token trained) or prompt_completion (a "
-                              "prompt and its completion, JSON Lines or Parquet: the completion is what the model "
-                              "learns, data.loss_on)", choices=("text", "prompt_completion"))
+    format: str = key("text", "what a record is: text (one field, every token trained), prompt_completion (a "
+                              "prompt and its completion) or chat (a list of {role, content} messages, rendered "
+                              "with the chat template); records from JSON Lines or Parquet; what the model learns: "
+                              "data.loss_on", choices=("text", "prompt_completion", "chat"))
     text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text",
                           read_when=("data.format", ("text",)))
     prompt_field: str = key("prompt", "data.format=prompt_completion: the field that holds a record's prompt",
                             read_when=PROMPT_COMPLETION)
     completion_field: str = key("completion", "data.format=prompt_completion: the field that holds its completion",
                                 read_when=PROMPT_COMPLETION)
-    loss_on: str = key("completion", "data.format=prompt_completion: the tokens whose labels enter the loss: "
-                                     "completion (and the <eos> after it; the prompt's labels are -100, TRL's "
-                                     "completion_only_loss) or all", choices=("completion", "all"),
-                       read_when=PROMPT_COMPLETION)
+    messages_field: str = key("messages", "data.format=chat: the field that holds a record's messages",
+                              read_when=("data.format", ("chat",)))
+    chat_template: str = key("", "data.format=chat: the Jinja template (its text, or a file's path) that renders the "
+                                 "messages, as transformers' apply_chat_template; default: the data.tokenizer=hf: "
+                                 "folder's own (tokenizer_config.json's chat_template)",
+                             read_when=("data.format", ("chat",)))
+    loss_on: str = key("completion", "records: the tokens whose labels enter the loss: completion (a completion and "
+                                     "the <eos> after it, or what the template marks as the assistant's with "
+                                     "{% generation %}; the others' labels are -100, TRL's completion_only_loss and "
+                                     "assistant_only_loss) or all", choices=("completion", "all"),
+                       read_when=("data.format", ("prompt_completion", "chat")))
     tokenizer: str = key("bytes", "bytes (one token per byte, lossless), bpe (a byte-level BPE of data.vocab_size "
                                   "trained on the corpus, saved with the tokens), or hf:<folder> (a Hugging Face "
                                   "tokenizer.json / save_pretrained folder)")

@@ -6,7 +6,7 @@ globals, `trim_blocks` and `lstrip_blocks`, its `{% generation %}` tag around wh
 text the model was trained to read, and the character spans of the assistant's turns. The tokens those spans cover
 are the ones whose labels enter the loss (assistant-only loss, TRL's `assistant_only_loss`); the others get -100.
 
-This is the first piece of fine-tuning on chat data (issue 36): the tokenize stage does not read chat records yet.
+The tokenize stage reads chat records with it (data.format=chat, plugins/data/corpus.py).
 """
 from __future__ import annotations
 

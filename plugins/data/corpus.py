@@ -20,7 +20,8 @@ import numpy as np
 
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
-from plugins.data.reading import CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records
+from plugins.data.reading import (CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records,
+                                  utf8)
 from plugins.data.registry import Corpus, get_source, split_documents
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -146,8 +147,25 @@ def _piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
             yield split, (text,), closes
         return
     for split, record in records(piece, record_fields(d), d.val_fraction):
-        learned = record["completion_field"]
-        yield split, (record["prompt_field"], learned) if learned else (), True
+        if d.format == "chat":
+            yield split, Chat(record["messages_field"], f"{piece.path} ({piece.name})"), True
+            continue
+        learned = utf8(record["completion_field"])
+        yield split, (utf8(record["prompt_field"]), learned) if learned else (), True
+
+
+class Chat(tuple):
+    """A chat record's messages, as a document's texts (their contents: what a BPE learns from); the tokenize stage
+    renders it with the chat template and learns the assistant's tokens (plugins/data/chat.py)."""
+
+    def __new__(cls, messages, where: str):
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     and isinstance(m.get("content"), str) for m in messages):
+            raise ValueError(f"{where}: a record's data.messages_field is not a list of {{role, content}} messages "
+                             f"of text: {str(messages)[:200]}")
+        chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages))
+        chat.messages, chat.where = messages, where
+        return chat
 
 
 def task_documents(cfg, lay: Optional[Layout], task: int,
@@ -174,12 +192,19 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     masked = masks_loss(cfg)
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
-    held = read = 0
+    held = read = unlearned = 0
 
     def flush():
-        nonlocal batch, held
-        encoded = iter(tok.encode([text for _, texts, _ in batch for text in texts]))
+        nonlocal batch, held, unlearned
+        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat) for text in texts]))
         for split, texts, closes in batch:
+            if isinstance(texts, Chat):
+                ids, trained = _chat_ids(tok, texts)
+                if masked and not trained[:-1].any():
+                    unlearned += 1  # the template marks nothing of it as the assistant's
+                    continue
+                writer.append(split, ids, closes, trained if masked else None)
+                continue
             pieces = [next(encoded) for _ in texts]  # one, or the prompt's and the completion's ids
             ids = np.concatenate(pieces + ([np.array([tok.eos])] if closes else []))
             trained = None
@@ -190,7 +215,6 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
         progress(read, sum(writer.tokens.values()))
         batch, held = [], 0
 
-    unlearned = 0
     for split, texts, closes, size in task_documents(cfg, lay, task, tasks):
         read += size
         if not texts:
@@ -222,7 +246,10 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     if index.get("unlearned") and not index["train"]["documents"] + index["val"]["documents"]:
         raise ValueError(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
-                         "the answers")
+                         "the answers" if cfg.data.format != "chat" else
+                         f"data.chat_template: it marks nothing of any record as the assistant's ({index['unlearned']:,}"
+                         " records): nothing would be learned; fix: a template that puts {% generation %} around the "
+                         "assistant's turns, or data.loss_on=all")
     for split in shards.SPLITS:
         if not index[split]["tokens"]:
             read = f"{lay.read_bytes:,} bytes of {lay.files} file(s)" if lay else "the source's documents"
@@ -279,7 +306,20 @@ def _in_memory(c: Corpus) -> Corpus:
 
 def masks_loss(cfg) -> bool:
     """Whether the records say which tokens the model learns (the shards then hold a mask beside the tokens)."""
-    return cfg.data.format == "prompt_completion" and cfg.data.loss_on == "completion"
+    return cfg.data.format in ("prompt_completion", "chat") and cfg.data.loss_on == "completion"
+
+
+def _chat_ids(tok: tokenizers.Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
+    """A chat record's ids (the rendered template's, then <eos>) and which are the assistant's: the <eos> too when
+    the chat's last message is the assistant's (it learns to stop there)."""
+    from plugins.data.chat import encode_chat
+
+    try:
+        ids, trained = encode_chat(tok.with_offsets(), tok.chat_template, chat.messages, **(tok.special or {}))
+    except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
+        raise ValueError(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
+                         f"fix: data.chat_template= a template for these messages") from None
+    return np.append(ids, tok.eos), np.append(trained, chat.messages[-1]["role"] == "assistant")
 
 
 def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:

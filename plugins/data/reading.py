@@ -192,19 +192,23 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
         yield piece.split, data, piece.closes
         return
     for split, record in records(piece, {"text_field": text_field}, val_fraction):
-        if record["text_field"]:  # an empty record is no document
-            yield split, record["text_field"], True
+        text = utf8(record["text_field"])
+        if text:  # an empty record is no document
+            yield split, text, True
 
 
 def record_fields(data_cfg) -> dict[str, str]:
     """The fields a record is read from, by the data key that names each (data.format)."""
-    if data_cfg.get("format", "text") == "prompt_completion":
+    kind = data_cfg.get("format", "text")
+    if kind == "prompt_completion":
         return {"prompt_field": data_cfg.prompt_field, "completion_field": data_cfg.completion_field}
+    if kind == "chat":
+        return {"messages_field": data_cfg.messages_field}
     return {"text_field": data_cfg.text_field}
 
 
 def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """(split, {key: the text of its field, as UTF-8}) of each record of a JSON Lines or Parquet piece; fields maps
+    """(split, {key: the value of its field}) of each record of a JSON Lines or Parquet piece; fields maps
     the data keys that name fields (text_field, prompt_field, ...) to the names. The split comes from the record's
     name (file and line, or file and row). A record without one of the fields is refused, naming file and line."""
     if piece.kind == "jsonl":
@@ -214,13 +218,14 @@ def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterat
             if missing is not None:
                 raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} "
                                  f"{no_field(fields[missing], record)}: data.{missing}= the field that holds it")
-            yield _split(f"{piece.name}@{line_start}", val_fraction), {k: _utf8(record[f]) for k, f in fields.items()}
+            yield _split(f"{piece.name}@{line_start}", val_fraction), {k: record[f] for k, f in fields.items()}
     elif piece.kind != "text":
         for row, values in enumerate(_rows(piece, tuple(fields.values())), piece.first_row):
-            yield _split(f"{piece.name}#{row}", val_fraction), {k: _utf8(values[f]) for k, f in fields.items()}
+            yield _split(f"{piece.name}#{row}", val_fraction), {k: values[f] for k, f in fields.items()}
 
 
-def _utf8(value) -> bytes:
+def utf8(value) -> bytes:
+    """A field's value as the text a document holds (None: none)."""
     return str(value).encode("utf-8") if value is not None else b""
 
 

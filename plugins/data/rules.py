@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planning.problem import Problem
 from plugins.data import tokenizer as tokenizers
+from plugins.data.chat import template_of
 from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
@@ -17,10 +18,12 @@ def check(cfg) -> list[Problem]:
     source = get_source(d.name)
     problems = _tokenizer_problems(cfg, source) + _eval_problems(cfg, source)
     if d.format != "text" and (d.name != "text" or d.get("mix")):
-        return problems + [Problem("data.format", d.format, f"prompt/completion records are read from JSON Lines or "
+        return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text, one corpus (data.mix of such records is not read "
                                    f"yet); data={d.name}" + (" with data.mix" if d.get("mix") else "") +
                                    " has none", "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
+    if d.format == "chat":
+        problems += _chat_problems(d)
     if d.get("mix"):
         return problems + _mix_problems(cfg, source)
     if source.check is not None:
@@ -108,3 +111,23 @@ def _mix_problems(cfg, source) -> list[Problem]:
             key = p.key.replace("data.", f"data.mix[{i}].", 1) if p.key in ("data.paths", "data.text_field") else p.key
             problems.append(Problem(key, p.value, p.rule, p.fix.replace(p.key, key)))
     return problems
+
+
+def _chat_problems(d) -> list[Problem]:
+    """A chat record needs a template to be rendered with, and one that says what the assistant said when only that
+    is learned (data.loss_on=completion): else every record would be refused by the tokenize stage."""
+    given = tokenizers.chat_template(d)
+    folder = tokenizers.hf_folder(d.tokenizer)
+    template = given or (template_of(folder) if folder is not None and folder.is_dir() else None)
+    if not template:
+        where = f"the tokenizer folder {folder} has no chat_template" if folder else \
+            f"data.tokenizer={d.tokenizer} carries no chat template"
+        return [Problem("data.chat_template", d.chat_template, f"chat records are rendered with a chat template; "
+                        f"{where}", "data.chat_template= a Jinja template (its text or a file), or "
+                        "data.tokenizer=hf:<a folder whose tokenizer_config.json has one>")]
+    if d.loss_on == "completion" and "generation" not in template:
+        return [Problem("data.loss_on", d.loss_on, "only the assistant's tokens are learned, and the chat template "
+                        "does not mark them ({% generation %} ... {% endgeneration %} around the assistant's turns, as "
+                        "transformers' return_assistant_tokens_mask needs)", "data.chat_template= a template with "
+                        "generation tags, or data.loss_on=all (every token learned)")]
+    return []

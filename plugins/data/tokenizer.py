@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 
 import numpy as np
 
+from plugins.data.chat import template_of
+
 EOS = 256
 PAD = 257
 VOCAB_SIZE = 258
@@ -41,6 +43,12 @@ class Tokenizer:
     eos: int
     pad: int
     backend: object = None     # a tokenizers.Tokenizer (bpe, hf); None: bytes, encoded with numpy
+    chat_template: Optional[str] = None   # the Jinja a chat record is rendered with (plugins/data/chat.py)
+    special: Optional[dict] = None        # the special tokens' text templates read (bos_token, eos_token, ...)
+
+    def with_offsets(self):
+        """A tokenizers.Tokenizer that gives each token's character offsets (the bytes one: its byte-level twin)."""
+        return self.backend if self.backend is not None else _bytes_backend()
 
     def encode_documents(self, docs: Iterable[bytes]) -> list[np.ndarray]:
         """Each document's tokens followed by <eos>."""
@@ -61,11 +69,13 @@ class Tokenizer:
         backend = self.backend if self.backend is not None else _bytes_backend()
         backend.save(str(folder / "tokenizer.json"))
         eos, pad = backend.id_to_token(self.eos), backend.id_to_token(self.pad)
+        chat = {"chat_template": self.chat_template} if self.chat_template else {}  # kept for transformers' chat
         (folder / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "pad_token": pad,
-             "model_max_length": 1_000_000, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+            {"tokenizer_class": "PreTrainedTokenizerFast", **(self.special or {}), "eos_token": eos, "pad_token": pad,
+             "model_max_length": 1_000_000, "clean_up_tokenization_spaces": False, **chat}, indent=2) + "\n")
         (folder / "orchestrator_tokenizer.json").write_text(json.dumps(
-            {"kind": self.kind, "vocab_size": self.vocab_size, "eos": self.eos, "pad": self.pad}) + "\n")
+            {"kind": self.kind, "vocab_size": self.vocab_size, "eos": self.eos, "pad": self.pad,
+             "special": self.special, **chat}) + "\n")
 
 
 def _bytes_backend():
@@ -120,7 +130,8 @@ def load_saved(folder: Path) -> Tokenizer:
 
     meta = json.loads((Path(folder) / "orchestrator_tokenizer.json").read_text())
     backend = None if meta["kind"] == "bytes" else HFTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
-    return Tokenizer(meta["kind"], meta["vocab_size"], meta["eos"], meta["pad"], backend)
+    return Tokenizer(meta["kind"], meta["vocab_size"], meta["eos"], meta["pad"], backend, meta.get("chat_template"),
+                     meta.get("special"))
 
 
 def hf_folder(spec: str) -> Optional[Path]:
@@ -156,7 +167,9 @@ def load_hf(folder: Path) -> Tokenizer:
     # ids, not a count: a tokenizer's added tokens may sit past its vocabulary (an id of 100000 in a vocabulary of
     # 50257), and the model's embedding needs a row for the largest id
     ids = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
-    return Tokenizer("hf", max(backend.get_vocab_size(), ids), eos, eos if pad is None else pad, backend)
+    special = {name: token(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token") if token(name)}
+    return Tokenizer("hf", max(backend.get_vocab_size(), ids), eos, eos if pad is None else pad, backend,
+                     template_of(file.parent), special)
 
 
 def vocab_needed(data_cfg) -> Optional[int]:
@@ -171,10 +184,25 @@ def vocab_needed(data_cfg) -> Optional[int]:
 
 
 def make(data_cfg, train_texts: Iterable[bytes] = ()) -> Tokenizer:
-    """data.tokenizer: bytes, a BPE learned on train_texts (a sample of the training split), or an HF folder's."""
+    """data.tokenizer: bytes, a BPE learned on train_texts (a sample of the training split), or an HF folder's;
+    with data.chat_template, that template (else an HF folder's own)."""
     spec = data_cfg.tokenizer
     if spec == "bytes":
-        return Tokenizer("bytes", VOCAB_SIZE, EOS, PAD)
-    if spec == "bpe":
-        return train_bpe(train_texts, data_cfg.vocab_size)
-    return load_hf(hf_folder(spec))
+        tok = Tokenizer("bytes", VOCAB_SIZE, EOS, PAD, special={"eos_token": EOS_TOKEN})
+    elif spec == "bpe":
+        tok = train_bpe(train_texts, data_cfg.vocab_size)
+        tok.special = {"eos_token": EOS_TOKEN}
+    else:
+        tok = load_hf(hf_folder(spec))
+    given = chat_template(data_cfg)
+    tok.chat_template = given or tok.chat_template
+    return tok
+
+
+def chat_template(data_cfg) -> Optional[str]:
+    """data.chat_template: a Jinja file's path or the template's text (None: unset)."""
+    given = data_cfg.get("chat_template") or ""
+    if not given:
+        return None
+    path = Path(given).expanduser()
+    return path.read_text() if "{" not in given and path.is_file() else given
