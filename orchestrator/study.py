@@ -24,7 +24,7 @@ import hashlib
 import json
 import pickle
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +35,7 @@ from orchestrator.report import console
 from storage.fsio import atomic_write_bytes, atomic_write_json
 
 INTERRUPTED = "interrupted"  # the user attribute of a trial a signal stopped
+_UNREAD = object()  # a KeptStudy whose file is not read yet
 
 
 def search_of(config: DictConfig, arguments: list[str]) -> dict:
@@ -68,10 +69,11 @@ def study_name(config: DictConfig, search: dict) -> str:
 
 @dataclass
 class KeptStudy:
-    """A study's two files under <runs_dir>/studies."""
+    """A study's two files under <runs_dir>/studies (read once, then kept current by save())."""
     folder: Path
     name: str
     search: dict
+    _saved: Any = field(default=_UNREAD, repr=False)
 
     @classmethod
     def of(cls, config: DictConfig) -> "KeptStudy":
@@ -85,12 +87,16 @@ class KeptStudy:
     def saved(self) -> Optional[dict]:
         """The study as last saved (None: a new one). Its files are written atomically; one that does not read
         (edited by hand, another version's) is refused rather than half-used."""
+        if self._saved is not _UNREAD:
+            return self._saved
         if not self.path.is_file():
+            self._saved = None
             return None
         try:
             saved = json.loads(self.path.read_text())
             if not isinstance(saved, dict) or not isinstance(saved.get("trials"), list):
                 raise ValueError("no list of trials")
+            self._saved = saved
             return saved
         except (OSError, ValueError) as e:
             from orchestrator.config.errors import ConfigError, Problem
@@ -119,10 +125,14 @@ class KeptStudy:
                             "study), or the same search as before")]
         return []
 
+    def completed(self) -> int:
+        """The study's completed trials (what hydra.sweeper.n_trials counts)."""
+        saved = self.saved()
+        return sum(t["state"] == "COMPLETE" for t in saved["trials"]) if saved else 0
+
     def to_run(self, n_trials: int) -> int:
         """The trials this command will run: n_trials less the study's completed ones."""
-        saved = self.saved()
-        return max(0, n_trials - sum(t["state"] == "COMPLETE" for t in saved["trials"])) if saved else n_trials
+        return max(0, n_trials - self.completed())
 
     def describe(self, n_trials: int) -> str:
         """The plan's line on the study: new, or how far it got."""
@@ -130,9 +140,9 @@ class KeptStudy:
         where = f"study {self.name} ({self.path})"
         if saved is None:
             return f"{where}: new, {n_trials} trial(s) (hydra.sweeper.n_trials)"
-        states = [t["state"] for t in saved["trials"]]
-        stopped = f", {states.count('RUNNING')} interrupted (resumed first)" if "RUNNING" in states else ""
-        return (f"{where}: continued, {states.count('COMPLETE')} of {n_trials} trial(s) done (hydra.sweeper.n_trials "
+        running = sum(t["state"] == "RUNNING" for t in saved["trials"])
+        stopped = f", {running} interrupted (resumed first)" if running else ""
+        return (f"{where}: continued, {self.completed()} of {n_trials} trial(s) done (hydra.sweeper.n_trials "
                 f"counts the study's){stopped}, {self.to_run(n_trials)} to run")
 
     def save(self, study: Any, sampler: Any = None) -> None:
@@ -143,20 +153,21 @@ class KeptStudy:
         self.folder.mkdir(parents=True, exist_ok=True)
         if sampler is not None:
             atomic_write_bytes(self.folder / f"{self.name}.sampler", pickle.dumps(sampler))
-        atomic_write_json(self.path, {"name": self.name, "search": self.search, "trials": [
+        self._saved = {"name": self.name, "search": self.search, "trials": [
             {"number": t.number, "state": t.state.name, "values": t.values, "params": t.params,
              "distributions": {k: distribution_to_json(d) for k, d in t.distributions.items()},
-             "user_attrs": t.user_attrs} for t in study.trials if t.state.name != "WAITING"]})
+             "user_attrs": t.user_attrs} for t in study.trials if t.state.name != "WAITING"]}
+        atomic_write_json(self.path, self._saved)
 
-    def load(self, sampler: Any) -> tuple[Any, Any, int]:
-        """(the storage holding the study as saved, the sampler to go on with, its completed trials)."""
+    def load(self, sampler: Any) -> tuple[Any, Any]:
+        """(the storage holding the study as saved, the sampler to go on with)."""
         import optuna
 
         storage = _KeptStorage(self.path)
         saved = self.saved()
         path = self.folder / f"{self.name}.sampler"
         if saved is None:
-            return storage, sampler, 0
+            return storage, sampler
         if path.is_file():
             sampler = pickle.loads(path.read_bytes())
         study = optuna.create_study(storage=storage, study_name=self.name, sampler=sampler,
@@ -167,7 +178,7 @@ class KeptStudy:
             self._add(study, saved["trials"], again)
             for params in again:
                 study.enqueue_trial(params)
-        return storage, sampler, sum(t["state"] == "COMPLETE" for t in saved["trials"])
+        return storage, sampler
 
     @staticmethod
     def _add(study: Any, trials: list[dict], again: list[dict]) -> None:
@@ -184,8 +195,6 @@ class KeptStudy:
                 study.add_trial(create_trial(state=TrialState[t["state"]], params=t["params"],
                                              distributions=distributions, values=t["values"],
                                              user_attrs=t["user_attrs"]))
-
-
 
     def table(self) -> Table:
         """Every trial of the study, this command's and the earlier ones', in order."""
@@ -224,11 +233,10 @@ def run_study(sweeper: Any, config: DictConfig, arguments: list[str]) -> None:
     import optuna
 
     kept = KeptStudy.of(config)
-    storage, sweeper.sampler, done = kept.load(sweeper.sampler)
+    storage, sweeper.sampler = kept.load(sweeper.sampler)
     sweeper.storage, sweeper.study_name = storage, kept.name
-    sweeper.n_trials = max(0, sweeper.n_trials - done)  # n_trials counts the study's trials, not this command's
-    saved = kept.saved()
-    sweeper.job_idx = len(saved["trials"]) if saved else 0  # point i is the study's trial i
+    sweeper.n_trials = kept.to_run(sweeper.n_trials)  # n_trials counts the study's trials, not this command's
+    sweeper.job_idx = len((kept.saved() or {"trials": []})["trials"])  # point i is the study's trial i
     launcher = sweeper.launcher
     sweeper.launcher = _SavingLauncher(launcher, kept, storage, sweeper)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)  # the results file, trials or none

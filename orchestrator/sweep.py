@@ -109,8 +109,8 @@ class SweepLauncher(Launcher):
     def finished_values(self, n: int) -> list[Optional[float]]:
         """The objectives of the last n points, None where a point did not finish (interrupted or not run): what a
         sweeper stopped by a signal may still record (orchestrator/study.py)."""
-        return [objective.value(p.cfg.sweep.objective, _train_summary(p))
-                if _status(p) not in ("interrupted", "not run", "submitted") else None for p in self.points[-n:]]
+        return [_objective(p) if _status(p) not in ("interrupted", "not run", "submitted") else None
+                for p in self.points[-n:]]
 
     def _compose(self, index: int, overrides: list[str], sweep_dir: Path) -> Point:
         hydra_cfg = self.hydra_context.config_loader.load_sweep_config(self.config, overrides)
@@ -129,7 +129,7 @@ class SweepLauncher(Launcher):
         failed study)."""
         ret = JobReturn(overrides=p.overrides, cfg=p.cfg, hydra_cfg=p.hydra_cfg, working_dir=str(p.run_dir),
                         task_name=str(p.hydra_cfg.hydra.job.name), status=JobStatus.COMPLETED)
-        ret.return_value = objective.value(p.cfg.sweep.objective, _train_summary(p))
+        ret.return_value = _objective(p)
         return ret
 
 
@@ -208,6 +208,11 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
 
 def _train_summary(p: Point) -> dict:
     return p.report.train_summary(p.cfg) if p.report else {}
+
+
+def _objective(p: Point) -> float:
+    """What the point returns to the sweeper (sweep.objective; the worst value when it did not train)."""
+    return objective.value(p.cfg.sweep.objective, _train_summary(p))
 
 
 def _status(p: Point) -> str:

@@ -47,6 +47,7 @@ def check_sweep(config: DictConfig) -> list[str]:
     from orchestrator.config.validate import folder_problems
 
     problems = folder_problems("hydra.sweep.dir", str(config.hydra.sweep.dir), "the sweep's files")
+    study = None
     if OmegaConf.select(config, "hydra.sweeper.study_dir") is not None:  # Optuna's, with its study kept
         from orchestrator.study import KeptStudy
 
@@ -57,12 +58,12 @@ def check_sweep(config: DictConfig) -> list[str]:
         raise ConfigError(problems)
     order = [o.get_key_element() if o.is_sweep_override() else o.input_line for o in overrides]
     points = _check_points(config, order, spaces, every_combination=basic)
-    return plan_lines(config, points, basic)
+    return plan_lines(config, points, basic, study)
 
 
-def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool) -> list[str]:
-    """What the sweep will cost: its points (or trials), the time their training takes at least, and this process's
-    own memory beside the points' ranks (each point's plan gives theirs)."""
+def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=None) -> list[str]:
+    """What the sweep will cost: its points (or trials; study: Optuna's, kept), the time their training takes at
+    least, and this process's own memory beside the points' ranks (each point's plan gives theirs)."""
     from orchestrator.run import orchestrator_bytes
     from planning.plan import GB, duration, step_floor
 
@@ -70,12 +71,9 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool) -> lis
     n_trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
     if basic:
         count, what = len(points), f"{len(points)} point(s), every combination of the swept values"
-    elif OmegaConf.select(config, "hydra.sweeper.study_dir") is not None:
-        from orchestrator.study import KeptStudy
-
-        kept = KeptStudy.of(config)
-        count = kept.to_run(n_trials)
-        what = f"Optuna, {kept.describe(n_trials)}, {sweeper.n_jobs} at a time (hydra.sweeper.n_jobs)"
+    elif study is not None:
+        count = study.to_run(n_trials)
+        what = f"Optuna, {study.describe(n_trials)}, {sweeper.n_jobs} at a time (hydra.sweeper.n_jobs)"
     else:
         count, what = None, "as many points as the sweeper picks (its own count, e.g. hydra.sweeper.optim.budget)"
     at_once = points[0].sweep.parallelism if points else 1

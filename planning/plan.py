@@ -68,8 +68,8 @@ def memory_line(cfg, orchestrator: int = 0) -> str:
     of = f" of {p.rank_limit / GB:,.1f} GB ({p.rank_limit_where})" if p.rank_limit else f" ({p.rank_limit_where})"
     stages = "; ".join(f"{name} {c.peak / GB:,.2f} GB ({c.what})" for name, c in p.stages.items())
     host = f", of {p.host_limit / GB:,.1f} GB ({p.host_limit_where})" if p.host_limit else f" ({p.host_limit_where})"
-    return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}" +
-            (f"; the orchestrator itself {orchestrator / GB:,.2f} GB" if orchestrator else "") + "\n  disk: checkpoints "
+    itself = f"; the orchestrator itself {orchestrator / GB:,.2f} GB" if orchestrator else ""
+    return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}{itself}\n  disk: checkpoints "
             f"{p.stages['checkpoint'].writes / GB:,.2f} GB each, the aggregate's files "
             f"{p.stages['aggregate'].writes / GB:,.2f} GB")
 

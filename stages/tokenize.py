@@ -175,9 +175,9 @@ def _report(ctx: StageContext, index: dict, seconds: float, read: int) -> None:
                  "%.0f tokens/s", index["train"]["documents"] + index["val"]["documents"], _mb(read),
                  index["train"]["tokens"], index["val"]["tokens"], index["tokenizer"], index["vocab_size"], seconds,
                  ctx.world_size, tokens / max(seconds, 1e-9))
-    if index.get("unlearned"):  # data.format=prompt_completion: records whose completion is empty
-        ctx.log.warning("warning: %d record(s) with an empty completion left out (nothing in them to learn)",
-                        index["unlearned"])
+    if index.get("unlearned"):  # records with nothing to learn: an empty completion, or no turn marked as the
+        ctx.log.warning("warning: %d record(s) with nothing to learn left out (an empty completion, or a chat the "
+                        "template marks no assistant turn of)", index["unlearned"])  # assistant's by the template
 
 
 def _summary(out) -> str:

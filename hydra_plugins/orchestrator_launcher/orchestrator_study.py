@@ -36,7 +36,6 @@ if OptunaSweeper is not None:
         study_dir: str = "${runs_dir}/studies"  # where the study is kept (orchestrator/study.py)
 
 
-
 def store() -> None:
     """Put this sweeper's config in the place of the plugin's `optuna` (nothing when the plugin is not installed)."""
     if OptunaSweeper is not None:

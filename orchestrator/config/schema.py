@@ -40,6 +40,7 @@ FP16 = ("precision.name", ("fp16",))
 COMPILED = ("triton.enabled", (True,))
 BPE = ("data.tokenizer", ("bpe",))
 PROMPT_COMPLETION = ("data.format", ("prompt_completion",))
+CHAT = ("data.format", ("chat",))
 LAYOUT_TUNING = ("tune.name", ("layout",))
 
 
@@ -145,7 +146,8 @@ class TritonConfig:
                     choices=("default", "reduce-overhead", "max-autotune"), read_when=COMPILED)
     scope: str = key("blocks", "blocks: compile each transformer block (composes with hp/pp); model: whole model",
                      choices=("blocks", "model"), read_when=COMPILED)
-    fullgraph: bool = key(False, "fail on graph breaks instead of falling back to eager for that part", read_when=COMPILED)
+    fullgraph: bool = key(False, "fail on graph breaks instead of falling back to eager for that part",
+                          read_when=COMPILED)
     dynamic: bool = key(False, "compile for dynamic shapes", read_when=COMPILED)
     cache_dir: str = key("${cache_dir}/inductor", "Inductor's cache, so a rerun does not recompile",
                          content=False)
@@ -211,11 +213,11 @@ class DataConfig:
     completion_field: str = key("completion", "data.format=prompt_completion: the field that holds its completion",
                                 read_when=PROMPT_COMPLETION)
     messages_field: str = key("messages", "data.format=chat: the field that holds a record's messages",
-                              read_when=("data.format", ("chat",)))
+                              read_when=CHAT)
     chat_template: str = key("", "data.format=chat: the Jinja template (its text, or a file's path) that renders the "
                                  "messages, as transformers' apply_chat_template; default: the data.tokenizer=hf: "
                                  "folder's own (tokenizer_config.json's chat_template)",
-                             read_when=("data.format", ("chat",)))
+                             read_when=CHAT)
     loss_on: str = key("completion", "records: the tokens whose labels enter the loss: completion (a completion and "
                                      "the <eos> after it, or what the template marks as the assistant's with "
                                      "{% generation %}; the others' labels are -100, TRL's completion_only_loss and "
@@ -301,15 +303,18 @@ class TuneConfig:
     name: str = key("none", "none: run the experiment; layout: try the layouts of tune.world_size ranks for a few "
                             "steps each, rank them and print the command that trains with the best",
                     choices=("none", "layout"), content=False)
-    world_size: int = key(1, "tune=layout: the ranks to lay out (dp*hp*pp)", min=1, content=False, read_when=LAYOUT_TUNING)
+    world_size: int = key(1, "tune=layout: the ranks to lay out (dp*hp*pp)", min=1, content=False,
+                          read_when=LAYOUT_TUNING)
     steps: int = key(5, "tune=layout: timed training steps per layout (the first steps of a run are warm-up)", min=4,
                      content=False, read_when=LAYOUT_TUNING)
     pp_schedules: List[str] = key(["1f1b"], "tune=layout: the pipeline schedules tried for each layout with pp > 1 "
                                             "(interleaved_1f1b, looped_bfs, interleaved_zb and zbv with 2 model "
-                                            "chunks per rank)", content=False, choices=PP_SCHEDULES, read_when=LAYOUT_TUNING)
+                                            "chunks per rank)", content=False, choices=PP_SCHEDULES,
+                                  read_when=LAYOUT_TUNING)
     microbatches_per_stage: List[int] = key([2], "tune=layout: pipeline microbatches per stage tried for each "
                                                  "layout with pp > 1 (parallel.microbatches = this x pp; more: a "
-                                                 "smaller bubble, smaller matmuls)", content=False, min=1, read_when=LAYOUT_TUNING)
+                                                 "smaller bubble, smaller matmuls)", content=False, min=1,
+                                            read_when=LAYOUT_TUNING)
     objective: str = key("tokens_per_s", "tune=layout: what ranks the layouts: tokens_per_s (fastest first) or memory "
                                          "(smallest peak per rank first)", choices=("tokens_per_s", "memory"),
                          content=False, read_when=LAYOUT_TUNING)
@@ -384,7 +389,8 @@ class AggregateConfig:
     onnx_external_data_mb: float = key(100, "weights of model.onnx beyond this go to model.onnx.data (ONNX's external "
                                             "data), which ONNX Runtime maps instead of copying: inside the protobuf a "
                                             "load holds them several times over, and protobuf cannot hold more than "
-                                            "2 GiB at all; 0 puts them there always", min=0.0, max=2000, read_when=("aggregate.onnx", (True,)))
+                                            "2 GiB at all; 0 puts them there always", min=0.0, max=2000,
+                                      read_when=("aggregate.onnx", (True,)))
 
 
 @dataclass

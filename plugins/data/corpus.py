@@ -20,6 +20,7 @@ import numpy as np
 
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
+from plugins.data.chat import encode_chat
 from plugins.data.reading import (CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records,
                                   utf8)
 from plugins.data.registry import Corpus, get_source, split_documents
@@ -139,9 +140,9 @@ def _source_documents(cfg) -> Iterator[tuple[str, bytes]]:
 
 
 def _piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
-    """(split, its texts, closes its document) of a piece: one text, or a record's prompt and completion
+    """(split, its texts, closes its document) of a piece: one text, a record's prompt and completion
     (data.format=prompt_completion; a record whose completion is empty has no texts: nothing in it would be learned,
-    it is counted and left out)."""
+    it is counted and left out), or a chat record's messages (Chat)."""
     if d.format == "text":
         for split, text, closes in documents(piece, d.text_field, d.val_fraction):
             yield split, (text,), closes
@@ -247,9 +248,9 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
         raise ValueError(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
                          "the answers" if cfg.data.format != "chat" else
-                         f"data.chat_template: it marks nothing of any record as the assistant's ({index['unlearned']:,}"
-                         " records): nothing would be learned; fix: a template that puts {% generation %} around the "
-                         "assistant's turns, or data.loss_on=all")
+                         f"data.chat_template: it marks nothing of any record as the assistant's "
+                         f"({index['unlearned']:,} records): nothing would be learned; fix: a template that puts "
+                         "{% generation %} around the assistant's turns, or data.loss_on=all")
     for split in shards.SPLITS:
         if not index[split]["tokens"]:
             read = f"{lay.read_bytes:,} bytes of {lay.files} file(s)" if lay else "the source's documents"
@@ -312,8 +313,6 @@ def masks_loss(cfg) -> bool:
 def _chat_ids(tok: tokenizers.Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
     """A chat record's ids (the rendered template's, then <eos>) and which are the assistant's: the <eos> too when
     the chat's last message is the assistant's (it learns to stop there)."""
-    from plugins.data.chat import encode_chat
-
     try:
         ids, trained = encode_chat(tok.with_offsets(), tok.chat_template, chat.messages, **(tok.special or {}))
     except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from planning.problem import Problem
 from plugins.data import tokenizer as tokenizers
-from plugins.data.chat import template_of
 from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
@@ -116,10 +115,9 @@ def _mix_problems(cfg, source) -> list[Problem]:
 def _chat_problems(d) -> list[Problem]:
     """A chat record needs a template to be rendered with, and one that says what the assistant said when only that
     is learned (data.loss_on=completion): else every record would be refused by the tokenize stage."""
-    given = tokenizers.chat_template(d)
-    folder = tokenizers.hf_folder(d.tokenizer)
-    template = given or (template_of(folder) if folder is not None and folder.is_dir() else None)
+    template = tokenizers.chat_template(d)
     if not template:
+        folder = tokenizers.hf_folder(d.tokenizer)
         where = f"the tokenizer folder {folder} has no chat_template" if folder else \
             f"data.tokenizer={d.tokenizer} carries no chat template"
         return [Problem("data.chat_template", d.chat_template, f"chat records are rendered with a chat template; "

@@ -6,7 +6,8 @@ index names the parts, which are read back by memory map as one corpus (no copy,
   part-00000/train.idx  val.idx   int64: where each document that ends in this part ends (a document may begin in
                                   the part before: a big text file read by two tasks)
   part-00000/train.mask val.mask  uint8, one per token: 1 where its label enters the loss (written only when the
-                                  records say which tokens the model learns, data.format=prompt_completion)
+                                  records say which tokens the model learns, data.format=prompt_completion or
+                                  chat)
   part-00000/part.json            the part's token and document counts (written last: the part is complete)
   index.json                      dtype, counts, vocabulary, <eos>/<pad> ids, tokenizer kind, the parts in order
 """
@@ -53,7 +54,8 @@ class PartWriter:
         part): which of them the model learns."""
         self.files[split].write(np.asarray(ids, dtype=self.dtype).tobytes())
         if self.masked:
-            self.masks[split].write(np.asarray(trained if trained is not None else np.ones(len(ids)), np.uint8).tobytes())
+            learned = trained if trained is not None else np.ones(len(ids))
+            self.masks[split].write(np.asarray(learned, np.uint8).tobytes())
         self.tokens[split] += len(ids)
         if closes:
             self.ends[split].write(np.int64(self.tokens[split]).tobytes())

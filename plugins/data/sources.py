@@ -182,18 +182,18 @@ def _check_text(cfg) -> list[tuple]:
         if not why and path.suffix in RECORDS:
             field_key, why = next(((k, w) for k, f in fields.items() if (w := _field_missing(path, f))), (None, ""))
         elif not why:
-            why = _not_text(path) or ("text, not records: data.format=prompt_completion reads JSON Lines or Parquet "
+            why = _not_text(path) or (f"text, not records: data.format={d.format} reads JSON Lines or Parquet "
                                       "records" if d.format != "text" else "")
         if why:
             bad.append(f"{path}: {why}")
     if bad:
         key = f"data.{field_key}" if field_key and all("has no field" in b for b in bad) else "data.paths"
         problems.append((key, fields[field_key] if key != "data.paths" else list(d.paths), f"{len(bad)} file(s) "
-                         "cannot be read as " + ("text: " if d.format == "text" else "prompt/completion records: ") +
+                         "cannot be read as " + ("text: " if d.format == "text" else f"{d.format} records: ") +
                          "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else ""),
                          f"{key}= the column that holds it" if key != "data.paths" else
                          "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
-                         "per line)" + ("; data.format=prompt_completion reads .jsonl and .parquet files only"
+                         "per line)" + (f"; data.format={d.format} reads .jsonl and .parquet files only"
                                         if d.format != "text" else "")))
     return problems or _check_amount(files, cfg)
 

@@ -169,7 +169,7 @@ def load_hf(folder: Path) -> Tokenizer:
     ids = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     special = {name: token(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token") if token(name)}
     return Tokenizer("hf", max(backend.get_vocab_size(), ids), eos, eos if pad is None else pad, backend,
-                     template_of(file.parent), special)
+                     special=special)
 
 
 def vocab_needed(data_cfg) -> Optional[int]:
@@ -194,15 +194,16 @@ def make(data_cfg, train_texts: Iterable[bytes] = ()) -> Tokenizer:
         tok.special = {"eos_token": EOS_TOKEN}
     else:
         tok = load_hf(hf_folder(spec))
-    given = chat_template(data_cfg)
-    tok.chat_template = given or tok.chat_template
+    tok.chat_template = chat_template(data_cfg)
     return tok
 
 
 def chat_template(data_cfg) -> Optional[str]:
-    """data.chat_template: a Jinja file's path or the template's text (None: unset)."""
+    """The template chat records are rendered with: data.chat_template (a Jinja file's path or the template's
+    text), else the data.tokenizer=hf: folder's own (None: neither)."""
     given = data_cfg.get("chat_template") or ""
-    if not given:
-        return None
-    path = Path(given).expanduser()
-    return path.read_text() if "{" not in given and path.is_file() else given
+    if given:
+        path = Path(given).expanduser()
+        return path.read_text() if "{" not in given and path.is_file() else given
+    folder = hf_folder(data_cfg.tokenizer)
+    return template_of(folder) if folder is not None and folder.is_dir() else None
