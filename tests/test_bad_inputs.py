@@ -162,6 +162,8 @@ CATALOGUE = [
      "carries no chat template"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/one.txt"],
      "data.loss_on", "does not mark them"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/broken.jinja"],
+     "data.chat_template", "cannot be read as Jinja"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
@@ -208,6 +210,7 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "one.txt").write_text("a line of text\n" * 2000)
     (tmp / "a_file").write_text("not a folder")
     (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed
     (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever
     os.symlink(tmp / "loop_b", tmp / "loop_a")

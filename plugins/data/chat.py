@@ -34,7 +34,7 @@ def template_of(folder: Path) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled(template: str):
+def compiled(template: str):
     """The template in transformers' environment: sandboxed (templates from the Hub are untrusted code), trimmed
     blocks, loop controls, its tojson (no HTML escaping), raise_exception and strftime_now, and `generation`."""
     import jinja2
@@ -76,11 +76,11 @@ def render(template: str, messages: list[dict], add_generation_prompt: bool = Fa
            **variables) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered chat, the character spans of its `generation` blocks). variables: what templates read besides
     the messages (bos_token, eos_token, ...), as transformers passes the tokenizer's special tokens."""
-    compiled, generation = _compiled(template)
+    jinja, generation = compiled(template)
     blocks: list[str] = []
     generation.blocks, generation.spans = blocks, []
     try:
-        for block in compiled.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
+        for block in jinja.generate(messages=messages, add_generation_prompt=add_generation_prompt, **variables):
             blocks.append(block)
         return "".join(blocks), generation.spans
     finally:

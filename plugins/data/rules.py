@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from planning.problem import Problem
 from plugins.data import tokenizer as tokenizers
+from plugins.data.chat import compiled
 from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
@@ -115,7 +116,11 @@ def _mix_problems(cfg, source) -> list[Problem]:
 def _chat_problems(d) -> list[Problem]:
     """A chat record needs a template to be rendered with, and one that says what the assistant said when only that
     is learned (data.loss_on=completion): else every record would be refused by the tokenize stage."""
-    template = tokenizers.chat_template(d)
+    try:
+        template = tokenizers.chat_template(d)
+    except OSError as e:
+        return [Problem("data.chat_template", d.chat_template, f"the template file cannot be read ({e.strerror})",
+                        "data.chat_template= a readable Jinja file, or the template's text")]
     if not template:
         folder = tokenizers.hf_folder(d.tokenizer)
         where = f"the tokenizer folder {folder} has no chat_template" if folder else \
@@ -123,6 +128,13 @@ def _chat_problems(d) -> list[Problem]:
         return [Problem("data.chat_template", d.chat_template, f"chat records are rendered with a chat template; "
                         f"{where}", "data.chat_template= a Jinja template (its text or a file), or "
                         "data.tokenizer=hf:<a folder whose tokenizer_config.json has one>")]
+    try:
+        compiled(template)
+    except Exception as e:  # jinja2's TemplateSyntaxError (and what a sandboxed compile may raise)
+        return [Problem("data.chat_template", d.chat_template or tokenizers.hf_folder(d.tokenizer),
+                        f"the chat template cannot be read as Jinja: {type(e).__name__}: {e}",
+                        "data.chat_template= a template that compiles (transformers' apply_chat_template would "
+                        "refuse this one too)")]
     if d.loss_on == "completion" and "generation" not in template:
         return [Problem("data.loss_on", d.loss_on, "only the assistant's tokens are learned, and the chat template "
                         "does not mark them ({% generation %} ... {% endgeneration %} around the assistant's turns, as "
