@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from plugins.data.packing import whole_documents
 from plugins.parallel import world_size
 from plugins.parallel.schedules import SCHEDULES
 
@@ -127,7 +128,11 @@ def estimate(cfg, plan: dict) -> Estimate:
     from plugins.models.registry import vocab_rows
 
     logits = 2 * vocab_rows(m) / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
-    activations = int(tokens_per_microbatch * (in_flight * layer_bytes + logits))
+    # rows of whole documents (or padded rows packed by their rank, data.balance_ranks): the document mask, a byte
+    # per (query, key), shared by a microbatch's layers
+    d = cfg.data
+    mask = seq if whole_documents(d) is not None or (not d.packing and d.get("balance_ranks", True)) else 0
+    activations = int(tokens_per_microbatch * (in_flight * (layer_bytes + mask) + logits))
     import torch
 
     # ranks on GPUs: this machine's, or a SLURM job's that asks for them

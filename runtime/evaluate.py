@@ -20,7 +20,8 @@ def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]]
             if stop():
                 return None
             batch = batcher.eval_batch(i)
-            total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels)).cpu()
+            total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels),
+                                            layout.local_batch(batch.documents)).cpu()
             count += batch.n_labels
     finally:
         layout.train(True)
@@ -39,14 +40,16 @@ def piece_budgets(d_model: int, vocab_rows: int) -> tuple[int, int]:
 @torch.no_grad()
 def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[torch.Tensor],
                      autocast=contextlib.nullcontext,
-                     head: Optional[Callable[[int, nn.Module, torch.Tensor], None]] = None) -> list[torch.Tensor]:
+                     head: Optional[Callable[[int, nn.Module, torch.Tensor], None]] = None,
+                     documents: Optional[list] = None) -> list[torch.Tensor]:
     """A model's outputs for a list of inputs, computed one part at a time: `pieces` make its parts in order (the
     embedding, each block, the head), each with its weights, and each is dropped before the next is made. The same
     operations in the same order as the whole model's forward, so the same numbers, with one part's weights and the
     inputs' hidden states in memory. head(i, last part, its input i): the last part is applied by the caller (the
-    logits of a few tokens at a time) instead of kept."""
+    logits of a few tokens at a time) instead of kept. documents: each input's (Batch.documents), or None."""
     makers = list(pieces)
     hidden = list(inputs)
+    documents = documents or [None] * len(hidden)
     for i, make in enumerate(makers):
         piece = make().eval()
         with autocast():
@@ -55,7 +58,7 @@ def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[tor
                     head(j, piece, h)
                 hidden = []
             else:
-                hidden = [piece(h) for h in hidden]
+                hidden = [piece(h) if d is None else piece(h, documents=d) for h, d in zip(hidden, documents)]
         del piece
     return hidden
 
@@ -78,7 +81,8 @@ def eval_loss_by_piece(pieces: Iterable[Callable[[], nn.Module]], loss_fn, batch
                 total += loss_fn(head(flat[:, t:t + tokens_per_head]), labels[:, t:t + tokens_per_head]).item()
             count += chunk[j].n_labels
 
-        forward_by_piece(makers, [b.inputs for b in chunk], autocast, head=loss)
+        forward_by_piece(makers, [b.inputs for b in chunk], autocast, head=loss,
+                         documents=[b.documents for b in chunk])
     return total / max(count, 1)
 
 

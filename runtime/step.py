@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from plugins.data.packing import rank_tokens, repack
 from runtime.optim import set_lr
 from runtime.precision import LossScaler
 
@@ -18,11 +19,30 @@ class StepSettings:
     grad_clip: float            # inf: measure the norm, clip nothing
     dropout_seed: Optional[int]  # reseed per step (resume-exact dropout masks); None when there is no dropout
     skip_nonfinite: bool = False  # check every step's gradient norm (one read per step) and drop non-finite ones
+    microbatches: int = 1
+    repack_to: int = 0           # padded rows: each rank packs its rows' real tokens into as few rows as hold them,
+    #                              as wide as a multiple of this (0: rows keep their shape: a pipeline, ORT and
+    #                              compiled graphs want one shape)
 
     @staticmethod
     def of(cfg) -> "StepSettings":
+        p = cfg.parallel
+        repacks = not cfg.data.packing and cfg.data.get("balance_ranks", True) and p.pp == 1 and \
+            cfg.engine.name == "torch" and not cfg.triton.enabled
         return StepSettings(cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
-                            cfg.train.seed if cfg.model.dropout > 0 else None, cfg.train.nonfinite == "skip")
+                            cfg.train.seed if cfg.model.dropout > 0 else None, cfg.train.nonfinite == "skip",
+                            p.microbatches, math.lcm(8, p.hp if p.sequence_parallel else 1) if repacks else 0)
+
+
+def rank_inputs(layout, batch, s: StepSettings) -> tuple:
+    """This rank's (inputs, labels, documents) on its device: its rows of the global batch, or (s.repack_to) their
+    real tokens packed into fewer rows (plugins/data/packing.repack): the same logits per token, about the real
+    tokens' compute, so ranks dealt equal real tokens take equal time."""
+    if not s.repack_to or batch.real is None or batch.documents is not None:
+        return tuple(layout.local_batch(t) for t in (batch.inputs, batch.labels, batch.documents))
+    mine = repack(layout.rank_rows(batch.inputs), layout.rank_rows(batch.labels),
+                  layout.rank_rows(torch.from_numpy(batch.real)), s.repack_to, s.microbatches)
+    return tuple(layout.to_device(t) for t in mine)
 
 
 def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings, probe,
@@ -39,8 +59,8 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     n_labels = max(batch.n_labels, 1)  # the loss is a mean over the whole batch's labels, however it is split
     probe.start_step()
     loss_scale = scaler.scale
-    loss = layout.runner.train_step(layout.local_batch(batch.inputs), layout.local_batch(batch.labels), n_labels,
-                                    loss_scale)
+    inputs, labels, documents = rank_inputs(layout, batch, s)
+    loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents)
     grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)
     finite = scaler.step_ok(grad_norm)
     if finite and s.skip_nonfinite and not scaler.enabled:
@@ -56,4 +76,7 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
            **scaler.metrics(), **({"skipped": not finite} if scaler.enabled or s.skip_nonfinite else {})}
     if layout.timeline is not None:
         row["pipeline_idle_fraction"] = layout.timeline.idle_fraction()
+    if layout.coords.dp_size > 1 and batch.real is not None:  # the straggler's share: 1 when ranks are balanced
+        tokens = rank_tokens(batch.real, layout.coords.dp_size)
+        row["rank_tokens_max_over_mean"] = float(tokens.max() / max(tokens.mean(), 1))
     return row

@@ -143,6 +143,7 @@ CATALOGUE = [
      "runs each unit"),
     (["engine=ort", "precision=bf16"], "precision.name", "fp32 ONNX graph"),
     (["engine=ort", "precision=fp16"], "precision.name", "no mixed precision"),
+    (["engine=ort", "data.packing_strategy=bfd"], "data.packing_strategy", "document mask"),
     # data
     (["data=text"], "data.paths", "needs files"),
     (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths", "does not exist"),

@@ -1,4 +1,4 @@
-"""Fine-tuning on prompt/completion records (data.format=prompt_completion): only the completion's tokens (and the
+"""Fine-tuning on prompt/completion records (data.format=prompt_completion), packed as whole records or one a row: only the completion's tokens (and the
 <eos> after it) enter the loss, the prompt's labels are -100, as TRL's completion_only_loss; checked against the
 records themselves and against a plain `transformers` loop on a tiny random GPT-2 and Llama."""
 from __future__ import annotations
@@ -35,15 +35,22 @@ def records(path: Path, n: int = 300) -> dict[bytes, int]:
     return prompts
 
 
-def args(path: Path, packing: bool) -> list[str]:
+def args(path: Path, packing: bool, seq_len: int = 48) -> list[str]:
+    """packing: rows of whole records (data.packing_strategy=auto picks bfd for records), else one record a row."""
     return ["data=text", f"data.paths=[{path}]", "data.format=prompt_completion", f"data.packing={packing}",
-            "train.seq_len=48", "train.batch_size=8"]
+            f"train.seq_len={seq_len}", "train.batch_size=8"]
+
+
+def runs(numbers: list[int]) -> list[tuple[int, int]]:
+    """The [start, end) of each document's run in a row's document numbers (padding left out)."""
+    bounds = [t for t in range(1, len(numbers)) if numbers[t] != numbers[t - 1]]
+    return [(a, e) for a, e in zip([0, *bounds], [*bounds, len(numbers)]) if numbers[a] != -1]
 
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_only_the_completions_and_their_eos_are_learned(tmp_path, packing):
     prompts = records(tmp_path / "qa.jsonl")
-    cfg = make_cfg(*args(tmp_path / "qa.jsonl", packing), runs_dir=tmp_path)
+    cfg = make_cfg(*args(tmp_path / "qa.jsonl", packing, seq_len=64 if packing else 48), runs_dir=tmp_path)
     corpus = tokenized(cfg)
     stream = [(int(t), bool(m)) for doc, mask in zip(corpus.train, corpus.train_mask) for t, m in zip(doc, mask)]
     documents, current = 0, []
@@ -53,14 +60,23 @@ def test_only_the_completions_and_their_eos_are_learned(tmp_path, packing):
             text = bytes(t for t, _ in current[:-1])
             assert [m for _, m in current] == [False] * prompts[text] + [True] * (len(current) - prompts[text])
             documents, current = documents + 1, []
-    assert documents == len(corpus.train) if not packing else documents > 250
+    assert documents == len(corpus.train)
 
     batch = build_batcher(cfg).train_batch(0)
     assert 0 < batch.label_density < 0.5  # the answers are short beside the questions
     checked = 0
-    for inputs, labels in zip(batch.inputs.tolist(), batch.labels.tolist()):
-        if packing or EOS not in labels:
-            continue  # a window of the stream (checked above), or a long record cut to the row
+    for r, (inputs, labels) in enumerate(zip(batch.inputs.tolist(), batch.labels.tolist())):
+        if packing:  # whole records side by side (each shorter than a row), the label after each <eos> unlearned
+            for a, e in runs(batch.documents[r].tolist()):
+                doc = inputs[a:e] + ([] if inputs[e - 1] == EOS else [labels[e - 1]])
+                prompt = prompts[bytes(doc[:-1])]
+                assert doc[-1] == EOS and labels[a:a + len(doc) - 1] == \
+                    [doc[t + 1] if t + 1 >= prompt else -100 for t in range(len(doc) - 1)]
+                assert inputs[e - 1] != EOS or labels[e - 1] == -100
+                checked += 1
+            continue
+        if EOS not in labels:
+            continue  # a long record cut to the row
         doc = inputs[:labels.index(EOS) + 1] + [EOS]  # a whole record in the row, then padding
         prompt = prompts.get(bytes(doc[:-1]))
         if prompt is None:
@@ -68,18 +84,31 @@ def test_only_the_completions_and_their_eos_are_learned(tmp_path, packing):
         assert labels == [doc[t + 1] if t + 1 >= prompt else -100 for t in range(len(doc) - 1)] + \
             [-100] * (len(labels) - len(doc) + 1)
         checked += 1
-    assert packing or checked >= 4
+    assert checked >= (12 if packing else 4)
+
+
+def hf_inputs(documents: torch.Tensor) -> dict:
+    """What transformers takes for rows of whole documents: position_ids restarting at each document and a 4-D
+    additive mask, causal within a document (padding, numbered -1, attends to itself)."""
+    T = documents.shape[1]
+    begins = torch.ones_like(documents, dtype=torch.bool)
+    begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    at = torch.arange(T)
+    allowed = (documents[:, :, None] == documents[:, None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    return {"position_ids": at - torch.where(begins, at, 0).cummax(1).values,
+            "attention_mask": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_ten_steps_equal_a_transformers_loop_with_the_prompts_labels_ignored(tmp_path, family):
-    """The whole pipeline (tokenize, train from the Hugging Face weights, in this process) against transformers'
-    own model trained by a plain loop on the same rows, its loss the cross-entropy over the labels that are not
-    -100: the per-step losses agree to 1e-5."""
+def test_ten_steps_of_packed_records_equal_a_transformers_loop(tmp_path, family):
+    """The whole pipeline (tokenize, train from the Hugging Face weights, in this process) on rows of whole records
+    against transformers' own model trained by a plain loop on the same rows, with the prompts' labels -100,
+    position_ids restarting per document and a block-diagonal causal mask: the per-step losses agree to 1e-5."""
     records(tmp_path / "qa.jsonl")
     folder = saved(family, tmp_path / "hf")
     steps, lr = 10, 0.05
-    overrides = [*FAMILIES[family][0], *args(tmp_path / "qa.jsonl", packing=False), f"train.init_from=hf:{folder}",
+    overrides = [*FAMILIES[family][0], *args(tmp_path / "qa.jsonl", packing=True, seq_len=96),
+                 f"train.init_from=hf:{folder}",
                  f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0", "train.grad_clip=0",
                  "optimizer=sgd", f"optimizer.lr={lr}", "optimizer.momentum=0", "optimizer.schedule=constant",
                  "optimizer.weight_decay=0", "optimizer.warmup_steps=0", "cluster=debug", "tracking=none", "dry_run=false"]
@@ -98,7 +127,8 @@ def test_ten_steps_equal_a_transformers_loop_with_the_prompts_labels_ignored(tmp
     for step in range(steps):
         batch = batcher.train_batch(step)
         assert (batch.labels != -100).sum() < (batch.labels != PAD).sum() - (batch.inputs == PAD).sum()
-        logits = model(batch.inputs).logits
+        assert batch.documents.max() >= 1  # rows of several records
+        logits = model(batch.inputs, **hf_inputs(batch.documents)).logits
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100)
         optimizer.zero_grad()
         loss.backward()

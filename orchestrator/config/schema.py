@@ -200,6 +200,22 @@ class DataConfig:
                     "packages add theirs through the orchestrator.data entry points)")
     val_fraction: float = key(0.05, "share of documents held out for evaluation", min=0.0001, max=0.5)
     packing: bool = key(True, "concatenate documents (separated by <eos>) instead of padding each one")
+    packing_strategy: str = key("auto", "data.packing=true: wrapped (a row is a window of the documents back to back, "
+                                        "attending across them: pretraining's way) or bfd (a row holds whole "
+                                        "documents, best-fit decreasing; attention stays within a document and "
+                                        "positions restart at each, as if each ran alone: fine-tuning's way); auto: "
+                                        "bfd for records of prompt_completion or chat, wrapped for text",
+                                choices=("auto", "wrapped", "bfd"), read_when=("data.packing", (True,)))
+    long_documents: str = key("split", "data.packing_strategy=bfd: a document longer than train.seq_len+1 tokens is "
+                                       "split into pieces that overlap by one token (each learned as a document of "
+                                       "its own) or refused by the train stage before its first step",
+                              choices=("split", "refuse"), read_when=("data.packing", (True,)))
+    balance_ranks: bool = key(True, "data.packing=false: deal each batch's rows (documents padded to "
+                                    "train.seq_len) so that every data-parallel rank gets about the same real "
+                                    "tokens, and where the layout allows (no pipeline, engine=torch, no "
+                                    "compilation) each rank packs its rows' tokens into fewer rows with a document "
+                                    "mask, so that it computes about its real tokens; the loss does not change",
+                              read_when=("data.packing", (False,)))
     paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "
                                "glob patterns of UTF-8 text; JSON Lines and Parquet files hold one document per record")
     format: str = key("text", "what a record is: text (one field, every token trained), prompt_completion (a "

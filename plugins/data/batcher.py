@@ -14,7 +14,8 @@ import torch
 
 from plugins.data import shards
 from plugins.data.corpus import sources_of, tokenized
-from plugins.data.registry import Corpus, get_source
+from plugins.data.packing import PADDING, deal, packed_stream, plan_rows, whole_documents
+from plugins.data.registry import get_source
 from storage import file_hashes
 
 
@@ -25,6 +26,8 @@ class Batch:
     input_density: float         # share of real (non-padding) input tokens
     label_density: float         # share of labels that enter the loss
     sources: Optional[np.ndarray] = None   # a mixture's source of each row (data.mix)
+    documents: Optional[torch.Tensor] = None  # (B, T) each input's document in rows of whole documents (bfd)
+    real: Optional[np.ndarray] = None      # (B,) each row's real (non-padding) input tokens
 
     @property
     def n_labels(self) -> int:
@@ -33,10 +36,16 @@ class Batch:
 
 class Batcher:
     """Global batches for a step (train) or an index (eval), the same on every rank and every resume. A mixture
-    (several corpora and their weights) draws each row's source by weight first, from the same generator."""
+    (several corpora and their weights) draws each row's source by weight first, from the same generator.
+    whole_documents ("split" or "refuse", data.long_documents): rows hold whole documents (plugins/data/packing.py)
+    instead of a window of a packed stream or one document each. balance_ranks: the rows are ordered so that each
+    of `ranks` data-parallel ranks' slices holds about the same real tokens (data.balance_ranks: one document a row,
+    padded, whose lengths vary)."""
 
-    def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None):
+    def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None,
+                 whole_documents: Optional[str] = None, ranks: int = 1, balance_ranks: bool = False):
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
+        self.ranks = ranks if balance_ranks and batch_size % ranks == 0 else 1
         mixture = isinstance(corpus, list)
         corpora = corpus if mixture else [corpus]
         if mixture != (weights is not None) or (mixture and len(weights) != len(corpora)):
@@ -51,6 +60,8 @@ class Batcher:
                     raise ValueError(f"{where}{split} split holds {longest} tokens, fewer than train.seq_len+1="
                                      f"{seq_len + 1}: use more data or a shorter train.seq_len")
         self.pad = corpora[0].pad
+        self.rows = [{split: plan_rows(getattr(c, split), seq_len + 1, whole_documents == "split", split)
+                      for split in ("train", "val")} for c in corpora] if whole_documents else None
 
     def train_batch(self, step: int) -> Batch:
         return self._draw("train", (self.seed, 0, step))
@@ -60,46 +71,71 @@ class Batcher:
 
     def _draw(self, split: str, key: tuple[int, ...]) -> Batch:
         rng = np.random.default_rng(key)
-        if self.weights is None:
-            return self._batch([self.corpus] * self.batch_size, split, rng)
-        sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights)
-        batch = self._batch([self.corpus[s] for s in sources], split, rng)
+        sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights) if self.weights is not None \
+            else None
+        batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng)
         batch.sources = sources
+        if self.ranks > 1:
+            order = deal(batch.real, self.ranks)
+            pick = torch.from_numpy(order)
+            batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
+            batch.sources = sources[order] if sources is not None else None
         return batch
 
-    def _batch(self, corpora: list[Corpus], split: str, rng: np.random.Generator) -> Batch:
+    def _batch(self, sources, split: str, rng: np.random.Generator) -> Batch:
         """Rows drawn from each row's corpus's split: a window of a document (a packed stream is one), padded when
-        short. A label enters the loss where its token is real and, in a masked corpus, trained (the completion)."""
+        short, or a row of whole documents. A label enters the loss where its token is real, in a masked corpus
+        trained (the completion), and in a row of documents of the same document as its input."""
         T = self.seq_len
         rows = np.full((self.batch_size, T + 1), self.pad, dtype=np.int64)
         real = np.zeros((self.batch_size, T + 1), dtype=bool)
         trained = np.ones((self.batch_size, T + 1), dtype=bool)
-        for r, corpus in enumerate(corpora):
-            pool, masks = getattr(corpus, split), getattr(corpus, f"{split}_mask")
+        documents = np.full((self.batch_size, T + 1), PADDING, dtype=np.int64) if self.rows is not None else None
+        corpora = self.corpus if isinstance(self.corpus, list) else [self.corpus]
+        for r, s in enumerate(sources):
+            pool, masks = getattr(corpora[s], split), getattr(corpora[s], f"{split}_mask")
+            if self.rows is not None:
+                plan = self.rows[s][split]
+                at = 0
+                for n, p in enumerate(plan.row(int(rng.integers(len(plan))))):
+                    i, start, length = int(plan.doc[p]), int(plan.start[p]), int(plan.length[p])
+                    self._place(r, at, pool, masks, i, start, length, rows, real, trained)
+                    documents[r, at:at + length] = n
+                    at += length
+                continue
             i = rng.integers(len(pool)) if len(pool) > 1 else 0
-            doc = pool[i]
-            start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 else 0
-            window = doc[start:start + T + 1]
-            rows[r, :len(window)] = window
-            real[r, :len(window)] = True
-            if masks is not None:
-                trained[r, :len(window)] = masks[i][start:start + T + 1]
+            doc_len = len(pool[i])
+            start = rng.integers(0, doc_len - T) if doc_len >= T + 1 else 0
+            self._place(r, 0, pool, masks, i, start, min(T + 1, doc_len - start), rows, real, trained)
         tokens = torch.from_numpy(rows)
         inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
         learned = real[:, 1:] & trained[:, 1:]
+        if documents is not None:  # the label after a document's last token is the next document's first
+            learned &= documents[:, 1:] == documents[:, :-1]
         labels[torch.from_numpy(~learned)] = -100
-        return Batch(inputs, labels, float(real[:, :-1].mean()), float(learned.mean()))
+        return Batch(inputs, labels, float(real[:, :-1].mean()), float(learned.mean()),
+                     documents=None if documents is None else torch.from_numpy(documents[:, :-1].copy()),
+                     real=real[:, :-1].sum(axis=1))
+
+    @staticmethod
+    def _place(r, at, pool, masks, i, start, length, rows, real, trained) -> None:
+        """Tokens [start, start+length) of document i (and their mask) into row r from column `at`."""
+        rows[r, at:at + length] = pool[i][start:start + length]
+        real[r, at:at + length] = True
+        if masks is not None:
+            trained[r, at:at + length] = masks[i][start:start + length]
 
 
 def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
     """The batcher of an experiment: the tokenize stage's shards (memory-mapped) when given, else the corpus
     tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights."""
-    corpus = shards.read_all(tokens, cfg.data.packing) if tokens is not None else tokenized(cfg)
+    corpus = shards.read_all(tokens, packed_stream(cfg.data)) if tokens is not None else tokenized(cfg)
     mix = cfg.data.get("mix") or []
     if not mix:
         corpus = corpus[0] if isinstance(corpus, list) else corpus
     return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
-                   [float(m.weight) for m in mix] if mix else None)
+                   [float(m.weight) for m in mix] if mix else None, whole_documents(cfg.data), cfg.parallel.dp,
+                   not cfg.data.packing and cfg.data.get("balance_ranks", True))
 
 
 def data_fingerprint(cfg) -> str:

@@ -21,6 +21,7 @@ import numpy as np
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import encode_chat
+from plugins.data.packing import packed_stream
 from plugins.data.reading import (CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records,
                                   utf8)
 from plugins.data.registry import Corpus, get_source, split_documents
@@ -289,11 +290,11 @@ def finish_all(tokens: Path, tasks: int, tok: tokenizers.Tokenizer, cfg, corpora
 
 
 def tokenized(cfg):
-    """The corpus in memory: what the tokenize stage's shards hold, packed or per document as data.packing says (a
+    """The corpus in memory: what the tokenize stage's shards hold, one stream or per document (packed_stream) (a
     list of corpora for a data.mix)."""
     with tempfile.TemporaryDirectory(prefix="tokenized-") as tmp:
         tokenize_into(cfg, Path(tmp))
-        corpora = [_in_memory(c) for c in shards.read_all(Path(tmp) / TOKENS_DIR, cfg.data.packing)]
+        corpora = [_in_memory(c) for c in shards.read_all(Path(tmp) / TOKENS_DIR, packed_stream(cfg.data))]
     return corpora if cfg.data.get("mix") else corpora[0]
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from plugins.data.packing import packed_stream
 from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
@@ -76,7 +77,7 @@ def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     records = sum(p.size for p in lay.pieces if p.split is None)
     val = sum(p.size for p in lay.pieces if p.split == "val") + int(records * d.val_fraction)
     tokens = (lay.read_bytes - val, val)
-    if d.packing and min(tokens) < seq + 1:
+    if packed_stream(d) and min(tokens) < seq + 1:
         which = "training" if tokens[0] < seq + 1 else "held-out"
         cut = bool(d.max_bytes and lay.left_out)
         return [("data.max_bytes" if cut else "data.paths", d.max_bytes if cut else list(d.paths),
@@ -87,7 +88,7 @@ def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
                   if which == "held-out" else "") + ("data.max_bytes=0 (all of the corpus), " if cut else "")
                  + f"more text, or train.seq_len={max(1, min(tokens) - 1)}")]
     plain = {p.name: p.split for p in lay.pieces if p.split}
-    if not d.packing and not records and len(set(plain.values())) < 2:
+    if not packed_stream(d) and not records and len(set(plain.values())) < 2:
         return [("data.paths", list(d.paths), f"{len(plain)} document(s): each split needs one",
                  "more files, or data.packing=true")]
     return []

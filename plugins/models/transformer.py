@@ -29,16 +29,32 @@ from torch.utils.checkpoint import checkpoint
 from plugins.models.registry import EngineUnit, ModelSpec, Partition, set_constant, set_full, vocab_rows
 
 
-def rotary(x: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary position embedding of (B, heads, T, head_dim) at positions 0..T-1 (the rotate-half convention of
-    Hugging Face's Llama: its weights load unchanged). Angles in fp32, as Llama computes them."""
+def rotary(x: torch.Tensor, theta: float, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Rotary position embedding of (B, heads, T, head_dim) at positions 0..T-1, or at `positions` (B, T) (the
+    rotate-half convention of Hugging Face's Llama: its weights load unchanged). Angles in fp32, as Llama computes
+    them."""
     T, hd = x.shape[-2], x.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
-    angles = torch.arange(T, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None, :]
+    at = torch.arange(T, device=x.device) if positions is None else positions[:, None, :]  # (T) or (B, 1, T)
+    angles = at.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def document_view(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a row of whole documents (data.packing_strategy=bfd) means to attention: documents (B, T) numbers each
+    position's document (consecutive runs; padding is a run of its own) -> (mask (B, 1, T, T), True where a query
+    may attend a key: causal and within its document; positions (B, T), restarting at 0 at each document). With
+    both, a packed row's tokens get the losses they would get alone."""
+    B, T = documents.shape
+    at = torch.arange(T, device=documents.device)
+    begins = torch.ones_like(documents, dtype=torch.bool)
+    begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = at - torch.where(begins, at, 0).cummax(dim=1).values
+    causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
+    return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None], positions
 
 
 class Attention(nn.Module):
@@ -53,27 +69,31 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.kernel = "sdpa"  # sdpa | math, set by set_attention (triton.attention)
 
-    def mix(self, x):
-        """q/k/v projections and causal attention, heads concatenated: the input of the output projection."""
+    def mix(self, x, documents: Optional[tuple] = None):
+        """q/k/v projections and causal attention, heads concatenated: the input of the output projection.
+        documents: document_view's (mask, positions) of rows of whole documents; None: each row is one sequence."""
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        mask, positions = documents if documents is not None else (None, None)
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta), rotary(k, self.rope_theta)
+            q, k = rotary(q, self.rope_theta, positions), rotary(k, self.rope_theta, positions)
         if self.group > 1:  # each key/value head serves `group` query heads
             k = k.unsqueeze(2).expand(-1, -1, self.group, -1, -1).flatten(1, 2)
             v = v.unsqueeze(2).expand(-1, -1, self.group, -1, -1).flatten(1, 2)
         if self.kernel == "math":  # the reference computation, written out (what SDPA's math backend does)
             scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
-            causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+            allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+        elif mask is not None:  # SDPA's kernels that take a mask (on CUDA: memory-efficient; flash takes none)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return y.transpose(1, 2).reshape(B, T, -1)
 
-    def forward(self, x):
-        return self.wo(self.mix(x))
+    def forward(self, x, documents: Optional[tuple] = None):
+        return self.wo(self.mix(x, documents))
 
 
 class Block(nn.Module):
@@ -87,23 +107,26 @@ class Block(nn.Module):
         self.recompute = "none"  # none | layer | selective, set by apply_memory (an attribute keeps names stable)
         self.engine = None  # callable (unit name, block, x) -> unit output, set by an engine other than torch
 
-    def _forward(self, x):
-        x = x + self.drop(self._unit("attention", x))
-        return x + self.drop(self._unit("mlp", x))
+    def _forward(self, x, documents=None):
+        x = x + self.drop(self._unit("attention", x, documents))
+        return x + self.drop(self._unit("mlp", x, documents))
 
-    def _unit(self, name, x):
-        run = self.torch_unit if self.engine is None else (lambda n, h: self.engine(n, self, h))
+    def _unit(self, name, x, documents=None):
+        if self.engine is not None and documents is not None:  # the plan refuses it before launch
+            raise RuntimeError("an engine's exported units take the hidden states only, not a document mask")
+        run = self.torch_unit if self.engine is None else (lambda n, h, _: self.engine(n, self, h))
         if self.recompute == "selective" and torch.is_grad_enabled():
-            return checkpoint(run, name, x, use_reentrant=False)
-        return run(name, x)
+            return checkpoint(run, name, x, documents, use_reentrant=False)
+        return run(name, x, documents)
 
-    def torch_unit(self, name, x):
-        return self.attn(self.ln1(x)) if name == "attention" else self.mlp(self.ln2(x))
+    def torch_unit(self, name, x, documents=None):
+        return self.attn(self.ln1(x), documents=documents) if name == "attention" else self.mlp(self.ln2(x))
 
-    def forward(self, x):
+    def forward(self, x, documents: Optional[tuple] = None):
+        """documents: document_view's (mask, positions) when rows hold whole documents."""
         if self.recompute == "layer" and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, use_reentrant=False)
-        return self._forward(x)
+            return checkpoint(self._forward, x, documents, use_reentrant=False)
+        return self._forward(x, documents)
 
 
 def _without_padding(logits: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -140,15 +163,18 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, h):
-        """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output."""
+    def forward(self, h, documents: Optional[torch.Tensor] = None):
+        """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output.
+        documents (B, T): each position's document in rows of whole documents (data.packing_strategy=bfd): attention
+        stays within a document and positions restart at each (every pipeline stage gets them beside its input)."""
+        view = document_view(documents) if documents is not None and (self.wpe is not None or self.layers) else None
         if self.wte is not None:
             x = self.wte(h)
             if self.wpe is not None:
-                x = x + self.wpe(torch.arange(h.shape[1], device=h.device))
+                x = x + self.wpe(view[1] if view is not None else torch.arange(h.shape[1], device=h.device))
             h = self.drop(x)
         for layer in self.layers.values():
-            h = layer(h)
+            h = layer(h) if view is None else layer(h, documents=view)
         if self.lm_head is not None:
             h = self.lm_head(self.ln_f(h))
             if h.shape[-1] != self.vocab_size:

@@ -55,12 +55,19 @@ class Layout:
     def world(self) -> bool:
         return self.coords.world_size > 1
 
-    def local_batch(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The rows of the global batch this rank's data-parallel replica trains on. To a GPU through pinned memory,
-        without waiting: a copy from pageable memory synchronises the stream, so the host would wait for the last
-        step's kernels before it could queue the next step's."""
+    def rank_rows(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rows of the global batch this rank's data-parallel replica trains on."""
         rows = tensor.shape[0] // self.coords.dp_size
-        mine = tensor[self.coords.dp * rows:(self.coords.dp + 1) * rows]
+        return tensor[self.coords.dp * rows:(self.coords.dp + 1) * rows]
+
+    def local_batch(self, tensor: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """This rank's rows of the global batch, on its device (None stays None: documents of rows that are not
+        whole documents)."""
+        return None if tensor is None else self.to_device(self.rank_rows(tensor))
+
+    def to_device(self, mine: torch.Tensor) -> torch.Tensor:
+        """To a GPU through pinned memory, without waiting: a copy from pageable memory synchronises the stream, so
+        the host would wait for the last step's kernels before it could queue the next step's."""
         if self.device.type == "cuda":
             return mine.pin_memory().to(self.device, non_blocking=True)
         return mine.to(self.device)

@@ -45,15 +45,16 @@ class MicrobatchRunner:
         self.grad_scale = grad_scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
-                   loss_scale: float = 1.0) -> torch.Tensor:
+                   loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         total = torch.zeros((), device=inputs.device)
-        chunks = list(zip(inputs.chunk(self.microbatches), labels.chunk(self.microbatches)))
+        chunks = list(zip(inputs.chunk(self.microbatches), labels.chunk(self.microbatches),
+                          _chunks(documents, self.microbatches)))
         backward_scale = self.grad_scale * loss_scale
-        for i, (x, y) in enumerate(chunks):
+        for i, (x, y, d) in enumerate(chunks):
             set_gradient_sync([self.module], i == len(chunks) - 1)
             self._sample("pre_forward")
             with loss_context(self.loss_parallel):
-                logits = self.module(x)
+                logits = _forward(self.module, x, d)
                 loss = self.loss_fn(logits, y) / n_labels
                 self._sample("post_forward")
                 (loss * backward_scale if backward_scale != 1 else loss).backward()
@@ -62,9 +63,10 @@ class MicrobatchRunner:
         return total if self.counts_loss else torch.zeros_like(total)
 
     @torch.no_grad()
-    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         with loss_context(self.loss_parallel):
-            logits = self.module(inputs)
+            logits = _forward(self.module, inputs, documents)
             total = _value(self.loss_fn(logits, labels))
         return total if self.counts_loss else torch.zeros_like(total)
 
@@ -106,9 +108,10 @@ class PipelineRunner:
         return self.loss_fn(output, target) * self.scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
-                   loss_scale: float = 1.0) -> torch.Tensor:
+                   loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward and backward of every microbatch, as the schedule orders them (memory is sampled
-        around the whole schedule: its phases interleave)."""
+        around the whole schedule: its phases interleave). documents go to every stage (the schedule splits
+        keyword inputs into microbatches like the inputs and hands each stage its own)."""
         self.scale = self.grad_scale * loss_scale / n_labels
         if self.probe is not None:
             self.probe.sample("pre_forward")
@@ -117,6 +120,8 @@ class PipelineRunner:
         losses: list = []
         args = (inputs,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        if documents is not None:
+            kwargs["documents"] = documents
         with loss_context(self.loss_parallel):
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.timeline is not None:
@@ -128,7 +133,8 @@ class PipelineRunner:
         return total if self.counts_loss and self.has_last else torch.zeros_like(total)
 
     @torch.no_grad()
-    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward only, microbatch by microbatch through the stages in order, activations passed
         point-to-point (torch 2.13's schedule.eval() fails for the V schedule: "can't steal_bwd_input
         if this stage doesn't have backward"). Evaluation is rare: simplicity beats overlap here."""
@@ -139,7 +145,7 @@ class PipelineRunner:
         ys = labels.chunk(self.microbatches) if self.has_last else [None] * self.microbatches
         total = torch.zeros((), device=inputs.device)
         last = len(self.stage_ranks) - 1
-        for x, y in zip(xs, ys):
+        for x, y, d in zip(xs, ys, _chunks(documents, self.microbatches)):
             h = x
             for s, owner in enumerate(self.stage_ranks):
                 if owner != me:
@@ -147,12 +153,22 @@ class PipelineRunner:
                 if s > 0 and self.stage_ranks[s - 1] != me:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
                 with loss_context(self.loss_parallel):
-                    h = self.modules[s](h)
+                    h = _forward(self.modules[s], h, d)
                     if s == last:
                         total += _value(self.loss_fn(h, y))
                 if s < last and self.stage_ranks[s + 1] != me:
                     _send(h, self.stage_ranks[s + 1], self.group)
         return total if self.counts_loss and self.has_last else torch.zeros_like(total)
+
+
+def _chunks(documents: Optional[torch.Tensor], n: int) -> list:
+    return list(documents.chunk(n)) if documents is not None else [None] * n
+
+
+def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tensor]) -> torch.Tensor:
+    """A module's forward, with the rows' documents when they hold whole documents (a call without them otherwise,
+    so a module that never sees them needs no such argument)."""
+    return module(h) if documents is None else module(h, documents=documents)
 
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # activations between stages

@@ -1,10 +1,12 @@
 """engine=ort's rules: ONNX Runtime's training build is installed (with CUDA where the ranks run on a GPU), and the
-settings it cannot honour (mixed precision, sequence parallelism, Triton kernels without CUDA) are refused."""
+settings it cannot honour (mixed precision, sequence parallelism, Triton kernels without CUDA, rows of whole
+documents) are refused."""
 from __future__ import annotations
 
 import sys
 
 from planning.problem import Problem
+from plugins.data.packing import whole_documents
 from runtime import machine
 
 
@@ -27,6 +29,13 @@ def check(cfg) -> list[Problem]:
                                 "row-parallel matmul) as one graph, but sequence parallelism needs a collective "
                                 "between the LayerNorm and the matmuls", "parallel.sequence_parallel=false, or "
                                 "engine=torch"))
+    if whole_documents(cfg.data) is not None:
+        problems.append(Problem("data.packing_strategy", cfg.data.get("packing_strategy", "auto"),
+                                "engine=ort runs each unit as an ONNX graph exported with the hidden states as its "
+                                "only input; rows of whole documents (the bfd strategy; auto picks it for "
+                                f"data.format={cfg.data.format}) need a document mask and positions beside them, "
+                                "which that graph cannot take", "data.packing_strategy=wrapped (documents attend "
+                                "across each other), data.packing=false (one document a row), or engine=torch"))
     installed = install_problems()
     problems += installed
     if not installed and cfg.cluster.name != "slurm" and machine.has_cuda() and not machine.ort_has_cuda():
