@@ -48,3 +48,34 @@ def test_ids_and_assistant_mask_equal_apply_chat_template(hf_tokenizer, chat):
     assert 0 < trained.sum() < len(ids)  # the answers, not the prompts
     said = hf.decode([i for i, t in zip(ids, trained) if t])
     assert all(m["content"] in said for m in chat if m["role"] == "assistant")
+
+
+STRICT = CHATML.replace("{% for message in messages %}", "{% for message in messages %}{% if message['role'] == "
+                        "'system' and not loop.first %}{{ raise_exception('the system message must come first') }}"
+                        "{% endif %}")
+
+
+@pytest.mark.parametrize("bad,words", [
+    ({"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+     "role 'human' is neither one of system, user, assistant, tool nor named by the chat template"),
+    ({"messages": [{"role": "user", "text": "hi"}]}, "is not a list of {role, content} messages"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"},
+                   {"role": "assistant", "content": "ok"}]}, "the system message must come first"),
+], ids=["unknown-role", "not-messages", "fails-to-render"])
+def test_a_bad_chat_record_is_refused_naming_its_file_and_line(tmp_path, hf_tokenizer, bad, words):
+    import json
+
+    from plugins.data.corpus import tokenized
+    from tests.conftest import make_cfg
+
+    _, folder = hf_tokenizer
+    lines = [json.dumps({"messages": chat}) for chat in CHATS * 3]
+    lines.insert(4, json.dumps(bad))
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "strict.jinja").write_text(STRICT)
+    cfg = make_cfg("data=text", f"data.paths=[{tmp_path}/chats.jsonl]", "data.format=chat",
+                   f"data.tokenizer=hf:{folder}", f"data.chat_template={tmp_path}/strict.jinja", "data.packing=false",
+                   "train.seq_len=32", "train.batch_size=2", runs_dir=tmp_path)
+    with pytest.raises(ValueError) as e:
+        tokenized(cfg)
+    assert f"{tmp_path}/chats.jsonl: line 5" in str(e.value) and words in str(e.value)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Optional
@@ -19,6 +20,7 @@ from typing import Optional
 import numpy as np
 
 TEMPLATE_FILE = "tokenizer_config.json"
+STANDARD_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (OpenAI's and HF's roles)
 
 
 def template_of(folder: Path) -> Optional[str]:
@@ -110,3 +112,10 @@ def encode_chat(tokenizer, template: str, messages: list[dict], **variables) -> 
     text, spans = render(template, messages, **variables)
     encoding = tokenizer.encode(text, add_special_tokens=False)
     return np.asarray(encoding.ids, dtype=np.int64), trained_tokens(encoding.offsets, spans)
+
+
+@functools.lru_cache(maxsize=8)
+def roles(template: str) -> frozenset:
+    """The roles a message may have under a template: the standard ones and any the template names (a quoted word:
+    `message['role'] == 'ipython'`). A role outside them is a typo or another format's (ShareGPT's 'human', 'gpt')."""
+    return frozenset(STANDARD_ROLES) | frozenset(re.findall(r"""['"](\w+)['"]""", template))

@@ -20,7 +20,7 @@ import numpy as np
 
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
-from plugins.data.chat import encode_chat
+from plugins.data.chat import STANDARD_ROLES, encode_chat, roles
 from plugins.data.packing import packed_stream
 from plugins.data.reading import (CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records,
                                   utf8)
@@ -148,9 +148,9 @@ def _piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
         for split, text, closes in documents(piece, d.text_field, d.val_fraction):
             yield split, (text,), closes
         return
-    for split, record in records(piece, record_fields(d), d.val_fraction):
+    for split, record, where in records(piece, record_fields(d), d.val_fraction):
         if d.format == "chat":
-            yield split, Chat(record["messages_field"], f"{piece.path} ({piece.name})"), True
+            yield split, Chat(record["messages_field"], where), True
             continue
         learned = utf8(record["completion_field"])
         yield split, (utf8(record["prompt_field"]), learned) if learned else (), True
@@ -160,7 +160,7 @@ class Chat(tuple):
     """A chat record's messages, as a document's texts (their contents: what a BPE learns from); the tokenize stage
     renders it with the chat template and learns the assistant's tokens (plugins/data/chat.py)."""
 
-    def __new__(cls, messages, where: str):
+    def __new__(cls, messages, where):
         if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                      and isinstance(m.get("content"), str) for m in messages):
             raise ValueError(f"{where}: a record's data.messages_field is not a list of {{role, content}} messages "
@@ -314,6 +314,12 @@ def masks_loss(cfg) -> bool:
 def _chat_ids(tok: tokenizers.Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
     """A chat record's ids (the rendered template's, then <eos>) and which are the assistant's: the <eos> too when
     the chat's last message is the assistant's (it learns to stop there)."""
+    unknown = next((m["role"] for m in chat.messages if m["role"] not in roles(tok.chat_template)), None)
+    if unknown is not None:
+        raise ValueError(f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} "
+                         f"nor named by the chat template (it would render as the template's fallback, or not at "
+                         f"all); fix: rename the role in the records, or data.chat_template= a template that "
+                         f"knows it")
     try:
         ids, trained = encode_chat(tok.with_offsets(), tok.chat_template, chat.messages, **(tok.special or {}))
     except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal

@@ -191,7 +191,7 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
         _, data = piece_bytes(piece)
         yield piece.split, data, piece.closes
         return
-    for split, record in records(piece, {"text_field": text_field}, val_fraction):
+    for split, record, _ in records(piece, {"text_field": text_field}, val_fraction):
         text = utf8(record["text_field"])
         if text:  # an empty record is no document
             yield split, text, True
@@ -207,21 +207,37 @@ def record_fields(data_cfg) -> dict[str, str]:
     return {"text_field": data_cfg.text_field}
 
 
-def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """(split, {key: the value of its field}) of each record of a JSON Lines or Parquet piece; fields maps
-    the data keys that name fields (text_field, prompt_field, ...) to the names. The split comes from the record's
-    name (file and line, or file and row). A record without one of the fields is refused, naming file and line."""
+class Where:
+    """Where a record is, for a message: its file and line (JSON Lines, from the line's offset: counted only when
+    printed) or row (Parquet, Arrow)."""
+
+    def __init__(self, path, line_start: Optional[int] = None, row: Optional[int] = None):
+        self.path, self.line_start, self.row = path, line_start, row
+
+    def __str__(self) -> str:
+        if self.line_start is not None:
+            return f"{self.path}: line {line_number(self.path, self.line_start)}"
+        return f"{self.path}: row {self.row}"
+
+
+def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterator[tuple[str, dict, Where]]:
+    """(split, {key: the value of its field}, where it is) of each record of a JSON Lines or Parquet piece; fields
+    maps the data keys that name fields (text_field, prompt_field, ...) to the names. The split comes from the
+    record's name (file and line, or file and row). A record without one of the fields is refused, naming file and
+    line."""
     if piece.kind == "jsonl":
         offset, data = piece_bytes(piece)
         for line_start, record in _json_records(piece, offset, data):
             missing = next((k for k, f in fields.items() if f not in record), None)
             if missing is not None:
-                raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} "
-                                 f"{no_field(fields[missing], record)}: data.{missing}= the field that holds it")
-            yield _split(f"{piece.name}@{line_start}", val_fraction), {k: record[f] for k, f in fields.items()}
+                raise ValueError(f"{Where(piece.path, line_start)} {no_field(fields[missing], record)}: "
+                                 f"data.{missing}= the field that holds it")
+            yield (_split(f"{piece.name}@{line_start}", val_fraction), {k: record[f] for k, f in fields.items()},
+                   Where(piece.path, line_start))
     elif piece.kind != "text":
         for row, values in enumerate(_rows(piece, tuple(fields.values())), piece.first_row):
-            yield _split(f"{piece.name}#{row}", val_fraction), {k: values[f] for k, f in fields.items()}
+            yield (_split(f"{piece.name}#{row}", val_fraction), {k: values[f] for k, f in fields.items()},
+                   Where(piece.path, row=row))
 
 
 def utf8(value) -> bytes:
