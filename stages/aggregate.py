@@ -100,7 +100,10 @@ def aggregate(ctx: StageContext) -> None:
                            f"precision={precision.name})")
 
     # 3. a folder transformers loads (AutoModelForCausalLM.from_pretrained(out / "hf"))
-    hf_note = hf.save_folder(ctx.out / "hf", weights, cfg.model, int(a.shard_size_mb * MB))
+    index = read_json(ctx.inputs["tokenize"] / "tokens" / "index.json")
+    hf_note = hf.save_folder(ctx.out / "hf", weights, cfg.model, int(a.shard_size_mb * MB),
+                             {k: index[t] for k, t in (("eos_token_id", "eos"), ("pad_token_id", "pad"))
+                              if index[t] < cfg.model.vocab_size})
     if hf_note:
         ctx.log.warning("no hf/ folder: %s", hf_note)
     elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with

@@ -178,10 +178,11 @@ def _padded(make: Callable[[], torch.Tensor], rows: int) -> torch.Tensor:
 
 
 def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Optional[str]:
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, token_ids: Optional[dict] = None) -> Optional[str]:
     """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, from our full (fp32) weights (a dict,
     or a Reader of the aggregated files: read one Hugging Face tensor at a time, written in shards of at most
-    max_shard_bytes). Returns why not when the model cannot be expressed (then nothing is written)."""
+    max_shard_bytes). token_ids: the data's {"eos_token_id", "pad_token_id"} (generation stops at the <eos> the
+    model learned). Returns why not when the model cannot be expressed (then nothing is written)."""
     folder = Path(folder)
     d, n = model_cfg.d_model, model_cfg.n_layers
 
@@ -244,5 +245,6 @@ def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
     entries = [shards.Entry(k, tuple(planned.shape), planned.dtype, partial(make, False))
                for k, make in recipes.items() for planned in [make(True)]]
     shards.write(folder, "model", entries, max_shard_bytes, metadata={"format": "pt"})
+    config.update(token_ids or {})
     (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n")
     return None

@@ -1,6 +1,8 @@
 """Every validation rule: a bad config fails before anything starts, naming key, value, rule and fix."""
 from __future__ import annotations
 
+import json
+
 import shutil
 
 import pytest
@@ -27,11 +29,17 @@ def test_default_config_is_valid():
 
 @pytest.mark.parametrize("group", ["model", "parallel", "optimizer", "memory", "precision", "triton", "engine",
                                    "data", "cluster", "tracking"])
-def test_every_option_composes_and_validates(group):
+def test_every_option_composes_and_validates(group, tmp_path):
     """Each option validates; the only problems allowed are the machine's: no SLURM commands here, or too little
-    memory or disk for a GPU-sized model (llama_1b on a CI runner)."""
+    memory or disk for a GPU-sized model (llama_1b on a CI runner). data=text and data=chat are given files."""
+    from tests.test_chat import CHATML, CHATS
+
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 400))
+    (tmp_path / "chatml.jinja").write_text(CHATML)
+    given = {"text": ["data.paths=[README.md]"],
+             "chat": [f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={tmp_path}/chatml.jinja"]}
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        overrides = [f"{group}={option}"] + (["data.paths=[README.md]"] if option == "text" else [])
+        overrides = [f"{group}={option}"] + (given.get(option, []) if group == "data" else [])
         got = [p for p in problems_of(*overrides) if not _machine_problem(p)]
         assert got == [], (group, option, [(p.key, str(p.value), p.rule) for p in got])
 
