@@ -17,11 +17,10 @@ def check(cfg) -> list[Problem]:
                         "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
     source = get_source(d.name)
     problems = _tokenizer_problems(cfg, source) + _eval_problems(cfg, source)
-    if d.format != "text" and (d.name != "text" or d.get("mix")):
+    if d.format != "text" and d.name != "text":
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
-                                   f"Parquet files by data=text, one corpus (data.mix of such records is not read "
-                                   f"yet); data={d.name}" + (" with data.mix" if d.get("mix") else "") +
-                                   " has none", "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
+                                   f"Parquet files by data=text; data={d.name} has none",
+                                   "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
     if d.format == "chat":
         problems += _chat_problems(d)
     if d.get("mix"):
