@@ -23,6 +23,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from common.problem import Problem
 from storage.fsio import (PROBE_PREFIX, atomic_write_json, file_table, kept_aside, publish_dir, read_json,
                           remove_tree, stamp, verify_file_table)
 
@@ -153,7 +154,6 @@ def check(cfg) -> list:
     """cache_dir holds a cache or nothing: a cache in a folder of other things (a home folder, a project) is almost
     surely a typo, and the stages would write their folders among them. (Validation says whether it can be
     written, and refuses the filesystem's root.)"""
-    from planning.problem import Problem
     from stages import ORDER
 
     root = Path(cfg.cache_dir).expanduser().absolute()

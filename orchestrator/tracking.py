@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from common.problem import Problem
 from stages.base import Tracker
 
 FLUSH_EVERY_S = 10.0
@@ -263,7 +264,6 @@ TRACKING_TIMEOUT_S = 5.0  # an MLflow server that does not answer this fast is r
 def check(cfg) -> list:
     """The MLflow store can be created or opened, or the server answers (MLflow itself would retry a dead server
     for minutes before saying anything)."""
-    from planning.problem import Problem
     from storage.fsio import why_unwritable
 
     t = cfg.tracking
@@ -324,7 +324,6 @@ def _database_problems(uri: str, fix: str) -> list:
     from sqlalchemy.engine.url import make_url
     from sqlalchemy.exc import ArgumentError, NoSuchModuleError
 
-    from planning.problem import Problem
 
     try:
         url = make_url(uri)

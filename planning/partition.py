@@ -60,8 +60,3 @@ def build_plan(model_cfg, parallel_cfg) -> dict:
         "parameters": params,
         "n_parameters": sum(p.numel() for p in full.parameters()),
     }
-
-
-def aliases(plan: dict) -> dict[str, str]:
-    """Tied copies: parameter name -> the name of the weight it shares (e.g. lm_head.weight -> wte.weight)."""
-    return {name: p["tied_to"] for name, p in plan["parameters"].items() if p["tied_to"]}

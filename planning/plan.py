@@ -12,10 +12,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from common.problem import Problem
 from planning.estimate import (STAGE_RUNTIME, Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate,
                                stage_costs,
                                step_flops)
-from planning.problem import Problem
 from plugins.data.corpus import corpus_layouts, memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
 from plugins.parallel import world_size

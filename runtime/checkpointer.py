@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from plugins.models.registry import vocab_rows
 from storage import checkpoint as ckpt
 from storage import hf
 from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree
@@ -17,9 +16,12 @@ ADOPTED = "adopted.json"  # in the scratch folder: the checkpoint an earlier att
 
 
 class Checkpointer:
-    def __init__(self, ctx, layout, parts, scaler, meta: dict, history):
+    """vocab_rows: the model's embedding rows (model.pad_vocab_to's padding included): Hugging Face weights
+    (train.init_from=hf:) are padded to them."""
+
+    def __init__(self, ctx, layout, parts, scaler, meta: dict, history, vocab_rows: int):
         self.ctx, self.layout, self.parts, self.scaler = ctx, layout, parts, scaler
-        self.meta, self.history = meta, history
+        self.meta, self.history, self.vocab_rows = meta, history, vocab_rows
         self.folder = ctx.scratch / "checkpoints"
         self.keep = max(ctx.cfg.train.keep_checkpoints, 1)
 
@@ -55,7 +57,7 @@ class Checkpointer:
         if choice is None:
             return 0
         if hf.folder_of(choice):  # weights only: a fresh optimizer, step 0
-            ckpt.load_full_weights(self.parts, hf.load_state(hf.folder_of(choice), vocab_rows(ctx.cfg.model)),
+            ckpt.load_full_weights(self.parts, hf.load_state(hf.folder_of(choice), self.vocab_rows),
                                    self.layout.aliases)
             ctx.log.info("starting from the Hugging Face weights in %s", hf.folder_of(choice))
             ctx.tracker.set_tags({"resumed_from_step": 0, "resumed_from": choice})

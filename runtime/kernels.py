@@ -18,6 +18,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from common.problem import Problem
+
 
 class CompileFailed(RuntimeError):
     pass
@@ -129,7 +131,6 @@ def check(cfg) -> list:
     """On a CPU, torch.compile generates C++: triton=on needs a compiler there."""
     import shutil
 
-    from planning.problem import Problem
     from runtime import machine
 
     if cfg.triton.enabled and not machine.has_cuda() and not (shutil.which("g++") or shutil.which("c++")):

@@ -6,6 +6,8 @@ import math
 import torch
 from torch import nn
 
+from common.problem import Problem
+
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay weight matrices and embeddings; never biases or norm scales (nanoGPT's rule: dim >= 2).
@@ -82,7 +84,6 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 
 def check(cfg) -> list:
-    from planning.problem import Problem
 
     if cfg.optimizer.name not in OPTIMIZERS:
         return [Problem("optimizer.name", cfg.optimizer.name, f"the optimizers there are: {', '.join(OPTIMIZERS)} "

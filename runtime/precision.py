@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from common.problem import Problem
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -179,7 +181,6 @@ def mfu(n_params: int, tokens_per_s: Optional[float], peak: Optional[float]) -> 
 
 def check(cfg) -> list:
     """bf16 needs a GPU of compute capability 8.0 (Ampere) or newer where the ranks run on this machine's CUDA."""
-    from planning.problem import Problem
     from runtime import machine
 
     if cfg.precision.name == "bf16" and cfg.cluster.name != "slurm" and machine.has_cuda() and not machine.cuda_bf16():

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from common.problem import Problem
+
 
 class StepProfiler:
     """Call `step_begins(step)` before and `step_ended(step)` after each (1-based) step; inactive when not asked."""
@@ -41,7 +43,6 @@ class StepProfiler:
 
 
 def check(cfg) -> list:
-    from planning.problem import Problem
 
     t = cfg.train
     steps = list(t.profile)

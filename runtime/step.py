@@ -8,7 +8,6 @@ from typing import Optional
 
 import torch
 
-from plugins.data.packing import rank_tokens, repack
 from runtime.optim import set_lr
 from runtime.precision import LossScaler
 
@@ -34,17 +33,6 @@ class StepSettings:
                             p.microbatches, math.lcm(8, p.hp if p.sequence_parallel else 1) if repacks else 0)
 
 
-def rank_inputs(layout, batch, s: StepSettings) -> tuple:
-    """This rank's (inputs, labels, documents) on its device: its rows of the global batch, or (s.repack_to) their
-    real tokens packed into fewer rows (plugins/data/packing.repack): the same logits per token, about the real
-    tokens' compute, so ranks dealt equal real tokens take equal time."""
-    if not s.repack_to or batch.real is None or batch.documents is not None:
-        return tuple(layout.local_batch(t) for t in (batch.inputs, batch.labels, batch.documents))
-    mine = repack(layout.rank_rows(batch.inputs), layout.rank_rows(batch.labels),
-                  layout.rank_rows(torch.from_numpy(batch.real)), s.repack_to, s.microbatches)
-    return tuple(layout.to_device(t) for t in mine)
-
-
 def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings, probe,
                scaler: Optional[LossScaler] = None) -> dict:
     """One optimizer step over the global batch (this rank's share of it). Returns the step's record with the loss
@@ -59,7 +47,7 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     n_labels = max(batch.n_labels, 1)  # the loss is a mean over the whole batch's labels, however it is split
     probe.start_step()
     loss_scale = scaler.scale
-    inputs, labels, documents = rank_inputs(layout, batch, s)
+    inputs, labels, documents = layout.rank_inputs(batch, s.repack_to, s.microbatches)
     loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents)
     grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)
     finite = scaler.step_ok(grad_norm)
@@ -77,6 +65,5 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     if layout.timeline is not None:
         row["pipeline_idle_fraction"] = layout.timeline.idle_fraction()
     if layout.coords.dp_size > 1 and batch.real is not None:  # the straggler's share: 1 when ranks are balanced
-        tokens = rank_tokens(batch.real, layout.coords.dp_size)
-        row["rank_tokens_max_over_mean"] = float(tokens.max() / max(tokens.mean(), 1))
+        row["rank_tokens_max_over_mean"] = layout.rank_token_spread(batch.real)
     return row

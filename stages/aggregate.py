@@ -29,12 +29,12 @@ from storage.dcp_reader import CheckpointReader
 from runtime.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
 from storage.fsio import atomic_write_json, link_tree, read_json
 from plugins.models import get_model
-from plugins.models.registry import build_on_meta, load_full, materialise, vocab_rows
+from plugins.models.registry import build_on_meta, materialise, vocab_rows
 from plugins.onnx.exporter import save_inference
 from plugins.onnx.io_schema import IOSchema
-from planning.partition import aliases as plan_aliases
 from runtime.precision import Precision
 from storage.safetensors_shards import Reader
+from storage.weights import load_full, tied_aliases
 from stages.base import Stage, StageContext
 
 # the train stage evaluated in its layout (other reduction orders), engine (ONNX Runtime's kernels) and precision
@@ -49,7 +49,7 @@ def aggregate(ctx: StageContext) -> None:
     spec = get_model(cfg.model.name)
     source = ctx.inputs["checkpoint"]
     manifest = ckpt.read_manifest(source)
-    aliases = plan_aliases(manifest["partition_plan"])
+    aliases = tied_aliases(manifest["partition_plan"])
     order = [name for name, _ in build_on_meta(spec, cfg.model).named_parameters()]
 
     seconds: dict[str, float] = {}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from plugins.data import build_batcher
 from plugins.models import get_model
+from plugins.models.registry import vocab_rows
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
@@ -58,7 +59,8 @@ def train(ctx: StageContext) -> None:
                         "dp_mode": plan["layout"]["dp_mode"], "optimizer": cfg.optimizer.name, "seed": t.seed,
                         "precision": cfg.precision.name},
             "config_key": ctx.key, "partition_plan": plan}
-    checkpointer = Checkpointer(ctx, layout, list(zip(layout.parts, optimizers)), scaler, meta, history)
+    checkpointer = Checkpointer(ctx, layout, list(zip(layout.parts, optimizers)), scaler, meta, history,
+                                vocab_rows(cfg.model))
     if not t.resume:
         checkpointer.forget()
         if ctx.is_rank0:

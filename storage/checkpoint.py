@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from plugins.models.registry import load_full
+from storage.weights import load_full
 from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir, read_json, remove_tree,
                           verify_file_table)
 

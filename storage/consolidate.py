@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 
 from storage import safetensors_shards as shards
 from storage.dcp_reader import CheckpointReader
-from plugins.models.registry import load_full
+from storage.weights import load_full
 from storage.safetensors_shards import Entry, Reader
 
 MODEL, OPTIMIZER = "model", "optimizer"      # file stems

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from planning.problem import Problem
+from common.problem import Problem
 from storage import hf
 from storage.fsio import read_json
 

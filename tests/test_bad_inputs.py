@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from hydra.errors import HydraException
 
+from common.problem import _show
 from orchestrator.config.errors import ConfigError, from_hydra
-from planning.problem import _show
 from orchestrator.config.validate import validate, warnings
 from tests.conftest import ROOT, make_cfg, run_cli
 

@@ -7,9 +7,10 @@ from pathlib import Path
 
 from tests.conftest import ROOT
 
-PACKAGES = ("orchestrator", "stages", "plugins", "storage", "planning", "runtime", "hydra_plugins", "tests",
+PACKAGES = ("orchestrator", "stages", "plugins", "storage", "planning", "runtime", "common", "hydra_plugins", "tests",
             "benchmarks")
-LIBRARY = ("plugins", "storage", "planning", "runtime")  # below the stages: they import neither stages nor orchestrator
+# the floors, top to bottom: a module imports its own floor and those below, never one above (DESIGN.md)
+FLOORS = ("orchestrator", "stages", "planning", "plugins", "runtime", "storage", "common")
 # the orchestrator's own rule owners, whose check(cfg) validation collects (the config language imports nothing else)
 OWNER_RULES = ("orchestrator.tracking", "orchestrator.cluster.rules", "orchestrator.cache")
 
@@ -113,8 +114,8 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
     bad = []
     for m, targets in graph.items():
         for t in targets:
-            if top(m) in LIBRARY and top(t) in ("orchestrator", "stages"):
-                bad.append(f"{m} -> {t}: {top(m)} imports neither stages nor orchestrator")
+            if top(m) in FLOORS and top(t) in FLOORS and FLOORS.index(top(t)) < FLOORS.index(top(m)):
+                bad.append(f"{m} -> {t}: {top(m)} is below {top(t)} (floors: {' > '.join(FLOORS)})")
             if top(m) == "stages" and top(t) == "orchestrator":
                 bad.append(f"{m} -> {t}: stages do not import the orchestrator")
             if top(m) == "stages" and top(t) == "stages" and m != "stages" and t not in ("stages", "stages.base"):
@@ -130,3 +131,9 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
 
 def test_imports_point_down_the_layers():
     assert _layer_violations(import_graph()) == []
+
+
+def test_an_import_up_a_floor_is_named():
+    bad = _layer_violations({"storage.checkpoint": {"plugins.models.registry"}, "plugins.data.rules": {"common.problem"}})
+    assert bad == ["storage.checkpoint -> plugins.models.registry: storage is below plugins "
+                   "(floors: orchestrator > stages > planning > plugins > runtime > storage > common)"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import shutil
 
-from planning.problem import Problem
+from common.problem import Problem
 from plugins.parallel import world_size
 from runtime import machine
 

@@ -11,7 +11,8 @@ import difflib
 import re
 from typing import Any, Optional
 
-from planning.problem import Problem, _show  # Problem is re-exported: the config language's error type
+from common.problem import Problem, _show  # Problem is re-exported: the config language's error type
+
 
 
 class ConfigError(Exception):

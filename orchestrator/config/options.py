@@ -25,8 +25,10 @@ def options_of(group: str, conf: Path = CONF) -> list[str]:
 
 
 def option_using(group: str, schema_name: str, conf: Path = CONF) -> str:
-    """The first option file of a group built on the given schema (e.g. optimizer/sgd.yaml on sgd_schema)."""
-    for path in sorted((conf / group).glob("*.yaml")):
+    """An option file of a group built on the given schema (e.g. optimizer/sgd.yaml on sgd_schema): the group's
+    default when it is (data=stdlib, which runs as it is, not data=chat, which needs files), else the first."""
+    paths = sorted((conf / group).glob("*.yaml"), key=lambda p: (p.stem != defaults(conf).get(group), p.stem))
+    for path in paths:
         if schema_name in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
             return path.stem
     raise LookupError(f"no option of {group} uses {schema_name}")

@@ -9,7 +9,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import (InterpolationKeyError, InterpolationResolutionError, MissingMandatoryValue,
                               OmegaConfBaseException, UnsupportedInterpolationType)
 
-from planning.problem import Problem
+from common.problem import Problem
 
 
 def unresolved(config: DictConfig, hydra_keys: tuple[str, ...] = ()) -> list[Problem]:

@@ -2,7 +2,7 @@
 tokenizer we know whose ids the model's embedding holds, and the source's own checks (files, amounts)."""
 from __future__ import annotations
 
-from planning.problem import Problem
+from common.problem import Problem
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import compiled
 from plugins.data.corpus import corpus_layouts, sources_of

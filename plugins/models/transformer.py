@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plugins.models.registry import EngineUnit, ModelSpec, Partition, set_constant, set_full, vocab_rows
+from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
+from storage.weights import set_constant, set_full
 
 
 def rotary(x: torch.Tensor, theta: float, positions: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import difflib
 
-from planning.problem import Problem
+from common.problem import Problem
+
 
 
 def check(cfg) -> list[Problem]:

@@ -18,12 +18,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from plugins.data.packing import rank_tokens, repack
 from plugins.models.registry import build_on_meta, materialise
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
 from plugins.parallel.parallelize import parallelize
 from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
-from planning.partition import aliases as plan_aliases
+from storage.weights import tied_aliases
 from runtime.kernels import KernelReport
 
 
@@ -64,6 +65,21 @@ class Layout:
         """This rank's rows of the global batch, on its device (None stays None: documents of rows that are not
         whole documents)."""
         return None if tensor is None else self.to_device(self.rank_rows(tensor))
+
+    def rank_inputs(self, batch, repack_to: int = 0, microbatches: int = 1) -> tuple:
+        """This rank's (inputs, labels, documents) of a batch on its device: its rows, or (repack_to: padded rows
+        of one document each) their real tokens packed into fewer rows (plugins/data/packing.repack): the same
+        logits per token, about the real tokens' compute, so ranks dealt equal real tokens take equal time."""
+        if not repack_to or batch.real is None or batch.documents is not None:
+            return tuple(self.local_batch(t) for t in (batch.inputs, batch.labels, batch.documents))
+        mine = repack(self.rank_rows(batch.inputs), self.rank_rows(batch.labels),
+                      self.rank_rows(torch.from_numpy(batch.real)), repack_to, microbatches)
+        return tuple(self.to_device(t) for t in mine)
+
+    def rank_token_spread(self, real) -> float:
+        """The most real tokens a data-parallel rank holds over their mean (1: balanced)."""
+        tokens = rank_tokens(real, self.coords.dp_size)
+        return float(tokens.max() / max(tokens.mean(), 1))
 
     def to_device(self, mine: torch.Tensor) -> torch.Tensor:
         """To a GPU through pinned memory, without waiting: a copy from pageable memory synchronises the stream, so
@@ -121,7 +137,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         parts.append(module)
     check_against_plan(parts, plan)
 
-    aliases = plan_aliases(plan)
+    aliases = tied_aliases(plan)
     loss_rank = coords.hp == 0  # tensor-parallel peers compute the same loss: count it once
     if p.pp > 1:
         tl = Timeline() if timeline else None

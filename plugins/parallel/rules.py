@@ -2,7 +2,7 @@
 training settings. Checked before launch (validation collects them)."""
 from __future__ import annotations
 
-from planning.problem import Problem, divisors
+from common.problem import Problem, divisors
 from plugins.models.registry import vocab_rows
 from plugins.parallel.schedules import SCHEDULES
 

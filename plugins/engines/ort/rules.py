@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from planning.problem import Problem
+from common.problem import Problem
 from plugins.data.packing import whole_documents
 from runtime import machine
 
