@@ -110,7 +110,7 @@ def estimates(args: list[str]) -> dict:
 
 def verify_speed(cache_root: Path) -> dict:
     """A full hash of the checkpoint entry (cache_verify=full) against a hit of the untouched entry (hash: stamps)."""
-    from orchestrator.cache import Cache
+    from orchestrator.cache.store import Cache
 
     cache = Cache(cache_root)
     (key,) = [p.name for p in (cache_root / "checkpoint").iterdir() if not p.name.startswith(".") and

@@ -30,14 +30,14 @@ from orchestrator.config.schema import register
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _experiment(cfg: DictConfig) -> Optional[float]:
     """One run; it returns the run's objective (`sweep.objective`) for sweepers run by another launcher (the
-    orchestrator's own launcher, orchestrator/sweep.py, returns it without calling this)."""
-    from orchestrator import objective
+    orchestrator's own launcher, orchestrator/sweeps/launcher.py, returns it without calling this)."""
+    from orchestrator.sweeps import objective
     from orchestrator.run import orchestrate
 
     hc = HydraConfig.get()
     try:
         if cfg.tune.name == "layout":
-            from orchestrator.tune import tune
+            from orchestrator.sweeps.tune import tune
 
             EXIT_CODES.append(tune(cfg, Path(hc.runtime.output_dir), task_overrides(hc)))
             return None
@@ -60,9 +60,9 @@ def main() -> int:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let composition errors reach us: we explain them in config terms
     register()
     Plugins.instance()  # Hydra scans its plugins once, storing their configs; then the Optuna sweeper's is replaced
-    store_optuna_sweeper()  # by the one whose study the same command continues (orchestrator/study.py)
+    store_optuna_sweeper()  # by the one whose study the same command continues (orchestrator/sweeps/study.py)
     interrupt.install()  # SIGTERM takes Ctrl-C's path: save, mark the runs KILLED, say how to continue
-    from orchestrator.sweep import finish_study
+    from orchestrator.sweeps.launcher import finish_study
 
     try:
         _experiment()

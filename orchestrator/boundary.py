@@ -5,7 +5,7 @@ Hydra composes the config, then calls the callbacks' `on_run_start` / `on_multir
 makes the run (or sweep) folder. `Precheck`, registered in conf/config.yaml, uses that moment: it resolves Hydra's
 keys that the run reads, checks the run folder, and validates the experiment as `orchestrate` will (validation
 resolves every key first and refuses a list given to a config group: orchestrator/config/values.py); for `-m`,
-every point of the sweep and the sweeper's search space (orchestrator/sweep_check.py). A refusal is a
+every point of the sweep and the sweeper's search space (orchestrator/sweeps/check.py). A refusal is a
 `ConfigError`: `python -m orchestrator` prints it and exits 2, with nothing written.
 
 `explain` turns what Hydra, OmegaConf or a sweeper raise on their own into the same refusal where the exception
@@ -46,7 +46,7 @@ class Precheck(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from orchestrator.report import console
-        from orchestrator.sweep_check import check_sweep
+        from orchestrator.sweeps.check import check_sweep
 
         for line in _refusing(check_sweep, config):
             console.print(line, soft_wrap=True, markup=False)

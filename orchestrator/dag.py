@@ -2,7 +2,7 @@
 
 A stage's key is the hash of what determines its output: the content of the config subtrees it reads
 (keys marked `content=False` in the schema left out), its upstream stages' keys, the source of every project
-module the stage reaches through its imports (orchestrator/code_keys.py), and any extra fingerprint (e.g. of the data files). Equal keys mean
+module the stage reaches through its imports (orchestrator/cache/code_keys.py), and any extra fingerprint (e.g. of the data files). Equal keys mean
 equal outputs, so an unchanged stage is never run twice and a sweep shares what its points have in common.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from orchestrator.cache import Cache
-from orchestrator.code_keys import code_material
-from orchestrator import resume
+from orchestrator.cache.store import Cache
+from orchestrator.cache.code_keys import code_material
+from orchestrator.cache import resume
 from stages.base import Resources, Stage
 
 KEY_LENGTH = 20
@@ -33,7 +33,7 @@ class PlannedStage:
     material: dict = field(repr=False)
     note: Optional[str] = None          # e.g. "resumes from step 200"
     damage: list[str] = field(default_factory=list)   # why the cached entry was not reused
-    lineage: Optional[str] = None       # what an attempt computes, whatever the key (orchestrator/resume.py)
+    lineage: Optional[str] = None       # what an attempt computes, whatever the key (orchestrator/cache/resume.py)
     adopt_from: Optional[Path] = None   # an interrupted attempt under another key this one continues
 
     @property

@@ -7,7 +7,7 @@ from typing import Union
 import torch
 from omegaconf import OmegaConf
 
-from orchestrator.cache import ENTRY_FILE
+from orchestrator.cache.store import ENTRY_FILE
 from storage import consolidate
 from storage.fsio import read_json
 from plugins.models import get_model

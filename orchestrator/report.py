@@ -54,7 +54,7 @@ class Report:
 
     def train_summary(self, cfg) -> dict:
         """The train stage's summary.json ({} when it did not finish: failed, not run, or still on SLURM)."""
-        from orchestrator.cache import Cache
+        from orchestrator.cache.store import Cache
         from storage.fsio import read_json
 
         r = self.results.get("train")

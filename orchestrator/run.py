@@ -18,13 +18,15 @@ from omegaconf import DictConfig, OmegaConf
 from rich.panel import Panel
 from rich.text import Text
 
-from orchestrator.cache import Cache, link_output
+from orchestrator.cache.store import Cache, link_output
 from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
-from orchestrator import interrupt, resume, tracking_later
-from orchestrator.tracking import Invocation, process_alive
+from orchestrator import interrupt
+from orchestrator.cache import resume
+from orchestrator.tracking import later as tracking_later
+from orchestrator.tracking.tracker import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate, warnings
 from planning.plan import memory_line, time_line
@@ -314,7 +316,7 @@ def _write_plan(run_dir: Path, plan: list[PlannedStage], where: dict[str, str], 
 
 # What importing MLflow's client and store adds to this process (pandas, pyarrow, scipy, SQLAlchemy): 0.164 GB,
 # measured with this project's pins (torch and the stages imported first). Not imported to be measured: a run with
-# nothing to do never imports it (orchestrator/tracking_later.py), and the import takes seconds.
+# nothing to do never imports it (orchestrator/tracking/later.py), and the import takes seconds.
 MLFLOW_BYTES = int(0.17 * 2**30)
 
 

@@ -22,8 +22,8 @@ from typing import Optional
 from omegaconf import OmegaConf
 
 from orchestrator import interrupt
-from orchestrator.cache import Cache
-from orchestrator.tracking import stage_tracker
+from orchestrator.cache.store import Cache
+from orchestrator.tracking.tracker import stage_tracker
 from runtime import preemption
 from runtime.preemption import Preempted
 from runtime.threads import rank_threads

@@ -287,7 +287,7 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
     (["-m", "hydra/sweeper=optuna", "hydra.sweeper.n_jobs=0", "optimizer.lr=interval(1e-4,1e-3)"],
      "hydra.sweeper.n_jobs"),
     (["-m", "hydra/sweeper=optuna", "hydra.sweeper.storage=sqlite:///optuna.db", "optimizer.lr=interval(1e-4,1e-3)"],
-     "hydra.sweeper.storage"),  # the orchestrator keeps the study (orchestrator/study.py)
+     "hydra.sweeper.storage"),  # the orchestrator keeps the study (orchestrator/sweeps/study.py)
 ])
 def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     """Through the real command (a sweep is checked point by point, data included, before any point runs), which

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cache import Cache
+from orchestrator.cache.store import Cache
 from orchestrator.dag import plan
 from runtime.threads import usable_cores
 from storage.fsio import verify_file_table
@@ -86,7 +86,7 @@ def test_code_enters_the_key(tmp_path, monkeypatch):
     that reach them and leave the others' as they were. (Hand-kept lists had fsio in the checkpoint stage's only.)"""
     import shutil
 
-    import orchestrator.code_keys as code_keys
+    import orchestrator.cache.code_keys as code_keys
 
     copy, checkout = tmp_path / "tree", code_keys.ROOT
     for package in code_keys.PACKAGES:
@@ -171,7 +171,7 @@ def test_stage_declares_its_module():
 
 
 def test_stage_params_take_sections_and_single_keys():
-    from orchestrator.tracking import config_params
+    from orchestrator.tracking.tracker import config_params
 
     params = config_params(make_cfg(), ("model", "engine.opset"))
     assert params["engine.opset"] == "17" and params["model.n_layers"] == "8" and params["model.name"] == "gpt"

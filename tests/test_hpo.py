@@ -117,7 +117,7 @@ def test_a_sweeper_told_to_maximise_a_loss_is_refused_before_anything_runs(workd
 
 def test_a_study_file_that_does_not_read_is_refused_with_what_to_do(tmp_path):
     from orchestrator.config.errors import ConfigError
-    from orchestrator.study import KeptStudy
+    from orchestrator.sweeps.study import KeptStudy
 
     kept = KeptStudy(tmp_path, "study-x", {"space": []})
     kept.path.write_text('{"name": "study-x", "trials": ')  # cut short

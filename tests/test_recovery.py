@@ -90,7 +90,7 @@ def test_damaged_cache_entry_is_set_aside_and_rebuilt(tmp_path, stage, victim, c
     set_aside = list((tmp_path / "runs" / "cache" / stage / ".damaged").iterdir())
     assert len(set_aside) >= 1 and set_aside[0].name.startswith(first.results[stage].key)
     # the rebuilt entry verifies, and downstream stages that read it ran again or were verified
-    from orchestrator.cache import Cache
+    from orchestrator.cache.store import Cache
 
     cache = Cache(tmp_path / "runs" / "cache")
     assert all(cache.verify(n, r.key) == [] for n, r in again.results.items())
@@ -118,10 +118,10 @@ def test_an_entry_without_its_record_is_set_aside_and_rebuilt_and_downstream_ent
 def test_an_untouched_entry_is_not_hashed_again_and_any_write_to_it_is(tmp_path, monkeypatch):
     """cache_verify=hash at read speed: the hit after a verified one hashes nothing (the stamps match), a byte flipped
     with its modification time put back is still caught (the change time moved), and full hashes everything."""
-    import orchestrator.cache
+    import orchestrator.cache.store
     import storage.fsio
 
-    monkeypatch.setattr(orchestrator.cache, "RACY_NS", 0)  # these runs follow each other within seconds
+    monkeypatch.setattr(orchestrator.cache.store, "RACY_NS", 0)  # these runs follow each other within seconds
     first = run(tmp_path, name="first")
     assert run(tmp_path, name="second").results["aggregate"].status == "cached"  # hashed, stamps recorded
     hashed: list[str] = []
@@ -336,7 +336,7 @@ def test_a_store_that_breaks_during_training_does_not_stop_it(tmp_path, monkeypa
     # ... and the run folder puts the run into a store afterwards, every step included
     import mlflow
 
-    from orchestrator.resync import resync
+    from orchestrator.tracking.resync import resync
 
     uri = f"sqlite:///{tmp_path / 'fresh.db'}"
     parent = resync(tmp_path / "broken", uri)

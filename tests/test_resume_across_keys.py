@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-import orchestrator.code_keys as code_keys
+import orchestrator.cache.code_keys as code_keys
 from storage.fsio import read_json
 from tests.conftest import QUICK, cache_entry, cli_env, killed_after, run_debug
 

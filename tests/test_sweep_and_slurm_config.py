@@ -9,7 +9,7 @@ import mlflow
 import pytest
 
 from orchestrator.dag import plan
-from orchestrator.cache import Cache
+from orchestrator.cache.store import Cache
 from orchestrator.config.errors import ConfigError
 from orchestrator.cluster.slurm_submit import _rejection, sbatch_parameters
 from orchestrator.config.validate import validate

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from orchestrator.tune import candidates
+from orchestrator.sweeps.tune import candidates
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e

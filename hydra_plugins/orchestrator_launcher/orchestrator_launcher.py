@@ -1,6 +1,6 @@
 """Hydra finds launchers only in the `hydra_plugins` namespace: this names the orchestrator's sweep launcher
-there (the logic lives in orchestrator/sweep.py)."""
-from orchestrator.sweep import SweepLauncher
+there (the logic lives in orchestrator/sweeps/launcher.py)."""
+from orchestrator.sweeps.launcher import SweepLauncher
 
 
 class OrchestratorLauncher(SweepLauncher):

@@ -1,5 +1,5 @@
 """`hydra/sweeper=optuna`: Hydra's Optuna sweeper with its study kept on disk, so the same command continues it
-(the logic lives in orchestrator/study.py). Hydra instantiates sweepers only from the `hydra_plugins` namespace.
+(the logic lives in orchestrator/sweeps/study.py). Hydra instantiates sweepers only from the `hydra_plugins` namespace.
 
 Its config takes the name `optuna` in Hydra's config store, so `hydra/sweeper=optuna` (the README's, Hydra's docs')
 gives this sweeper, with every setting of the plugin's. Hydra's plugin scan runs every plugin module again, in an
@@ -26,14 +26,14 @@ if OptunaSweeper is not None:
             self.config = config
 
         def sweep(self, arguments):
-            from orchestrator.study import run_study
+            from orchestrator.sweeps.study import run_study
 
             return run_study(self.sweeper, self.config, arguments)
 
     @dataclass
     class OrchestratorOptunaSweeperConf(OptunaSweeperConf):
         _target_: str = "hydra_plugins.orchestrator_launcher.orchestrator_study.OrchestratorOptunaSweeper"
-        study_dir: str = "${runs_dir}/studies"  # where the study is kept (orchestrator/study.py)
+        study_dir: str = "${runs_dir}/studies"  # where the study is kept (orchestrator/sweeps/study.py)
 
 
 def store() -> None:

@@ -18,7 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from orchestrator.cache import Cache, link_output
+from orchestrator.cache.store import Cache, link_output
 from orchestrator.report import Report, StageResult, console, result_table, styled
 from orchestrator.cluster.slurm_queue import (ACTIVE_STATES, JOBS_FILE, SubmittedStage, cancel, job_states, lost_nodes,
                                               release)
@@ -177,7 +177,7 @@ def _finish(f: Followed, states: dict, errors: dict[str, str]) -> Report:
     """Stage outcomes of one run folder; its MLflow runs closed."""
     client = None
     if f.tracking:
-        from orchestrator.tracking import _client
+        from orchestrator.tracking.tracker import _client
 
         client = _client(f.tracking["uri"])
     report = Report(f.run_dir, parent_run_id=f.tracking["parent"] if f.tracking else None)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from orchestrator.dag import PlannedStage
-from orchestrator.tracking import config_params
+from orchestrator.tracking.tracker import config_params
 
 
 @dataclass

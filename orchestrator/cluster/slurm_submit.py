@@ -15,13 +15,13 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from orchestrator import resume
-from orchestrator.cache import Cache
+from orchestrator.cache import resume
+from orchestrator.cache.store import Cache
 from orchestrator.cluster.slurm_queue import JOB_RECORD, JOBS_FILE, SubmittedStage, cancel, is_active
 from orchestrator.dag import PlannedStage
 from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.cluster.launch import Launch, write_spec
-from orchestrator.tracking import Invocation, config_params
+from orchestrator.tracking.tracker import Invocation, config_params
 from storage.fsio import atomic_write_json, read_json
 
 

@@ -1,6 +1,6 @@
 """The command's config, as the run will see it: its overrides as typed, the experiment without Hydra's node, the
 checks a run makes first, and the refusal an exception from Hydra, OmegaConf or a sweeper amounts to. Shared by the
-command's boundary (orchestrator/boundary.py) and the whole-sweep check (orchestrator/sweep_check.py)."""
+command's boundary (orchestrator/boundary.py) and the whole-sweep check (orchestrator/sweeps/check.py)."""
 from __future__ import annotations
 
 import copy

@@ -463,7 +463,7 @@ GROUP_SCHEMAS = {
 
 @dataclass
 class LauncherConf:
-    """hydra/launcher=orchestrator: the sweep launcher (orchestrator/sweep.py, found through hydra_plugins/)."""
+    """hydra/launcher=orchestrator: the sweep launcher (orchestrator/sweeps/launcher.py, found through hydra_plugins/)."""
     _target_: str = "hydra_plugins.orchestrator_launcher.orchestrator_launcher.OrchestratorLauncher"
 
 

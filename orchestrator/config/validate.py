@@ -21,7 +21,8 @@ def _owners() -> tuple[tuple, tuple]:
     """(the model and its layout, from which the partition plan is built; everything else, in the order a reader
     meets the config: data, training, the cluster, the engine, the machine). Imported when the schema holds: they
     bring torch (1.5 s), which a config refused by its schema never waits for."""
-    from orchestrator import cache, tracking
+    from orchestrator.cache import store as cache
+    from orchestrator.tracking import tracker as tracking
     from orchestrator.cluster import rules as cluster
     from plugins.data import rules as data
     from plugins.engines.ort import rules as ort

@@ -8,7 +8,7 @@ points run one after another, or `sweep.parallelism` at a time (a one-rank stage
 cores, not all of them). The sweep ends with a summary table, and MLflow holds one sweep run with a run per point
 below it (stage runs below those).
 
-Each point returns its objective (`sweep.objective`, orchestrator/objective.py) to the sweeper, so Hydra's
+Each point returns its objective (`sweep.objective`, orchestrator/sweeps/objective.py) to the sweeper, so Hydra's
 Optuna, Nevergrad and Ax sweepers optimise it. Those sweepers call the launcher once per batch of trials: the
 batches are one study here (the launcher keeps its points), with one sweep run, a summary rewritten after every
 batch, and one table, best first, printed when Hydra is done (`finish_study`, called by `python -m orchestrator`).
@@ -31,7 +31,8 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.table import Table
 
-from orchestrator import interrupt, objective
+from orchestrator import interrupt
+from orchestrator.sweeps import objective
 from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
 from storage.fsio import atomic_write_json
@@ -108,7 +109,7 @@ class SweepLauncher(Launcher):
 
     def finished_values(self, n: int) -> list[Optional[float]]:
         """The objectives of the last n points, None where a point did not finish (interrupted or not run): what a
-        sweeper stopped by a signal may still record (orchestrator/study.py)."""
+        sweeper stopped by a signal may still record (orchestrator/sweeps/study.py)."""
         return [_objective(p) if _status(p) not in ("interrupted", "not run", "submitted") else None
                 for p in self.points[-n:]]
 
@@ -287,7 +288,7 @@ def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
     tracked = [p for p in points if p.cfg.tracking.name == "mlflow"]
     if not tracked:
         return None
-    from orchestrator.tracking import Invocation
+    from orchestrator.tracking.tracker import Invocation
 
     inv = Invocation(tracked[0].cfg, f"sweep {sweep_dir.parent.name}/{sweep_dir.name}",
                      {"orchestrator.kind": "sweep", "orchestrator.sweep_dir": str(sweep_dir)}, log_config=False)
@@ -302,7 +303,7 @@ def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seco
     console.print(table)
     failed = any(r["status"] in ("failed", "rejected", "not run") for r in rows)
     if sweep_run:
-        from orchestrator.tracking import _client
+        from orchestrator.tracking.tracker import _client
 
         client = _client(points[0].cfg.tracking.uri)
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.json"))

@@ -18,7 +18,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from orchestrator.cache import Cache
+from orchestrator.cache.store import Cache
 from storage.fsio import atomic_write_json, read_json
 
 ATTEMPT_LINEAGE = "lineage.json"

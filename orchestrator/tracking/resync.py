@@ -1,4 +1,4 @@
-"""`python -m orchestrator.resync <run folder> [<run folder> ...] [--uri URI]`: put runs into MLflow from their folders.
+"""`python -m orchestrator.tracking.resync <run folder> [<run folder> ...] [--uri URI]`: put runs into MLflow from their folders.
 
 For a run that MLflow missed or holds only in part: run with `tracking=none`, or whose tracking degraded when the
 store failed during training (the work went on; the run folder kept everything). A new invocation run is made,
@@ -50,7 +50,7 @@ def resync(run_dir: Path, uri: Optional[str] = None) -> str:
     """The new invocation run's id."""
     from mlflow.entities import Metric
 
-    from orchestrator.tracking import Invocation, log_artifact
+    from orchestrator.tracking.tracker import Invocation, log_artifact
 
     run_dir = run_dir.resolve()
     if not (run_dir / "config.yaml").is_file() or not (run_dir / "plan.json").is_file():

@@ -19,7 +19,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from orchestrator.cache import Cache
+from orchestrator.cache.store import Cache
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.schema import TuneConfig
 from orchestrator.config.validate import schema_problems, validate
@@ -204,7 +204,7 @@ def _report(cfg, ranked: list[Trial], trials: list[Trial], run_dir: Path, overri
     atomic_write_json(run_dir / "tune.json", record)
     chart = _chart(ranked, run_dir / "tune.png", cfg.tune.objective)
     if parent:
-        from orchestrator.tracking import _client
+        from orchestrator.tracking.tracker import _client
 
         client = _client(cfg.tracking.uri)
         client.log_artifact(parent, str(run_dir / "tune.json"))
@@ -238,7 +238,7 @@ def _chart(ranked: list[Trial], path: Path, objective: str) -> Optional[Path]:
 def _start_tune_run(cfg: DictConfig, run_dir: Path) -> Optional[str]:
     if cfg.tracking.name != "mlflow":
         return None
-    from orchestrator.tracking import Invocation
+    from orchestrator.tracking.tracker import Invocation
 
     inv = Invocation(cfg, f"tune {cfg.model.name} x{cfg.tune.world_size}",
                      {"orchestrator.kind": "tune", "orchestrator.run_dir": str(run_dir)}, log_config=False)

@@ -5,7 +5,7 @@ When every stage is cached, the run itself takes a second or two while MLflow wo
 same calls an `Invocation` gets) and a detached process replays them: the user's command returns at once, and
 the store holds the same runs a moment later. A process that already imported MLflow (a sweep) records inline.
 
-    python -m orchestrator.tracking_later <run dir>/mlflow_pending.json   # what the detached process runs
+    python -m orchestrator.tracking.later <run dir>/mlflow_pending.json   # what the detached process runs
 """
 from __future__ import annotations
 
@@ -58,13 +58,13 @@ class LaterInvocation:
 def start(run_dir: Path, journal: dict) -> int:
     atomic_write_json(run_dir / PENDING, journal)
     with open(run_dir / LOG, "ab") as log:  # detached: the user's shell and Ctrl-C do not reach it
-        return subprocess.Popen([sys.executable, "-m", "orchestrator.tracking_later", str(run_dir / PENDING)],
+        return subprocess.Popen([sys.executable, "-m", "orchestrator.tracking.later", str(run_dir / PENDING)],
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True).pid
 
 
 def replay(pending: Path) -> str:
     """Send the journal's calls to MLflow; the parent run's id is written to mlflow_recorded.json beside it."""
-    from orchestrator.tracking import Invocation
+    from orchestrator.tracking.tracker import Invocation
 
     journal = read_json(pending)
     tracking = Invocation(OmegaConf.load(journal["config"]), journal["run_name"], journal["tags"])

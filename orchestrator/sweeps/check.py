@@ -49,7 +49,7 @@ def check_sweep(config: DictConfig) -> list[str]:
     problems = folder_problems("hydra.sweep.dir", str(config.hydra.sweep.dir), "the sweep's files")
     study = None
     if OmegaConf.select(config, "hydra.sweeper.study_dir") is not None:  # Optuna's, with its study kept
-        from orchestrator.study import KeptStudy
+        from orchestrator.sweeps.study import KeptStudy
 
         study = KeptStudy.of(config)
         problems += folder_problems("hydra.sweeper.study_dir", str(study.folder), "the study") + \
@@ -162,7 +162,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
     value of each key with the others at their first (a sweeper that picks its points). order: the overrides as
     given, a swept key standing for its value."""
     from orchestrator.config.command import check_experiment, experiment, explain
-    from orchestrator.sweep import SweepConfigError, _check_direction
+    from orchestrator.sweeps.launcher import SweepConfigError, _check_direction
 
     keys = list(spaces)
     if every_combination:

@@ -14,8 +14,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
-ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("stages", "plugins", "storage", "planning", "runtime", "orchestrator")  # what a stage may reach
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("stages", "plugins", "storage", "planning", "runtime", "common", "orchestrator")  # what a stage may reach
 
 
 def module_file(module: str, root: Path) -> Optional[Path]:

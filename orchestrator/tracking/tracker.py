@@ -81,12 +81,12 @@ class Degradable:
         except Exception as e:  # the store's failure, not the work's
             said = str(e).split("\n[SQL:", 1)[0].strip().splitlines()  # SQLAlchemy appends the statement
             self.degraded = f"{type(e).__name__}: {said[0] if said else ''}"[:300]
-            log = logging.getLogger("orchestrator.tracking")
+            log = logging.getLogger("orchestrator.tracking.tracker")
             if self.said_in is not None and self.said_in.exists():
                 log.debug("MLflow tracking failed here too (%s)", self.degraded)
             else:
                 log.warning("MLflow tracking failed (%s); the work goes on without it (the run folder and "
-                            "metrics.jsonl keep everything; python -m orchestrator.resync <run folder> records it "
+                            "metrics.jsonl keep everything; python -m orchestrator.tracking.resync <run folder> records it "
                             "later)", self.degraded)
                 with contextlib.suppress(OSError):
                     if self.said_in is not None:
