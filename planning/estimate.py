@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from plugins.data.packing import whole_documents
+from plugins.data.packing import balances_ranks, whole_documents
 from plugins.parallel import world_size
 from plugins.parallel.schedules import SCHEDULES
 
@@ -130,8 +130,7 @@ def estimate(cfg, plan: dict) -> Estimate:
     logits = 2 * vocab_rows(m) / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
     # rows of whole documents (or padded rows packed by their rank, data.balance_ranks): the document mask, a byte
     # per (query, key), shared by a microbatch's layers
-    d = cfg.data
-    mask = seq if whole_documents(d) is not None or (not d.packing and d.get("balance_ranks", True)) else 0
+    mask = seq if whole_documents(cfg.data) is not None or balances_ranks(cfg.data) else 0
     activations = int(tokens_per_microbatch * (in_flight * (layer_bytes + mask) + logits))
     import torch
 

@@ -14,7 +14,7 @@ import torch
 
 from plugins.data import shards
 from plugins.data.corpus import sources_of, tokenized
-from plugins.data.packing import PADDING, deal, packed_stream, plan_rows, whole_documents
+from plugins.data.packing import PADDING, balances_ranks, deal, packed_stream, plan_rows, whole_documents
 from plugins.data.registry import get_source
 from storage import file_hashes
 
@@ -99,14 +99,16 @@ class Batcher:
                 at = 0
                 for n, p in enumerate(plan.row(int(rng.integers(len(plan))))):
                     i, start, length = int(plan.doc[p]), int(plan.start[p]), int(plan.length[p])
-                    self._place(r, at, pool, masks, i, start, length, rows, real, trained)
+                    self._place(r, at, pool[i], masks[i] if masks is not None else None, start, length, rows, real,
+                                trained)
                     documents[r, at:at + length] = n
                     at += length
                 continue
             i = rng.integers(len(pool)) if len(pool) > 1 else 0
-            doc_len = len(pool[i])
-            start = rng.integers(0, doc_len - T) if doc_len >= T + 1 else 0
-            self._place(r, 0, pool, masks, i, start, min(T + 1, doc_len - start), rows, real, trained)
+            doc = pool[i]
+            start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 else 0
+            self._place(r, 0, doc, masks[i] if masks is not None else None, start, min(T + 1, len(doc) - start), rows,
+                        real, trained)
         tokens = torch.from_numpy(rows)
         inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
         learned = real[:, 1:] & trained[:, 1:]
@@ -118,12 +120,12 @@ class Batcher:
                      real=real[:, :-1].sum(axis=1))
 
     @staticmethod
-    def _place(r, at, pool, masks, i, start, length, rows, real, trained) -> None:
-        """Tokens [start, start+length) of document i (and their mask) into row r from column `at`."""
-        rows[r, at:at + length] = pool[i][start:start + length]
+    def _place(r, at, doc, mask, start, length, rows, real, trained) -> None:
+        """Tokens [start, start+length) of a document (and of its mask) into row r from column `at`."""
+        rows[r, at:at + length] = doc[start:start + length]
         real[r, at:at + length] = True
-        if masks is not None:
-            trained[r, at:at + length] = masks[i][start:start + length]
+        if mask is not None:
+            trained[r, at:at + length] = mask[start:start + length]
 
 
 def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
@@ -135,7 +137,7 @@ def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
         corpus = corpus[0] if isinstance(corpus, list) else corpus
     return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
                    [float(m.weight) for m in mix] if mix else None, whole_documents(cfg.data), cfg.parallel.dp,
-                   not cfg.data.packing and cfg.data.get("balance_ranks", True))
+                   balances_ranks(cfg.data))
 
 
 def data_fingerprint(cfg) -> str:

@@ -120,6 +120,12 @@ def packed_stream(data) -> bool:
     return bool(data.packing) and whole_documents(data) is None
 
 
+def balances_ranks(data) -> bool:
+    """Whether padded rows (data.packing=false) are dealt to the ranks by real tokens and packed by each rank
+    (data.balance_ranks). runtime/step.py asks the same of the config (it may not import plugins)."""
+    return not data.packing and bool(data.get("balance_ranks", True))
+
+
 def deal(real: np.ndarray, ranks: int) -> np.ndarray:
     """An order of a batch's rows that gives each of `ranks` equal slices (data-parallel ranks take consecutive
     rows) as equal a share of real tokens as the draw allows: the longest row first, each to the rank with the
@@ -148,7 +154,7 @@ def repack(inputs, labels, real, multiple: int, groups: int = 1):
     collectives pair up). With document_view's mask and positions every token gets the logits it gets in its padded
     row, and the rank computes about its real tokens instead of rows x train.seq_len. -> (inputs, labels,
     documents)."""
-    import torch
+    import torch  # here: the rest of this module is read at plan time, before torch need be imported
 
     T = inputs.shape[1]
     real = [int(n) for n in real]
