@@ -152,3 +152,16 @@ def pytest_sessionfinish(session):
         from tests.slurm_support import stop_if_started_here
 
         stop_if_started_here()
+
+
+# The files that take minutes, longest first (CI's durations). xdist hands whole files to the workers in collection
+# order; a long file handed out last runs alone at the end while the other workers idle (longest first: the short
+# files fill in around the long ones).
+LONGEST_FIRST = ("test_layouts.py", "test_slurm.py", "test_cli_e2e.py", "test_slurm_recovery.py",
+                 "test_kernels.py", "test_readme_examples.py", "test_hf.py", "test_install.py",
+                 "test_sweep_and_slurm_config.py", "test_recovery.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order

@@ -166,7 +166,10 @@ def _metrics(workdir: Path) -> dict:
     return {"rows": rows, **json.loads((train / "summary.json").read_text())}
 
 
-SIGNAL_BOUND_S = 10  # docs/reliability.md: a signal is acted on within a step or an evaluation batch, plus the save
+# What a stop must fit in: SLURM sends SIGKILL KillWait (30 s by default) after SIGTERM, Kubernetes
+# terminationGracePeriodSeconds (30 s) after it. How soon a signal is acted on is checked by the steps, not
+# by the clock: the checkpoint is within a few steps of the signal, and an evaluation stops within a batch.
+SIGNAL_BOUND_S = 30
 
 
 @pytest.mark.parametrize("sig,code,during", [(signal.SIGINT, 130, "training"), (signal.SIGTERM, 143, "evaluation")],
@@ -174,16 +177,21 @@ SIGNAL_BOUND_S = 10  # docs/reliability.md: a signal is acted on within a step o
 def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_path, sig, code, during):
     """SIGINT to the orchestrator's process group, as a terminal's Ctrl-C sends it, during training steps, or SIGTERM,
     as `timeout`, SLURM, Kubernetes and `kill -- -PGID` send it, during a long evaluation (at step 10, after the
-    5 steps awaited): one path for both, acted on within seconds (SLURM's and Kubernetes' grace is 30 s)."""
+    5 steps awaited): one path for both, acted on within seconds (SLURM's and Kubernetes' grace is 30 s). That the
+    same command then continues, to the loss of a run never stopped, test_sweep_and_slurm_config's signal test checks
+    on that path (a point stopped by SIGTERM, continued)."""
     steps = (["train.steps=80", "train.eval_every=0"] if during == "training" else
                     ["train.steps=20", "train.eval_every=10", "train.eval_batches=6000"])
     args = ["parallel=ddp2", *steps, "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
             "train.checkpoint_every=0", "tracking=mlflow"]
     history = tmp_path / "runs" / "cache" / "train"
+    logged = [0]  # steps in metrics.jsonl when the signal went
 
     def ready(lines: list[str]) -> bool:
         if during == "training":
-            return any(len(p.read_text().splitlines()) >= 10 for p in history.glob("*.work/scratch/metrics.jsonl"))
+            logged[0] = max((len(p.read_text().splitlines()) for p in history.glob("*.work/scratch/metrics.jsonl")),
+                            default=0)
+            return logged[0] >= 10
         if any(re.search(r"step\s+5/20", line) for line in lines):  # steps 6-10 take well under a second, the
             time.sleep(3)                                            # evaluation far longer
             return True
@@ -195,18 +203,17 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_pat
     assert "Traceback" not in out, out[-6000:]
     (checkpoint,) = history.glob("*.work/scratch/checkpoints/step_*/manifest.json")
     step = json.loads(checkpoint.read_text())["step"]
-    assert 10 <= step < 80 if during == "training" else step == 10
+    if during == "training":  # rows are written every log_every=5 steps: the steps unwritten, the one in flight
+        assert logged[0] <= step <= logged[0] + 2 * 5, (logged[0], step)
+    else:  # stopped inside the evaluation at step 10: its loss never came
+        assert step == 10
+        (metrics,) = history.glob("*.work/scratch/metrics.jsonl")
+        assert "eval_loss" not in json.loads(metrics.read_text().splitlines()[9])
     assert took < SIGNAL_BOUND_S, f"the run took {took:.1f} s to stop after {sig.name}"
     assert f"resumes from step {step}" in out
     _, runs = mlflow_runs(tmp_path)
     status = {r.info.run_name: r.info.status for r in runs if r.data.tags.get("orchestrator.stage")}
     assert status["train"] == "KILLED" and all(r.info.status != "RUNNING" for r in runs)
-
-    if during == "evaluation":
-        return  # continuing is the same path as after training steps (ctrl-c), and would wait for the evaluations
-    result = run_cli(args, tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert _metrics(tmp_path)["resumed_from_step"] == step
 
 
 def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):

@@ -46,7 +46,8 @@ LAYOUTS = {
     "dp2_hp2_pp2-shard": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=shard"],
     # no data parallelism: the tied embedding's vocab-parallel gradient arrives Replicate (FSDP reshards it otherwise)
     "hp2_pp2": ["parallel=dp2_hp2_pp2", "parallel.dp=1"],
-    "megatron_hp2-recompute-layers": ["parallel=megatron_hp2", "memory=level1"],
+    "megatron_hp2-sp-lp-recompute-layers": ["parallel=megatron_hp2", "parallel.sequence_parallel=true",
+                                            "parallel.loss_parallel=true", "memory=level1"],
     "ddp2-shard-recompute-selective": ["parallel=ddp2", "parallel.dp_mode=shard", "memory=level2"],
 }
 RTOL = 1e-5
@@ -68,16 +69,18 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("layouts")
 
 
-# hp=4 trains steps 6-10 from a dp2_hp2_pp2 checkpoint in test_checkpoint_reshards_into_other_layouts, against these
-# runs' steps: that test takes its path
-CONTINUED_ONLY = ("megatron_hp4",)
+# Layouts whose 10-step parity with one process other tests' runs take: hp=4 trains steps 6-10 from a dp2_hp2_pp2
+# checkpoint in test_checkpoint_reshards_into_other_layouts, against these runs' steps; ddp2-shard and
+# megatron_hp2-sp-lp run here with recomputation (memory=level2, level1), and without it on Llama's packed documents
+# (LLAMA_LAYOUTS) and in bf16 (BF16_LAYOUTS)
+TAKEN_ELSEWHERE = ("megatron_hp4", "ddp2-shard", "megatron_hp2-sp-lp")
 
 
 @pytest.fixture(scope="module")
 def runs(workdir) -> dict[str, Path]:
     """10 steps in every layout, one after another, sharing one cache (the export runs once)."""
     return {name: outputs(run_cli([*COMMON, "train.steps=10", *args], workdir)) for name, args in LAYOUTS.items()
-            if name not in CONTINUED_ONLY}
+            if name not in TAKEN_ELSEWHERE}
 
 
 def assert_close(got: list[float], want: list[float], what: str) -> None:
@@ -86,7 +89,7 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
         assert abs(g - w) <= RTOL * abs(w), f"{what}[{i}]: {g!r} vs {w!r} (rel {abs(g - w) / abs(w):.1e})"
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("single", *CONTINUED_ONLY)])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("single", *TAKEN_ELSEWHERE)])
 def test_layout_matches_one_process(runs, layout):
     got, want = rows(runs[layout]), rows(runs["single"])
     assert [r["step"] for r in got] == list(range(1, 11))
@@ -224,8 +227,7 @@ def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
 # prompt/completion records packed as whole documents (a document mask and restarting positions in every block of
 # every stage, the prompts' labels -100, records longer than a row cut in pieces)
 
-LLAMA_LAYOUTS = ["single", "ddp2-shard", "megatron_hp2-sp-lp", "pipeline_pp2", "pipeline_pp4_interleaved",
-                 "dp2_hp2_pp2-replicate"]
+LLAMA_LAYOUTS = ["single", "ddp2-shard", "megatron_hp2-sp-lp", "pipeline_pp4_interleaved", "dp2_hp2_pp2-replicate"]
 LLAMA_ORT = ["single"]  # engine=ort refuses rows of whole documents: it is compared on plain text
 # one record a row, padded (data.packing=false): the rows dealt so that dp ranks hold equal real tokens, each rank
 # trimming the padding after its last label (another width on each rank, and on one process)

@@ -20,7 +20,9 @@ from tests.slurm_support import SMALL, jobs_of, losses, node_list, our_queued_jo
 pytestmark = pytest.mark.slurm
 
 
-@pytest.mark.parametrize("layout,nodes,tasks", [("megatron_hp4", 1, 4), ("dp2_hp2_pp2", 2, 8)])
+# On two nodes: one-node jobs take the same path, which the sweep below (2 and 4 ranks) and the lost node's rerun
+# (8 ranks on the node left, against a local run's losses: test_slurm_recovery.py) take
+@pytest.mark.parametrize("layout,nodes,tasks", [("dp2_hp2_pp2", 2, 8)])
 def test_five_stages_as_jobs_with_the_loss_of_a_local_run(slurm, tmp_path, layout, nodes, tasks):
     args = [f"parallel={layout}", "train.steps=6", *SMALL]
     (tmp_path / "slurm").mkdir()

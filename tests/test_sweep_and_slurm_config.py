@@ -168,7 +168,7 @@ def test_a_signal_stops_the_whole_sweep_and_the_same_command_continues(workdir, 
                                                                   for line in lines) >= parallelism)
     assert code == 143, out[-3000:]
     assert f"point {parallelism}:" not in out and "Traceback" not in out, out[-3000:]
-    assert took < 10, f"the sweep took {took:.1f} s to stop"  # tests/test_cli_e2e.py: SIGNAL_BOUND_S
+    assert took < 30, f"the sweep took {took:.1f} s to stop"  # tests/test_cli_e2e.py: SIGNAL_BOUND_S
     summary = json.loads(next(workdir.rglob("sweep_summary.json")).read_text())
     assert [r["status"] for r in sorted(summary["points"], key=lambda r: r["point"])] == statuses
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
