@@ -25,9 +25,9 @@ from common.problem import Problem
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def auto_precision(cuda: bool, bf16_supported: bool, engine: str) -> tuple[str, str]:
-    """`precision=auto` on this machine: (the mode, why)."""
-    if engine != "torch":
+def auto_precision(cuda: bool, bf16_supported: bool, engine: str, mixed_engine: bool = True) -> tuple[str, str]:
+    """`precision=auto` on this machine: (the mode, why). mixed_engine: the engine trains in bf16/fp16 too."""
+    if not mixed_engine:
         return "fp32", f"engine={engine} trains fp32 graphs"
     if cuda and bf16_supported:
         return "bf16", "a CUDA GPU with bf16"
@@ -65,13 +65,14 @@ class Precision:
         return MixedPrecisionPolicy(param_dtype=self.dtype, reduce_dtype=torch.float32)
 
 
-def of(cfg, device: torch.device) -> Precision:
+def of(cfg, device: torch.device, mixed_engine: bool = True) -> Precision:
     """The run's precision on this device (cfg.precision.name is resolved before planning; a config built
-    without the orchestrator, as in tests and benchmarks, may still say auto: resolved here the same way)."""
+    without the orchestrator, as in tests and benchmarks, may still say auto: resolved here the same way, given
+    whether the engine trains in mixed precision)."""
     name = cfg.precision.name
     if name == "auto":
         cuda = device.type == "cuda"
-        name, _ = auto_precision(cuda, cuda and torch.cuda.is_bf16_supported(), cfg.engine.name)
+        name, _ = auto_precision(cuda, cuda and torch.cuda.is_bf16_supported(), cfg.engine.name, mixed_engine)
     return Precision(name, device.type, fsdp=cfg.parallel.dp > 1)
 
 

@@ -24,10 +24,11 @@ class StepSettings:
     #                              compiled graphs want one shape)
 
     @staticmethod
-    def of(cfg) -> "StepSettings":
+    def of(cfg, one_shape: bool = False) -> "StepSettings":
+        """one_shape: the engine's graphs take one input shape (plugins/engines: EngineSpec.one_shape)."""
         p = cfg.parallel
         repacks = not cfg.data.packing and cfg.data.get("balance_ranks", True) and p.pp == 1 and \
-            cfg.engine.name == "torch" and not cfg.triton.enabled
+            not one_shape and not cfg.triton.enabled
         return StepSettings(cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
                             cfg.train.seed if cfg.model.dropout > 0 else None, cfg.train.nonfinite == "skip",
                             p.microbatches, math.lcm(8, p.hp if p.sequence_parallel else 1) if repacks else 0)

@@ -25,6 +25,7 @@ import torch
 from storage import checkpoint as ckpt
 from storage import consolidate, hf
 from plugins.data import build_batcher
+from plugins.engines import get_engine
 from storage.dcp_reader import CheckpointReader
 from runtime.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
 from storage.fsio import atomic_write_json, link_tree, read_json
@@ -39,7 +40,6 @@ from stages.base import Stage, StageContext
 
 # the train stage evaluated in its layout (other reduction orders), engine (ONNX Runtime's kernels) and precision
 # (bf16/fp16: the same autocast here, but maybe other kernels: the train stage may have run on a GPU)
-EVAL_RTOL = {"torch": 1e-5, "ort": 1e-4}
 MIXED_EVAL_RTOL = {"bf16": 2e-2, "fp16": 5e-3}
 MB = 10**6
 
@@ -93,7 +93,7 @@ def aggregate(ctx: StageContext) -> None:
                               *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)))
     lap("eval")
     trained = read_json(ctx.inputs["train"] / "summary.json")["final_eval_loss"]
-    rtol = MIXED_EVAL_RTOL.get(precision.name, EVAL_RTOL[cfg.engine.name])
+    rtol = MIXED_EVAL_RTOL.get(precision.name, get_engine(cfg.engine.name).eval_rtol)
     if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too
         raise RuntimeError(f"the aggregated model's eval loss {loss!r} differs from the train stage's final eval "
                            f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "

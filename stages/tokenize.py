@@ -23,6 +23,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from plugins.data import data_fingerprint, shards
 from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
                                  estimate_seconds, finish_all, source_tokens, tokenize_tasks, wait_for, write_part)
+from plugins.data.packing import longest_record
 from plugins.data.reading import partition
 from plugins.data.registry import get_source
 from plugins.data.tokenizer import load_saved
@@ -194,13 +195,20 @@ def _resources(cfg) -> Resources:
     return Resources(tasks=tasks, timeout_min=max(60, math.ceil(3 * minutes)))  # a big corpus is no hang
 
 
+def _fingerprint(cfg) -> str:
+    """The data's; with records longer than a row refused, that bound too: the stage checks every record (a run
+    with a shorter train.seq_len checks them again)."""
+    longest = longest_record(cfg)
+    return data_fingerprint(cfg) if longest is None else f"{data_fingerprint(cfg)}+longest_record={longest}"
+
+
 STAGE = Stage(
     name="tokenize",
     run=tokenize,
     reads=("data", "model.vocab_size"),
     resources=_resources,
     ignores=("data.mix.weight",),
-    fingerprint=data_fingerprint,
+    fingerprint=_fingerprint,
     summary=_summary,
     collective=False,
 )

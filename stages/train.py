@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from plugins.data import build_batcher
+from plugins.engines import get_engine
 from plugins.models import get_model
 from plugins.models.registry import vocab_rows
 from plugins.parallel import world_size
@@ -44,11 +45,10 @@ def train(ctx: StageContext) -> None:
     probe = MemoryProbe(device)
     spec = get_model(cfg.model.name)
     layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1,
-                          ort_dir=ctx.inputs["transform"] / "ort", log=ctx.log)
-    if cfg.engine.name == "ort":
-        from plugins.engines.ort.engine import report
-
-        report(ctx, spec, layout.engine_fallbacks, ctx.inputs["transform"] / "ort")
+                          prepared=ctx.inputs["transform"] / cfg.engine.name, log=ctx.log)
+    engine = get_engine(cfg.engine.name)
+    if engine.report is not None:
+        engine.report(ctx, spec, layout.engine_fallbacks, ctx.inputs["transform"] / cfg.engine.name)
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
     batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")
@@ -76,7 +76,7 @@ def train(ctx: StageContext) -> None:
             if row["step"] > logged:
                 ctx.tracker.log_metrics(numeric(row), step=row["step"])
 
-    settings, when = StepSettings.of(cfg), Cadence.of(cfg, start)
+    settings, when = StepSettings.of(cfg, engine.one_shape), Cadence.of(cfg, start)
     window = MetricsWindow(layout)
     profiler = StepProfiler(list(t.profile), ctx.is_rank0 or t.profile_ranks == "all", device, ctx.scratch / "profile",
                             ctx.rank)

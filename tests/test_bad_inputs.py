@@ -138,6 +138,7 @@ CATALOGUE = [
     (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
      "model.pad_vocab_to=128"),
     # engine and precision
+    (["engine.name=onnx"], "engine.name", "no engine of that name is registered"),
     (["engine=ort", "triton=on"], "triton.enabled", "need a CUDA GPU"),
     (["engine=ort", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",
      "runs each unit"),

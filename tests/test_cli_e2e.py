@@ -118,7 +118,7 @@ def _wait_for(predicate, timeout: float, what: str):
 def test_sigkill_during_training_resumes_with_the_same_loss_curve(tmp_path):
     # rank 0 prints nothing (log_every=0): nothing but the fork server's end may stop it (its closed output won't)
     args = ["train.steps=60", "train.checkpoint_every=10", "train.eval_every=20", "train.log_every=0",
-            "train.progress=false", "tracking=mlflow"]
+            "train.progress=false", "train.batch_size=8", "train.seq_len=64", "tracking=mlflow"]
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     reference.mkdir()
     killed.mkdir()

@@ -304,7 +304,8 @@ def _worst(got: list[dict], want: list[dict]) -> float:
 def test_bf16_trains_every_layout_near_fp32(runs, bf16_runs, layout):
     summary = read_json(bf16_runs[layout] / "stages/train/output/summary.json")
     assert summary["precision"] == "bf16"
-    assert _worst(rows(bf16_runs[layout]), rows(runs[layout])) <= BF16_VS_FP32
+    fp32 = runs.get(layout, runs["single"])  # ddp2-shard's fp32 run is with recomputation: one process's losses
+    assert _worst(rows(bf16_runs[layout]), rows(fp32)) <= BF16_VS_FP32
 
 
 @pytest.mark.parametrize("layout", [name for name in BF16_LAYOUTS if name != "single"])

@@ -163,42 +163,55 @@ def test_optimizer_kernels(name, impl, flag):
     assert id(model.wte.weight) in decayed and id(model.layers["0"].ln1.weight) not in decayed
 
 
-def test_a_data_source_from_an_entry_point_is_accepted_and_tokenized(tmp_path, monkeypatch):
-    """A package that registers a source through the `orchestrator.data` entry points (installed here as a
-    dist-info folder on the path, as pip would leave it) is a valid data.name: the registry decides which names
-    exist, not a list in the schema. The tokenize stage reads its documents; an unknown name lists it."""
+def test_a_data_source_and_an_engine_from_entry_points_are_accepted_and_used(tmp_path, monkeypatch):
+    """A package that registers a data source and an engine through the `orchestrator.data` and
+    `orchestrator.engines` entry points (installed here as a dist-info folder on the path, as pip would leave it):
+    each is a valid name (the registries decide which names exist, not lists in the schema; an unknown name lists
+    them), the tokenize stage reads the source's documents, the transform stage asks the engine to prepare."""
+    import json
+
     from orchestrator.config.errors import ConfigError
     from orchestrator.config.validate import validate
     from orchestrator.run import orchestrate
     from plugins.data import registry
+    from plugins.engines.registry import ENGINES
     from tests.conftest import DEBUG
 
     site = tmp_path / "site"
     (site / "poems_source").mkdir(parents=True)
     (site / "poems_source" / "__init__.py").write_text(
-        "from plugins.data.registry import DataSource, register_source\n\n"
+        "from plugins.data.registry import DataSource, register_source\n"
+        "from plugins.engines.registry import EngineSpec, register_engine\n\n"
         "LINES = [f'line {i}: the quick brown fox jumps over the lazy dog'.encode() for i in range(400)]\n\n"
         "def register():\n"
         "    register_source('poems', DataSource(lambda cfg: 'poems-v1',\n"
-        "                    documents=lambda cfg: [(f'poem{i}', b'\\n'.join(LINES[i:i + 40])) for i in range(0, 400, 40)]))\n")
+        "                    documents=lambda cfg: [(f'poem{i}', b'\\n'.join(LINES[i:i + 40])) for i in range(0, 400, 40)]))\n\n"
+        "def prepare(cfg, plan, export, out, log, tracker):\n"
+        "    out.mkdir()\n"
+        "    (out / 'prepared.txt').write_text(f\"{len(plan['parameters'])} parameters\")\n\n"
+        "def register_engine_():\n"
+        "    register_engine('traced', EngineSpec(prepare=prepare))\n")
     dist = site / "poems_source-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: poems-source\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text("[orchestrator.data]\npoems = poems_source:register\n")
+    (dist / "entry_points.txt").write_text("[orchestrator.data]\npoems = poems_source:register\n\n"
+                                           "[orchestrator.engines]\ntraced = poems_source:register_engine_\n")
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(registry, "_SOURCES", dict(registry._SOURCES))  # the test's registration goes with it
-    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    for kind in (registry.SOURCES, ENGINES):  # their registrations go with the test
+        monkeypatch.setattr(kind, "_specs", dict(kind._specs))
+        monkeypatch.setattr(kind, "_loaded", False)
 
-    with pytest.raises(ConfigError) as refused:
-        validate(make_cfg("data=stdlib", "data.name=sonnets"))
-    (p,) = refused.value.problems
-    assert p.key == "data.name" and "poems" in p.fix and "stdlib" in p.fix
-    overrides = [*DEBUG, "data=stdlib", "data.name=poems"]
-    report = orchestrate(make_cfg(*overrides, runs_dir=tmp_path / "runs"), tmp_path / "run", overrides,
-                         until="tokenize")
-    assert report.results["tokenize"].status == "ran"
-    import json
-
+    for key, wrong, known in (("data.name", "sonnets", ("poems", "stdlib")), ("engine.name", "onnx", ("traced", "ort"))):
+        with pytest.raises(ConfigError) as refused:
+            validate(make_cfg("data=stdlib", f"{key}={wrong}"))
+        (p,) = refused.value.problems
+        assert p.key == key and all(name in p.fix for name in known), p
+    overrides = [*DEBUG, "data=stdlib", "data.name=poems", "engine.name=traced"]
+    results = {until: orchestrate(make_cfg(*overrides, runs_dir=tmp_path / "runs"), tmp_path / until, overrides,
+                                  until=until).results[until] for until in ("tokenize", "transform")}
+    assert results["tokenize"].status == results["transform"].status == "ran"
     entry = next(p for p in (tmp_path / "runs" / "cache" / "tokenize").iterdir() if not p.name.startswith("."))
     index = json.loads((entry / "tokens" / "index.json").read_text())
     assert index["train"]["documents"] + index["val"]["documents"] == 10  # the source's ten poems
+    prepared = tmp_path / "runs" / "cache" / "transform" / results["transform"].key / "traced" / "prepared.txt"
+    assert prepared.read_text().endswith(" parameters")

@@ -69,7 +69,29 @@ def test_rows_hold_whole_documents_and_every_label_is_learned_once():
                 raise AssertionError(f"a label inside a document is not learned: {inputs[t:t + 2]}")
 
 
-def test_a_document_longer_than_a_row_is_refused_when_splitting_is_off():
+def test_a_document_longer_than_a_row_is_refused_when_splitting_is_off(tmp_path):
+    """A record by the tokenize stage, naming its file and line (train.seq_len then enters that stage's key); any
+    document, the files of plain text included, by the train stage before its first step, naming its number."""
+    import json
+
+    from plugins.data.corpus import tokenized
+    from stages.tokenize import STAGE as TOKENIZE
+
+    records = tmp_path / "sums.jsonl"
+    lines = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(40)]
+    lines[2]["completion"] = "a long answer " * 4
+    records.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    data = ["data=text", f"data.paths=[{records}]", "data.format=prompt_completion", "data.long_documents=refuse"]
+    with pytest.raises(ValueError) as e:
+        tokenized(make_cfg(*data, "train.seq_len=32", runs_dir=tmp_path))
+    assert f"{records}: line 3: a record of 61 tokens is longer than a row (train.seq_len+1=33)" in str(e.value)
+    assert "fix: data.long_documents=split" in str(e.value) and "train.seq_len=60 or more" in str(e.value)
+    assert tokenized(make_cfg(*data, "train.seq_len=60", runs_dir=tmp_path))
+    keys = {TOKENIZE.fingerprint(make_cfg(*data, f"train.seq_len={n}", runs_dir=tmp_path)) for n in (32, 60)}
+    splitting = {TOKENIZE.fingerprint(make_cfg(*data, "data.long_documents=split", f"train.seq_len={n}",
+                                               runs_dir=tmp_path)) for n in (32, 60)}
+    assert len(keys) == 2 and len(splitting) == 1
+
     with pytest.raises(LongDocument) as e:
         Batcher(corpus_of([10, 40, 5, 50]), 2, 32, seed=0, whole_documents="refuse")
     assert "document 1 of the train split holds 40 tokens" in str(e.value)

@@ -86,9 +86,12 @@ def test_failed_stage_stops_dependants_and_rerun_resumes_there(tmp_path, monkeyp
 
 
 def test_failed_aggregate_verification_publishes_nothing(tmp_path, monkeypatch):
-    import stages.aggregate
+    import dataclasses
 
-    monkeypatch.setattr(stages.aggregate, "EVAL_RTOL", {"torch": -1.0})  # no eval loss can pass: the check must fail
+    from plugins.engines.registry import ENGINES
+
+    # an engine whose every eval loss fails the aggregate's check
+    monkeypatch.setitem(ENGINES._specs, "torch", dataclasses.replace(ENGINES.get("torch"), eval_rtol=-1.0))
     first = run(tmp_path, name="first")
     assert first.results["aggregate"].status == "failed"
     assert "differs from the train stage's final eval loss" in first.results["aggregate"].error

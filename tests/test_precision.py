@@ -19,7 +19,7 @@ from plugins.models import get_model
 from runtime.optim import build_optimizer
 from plugins.parallel.layout import build_layout
 from planning.partition import build_plan
-from runtime.precision import LossScaler, Precision, auto_precision, mfu, peak_flops
+from runtime.precision import LossScaler, auto_precision, mfu, peak_flops
 from runtime.step import StepSettings, train_step
 from runtime.metrics import MemoryProbe
 from tests.conftest import DEBUG, QUICK, cache_entry, killed_after, make_cfg, run_cli, run_debug as run
@@ -153,7 +153,9 @@ def test_auto_picks_bf16_only_on_a_cuda_gpu_that_has_it():
     assert auto_precision(True, True, "torch")[0] == "bf16"
     assert auto_precision(True, False, "torch")[0] == "fp32"
     assert auto_precision(False, False, "torch") == ("fp32", "no CUDA GPU")
-    assert auto_precision(True, True, "ort")[0] == "fp32"
+    from plugins.engines import get_engine
+
+    assert auto_precision(True, True, "ort", get_engine("ort").mixed_precision)[0] == "fp32"  # ORT: fp32 graphs
     cfg = make_cfg()
     assert cfg.precision.name == "auto"
     notes = resolve_auto(cfg)

@@ -29,7 +29,7 @@ from stages import ORDER
 # What every rank would import anyway. MLflow only when the run tracks (a stage imports it only then).
 PRELOAD = ["orchestrator.cluster.fork_server_preload", "torch", "torch.distributed", "orchestrator.worker",
            *(f"stages.{name}" for name in ORDER)]
-TRACKING_PRELOAD = ["mlflow"]
+TRACKING_PRELOAD = ["mlflow", "orchestrator.tracking.preload"]
 
 _context: Optional[multiprocessing.context.BaseContext] = None
 _lock = threading.Lock()  # sweep points may start stages from several threads (sweep.parallelism)

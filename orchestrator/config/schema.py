@@ -159,19 +159,22 @@ class TritonConfig:
 
 @dataclass
 class EngineConfig:
-    name: str = key(MISSING, "who executes each block's shard-local compute", choices=("torch", "ort"))
+    name: str = key(MISSING, "who executes each block's shard-local compute: an engine of the registry "
+                             "(plugins/engines: torch, ort, and those installed packages add)")
     opset: int = key(17, "ONNX opset of the exported graphs (the export stage, and the graphs ORT trains)",
                      min=14, max=17)
 
 
 @dataclass
 class TorchEngineConfig(EngineConfig):
-    name: str = key("torch", "who executes each block's shard-local compute", choices=("torch", "ort"))
+    name: str = key("torch", "who executes each block's shard-local compute: an engine of the registry "
+                             "(plugins/engines: torch, ort, and those installed packages add)")
 
 
 @dataclass
 class OrtEngineConfig(EngineConfig):
-    name: str = key("ort", "who executes each block's shard-local compute", choices=("torch", "ort"))
+    name: str = key("ort", "who executes each block's shard-local compute: an engine of the registry "
+                             "(plugins/engines: torch, ort, and those installed packages add)")
     log_level: str = key("WARNING", "as in ORT's training guide: WARNING (ORT backend errors only), INFO (backend "
                                     "warnings, rank 0 only), DEVINFO (backend info, every rank), VERBOSE (everything, "
                                     "every rank, and a verbose exporter)",
@@ -208,7 +211,9 @@ class DataConfig:
                                 choices=("auto", "wrapped", "bfd"), read_when=("data.packing", (True,)))
     long_documents: str = key("split", "data.packing_strategy=bfd: a document longer than train.seq_len+1 tokens is "
                                        "split into pieces that overlap by one token (each learned as a document of "
-                                       "its own) or refused by the train stage before its first step",
+                                       "its own) or refused: a record by the tokenize stage, naming its file and "
+                                       "line (train.seq_len then enters that stage's key), a text document by the "
+                                       "train stage before its first step",
                               choices=("split", "refuse"), read_when=("data.packing", (True,)))
     balance_ranks: bool = key(True, "data.packing=false: deal each batch's rows (documents padded to "
                                     "train.seq_len) so that every data-parallel rank gets about the same real "

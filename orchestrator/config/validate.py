@@ -25,14 +25,14 @@ def _owners() -> tuple[tuple, tuple]:
     from orchestrator.tracking import tracker as tracking
     from orchestrator.cluster import rules as cluster
     from plugins.data import rules as data
-    from plugins.engines.ort import rules as ort
+    from plugins import engines
     from plugins.onnx import rules as onnx
     from plugins.models import registry as models
     from plugins.parallel import rules as layout
     from runtime import kernels, optim, precision, profiling
 
     return ((models.check, layout.check),
-            (data.check, onnx.check, optim.check, profiling.check, cluster.check, ort.check, precision.check, kernels.check,
+            (data.check, onnx.check, optim.check, profiling.check, cluster.check, engines.check, precision.check, kernels.check,
              tracking.check, cache.check))
 
 

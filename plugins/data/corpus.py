@@ -21,8 +21,8 @@ import numpy as np
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import STANDARD_ROLES, encode_chat, roles
-from plugins.data.packing import packed_stream
-from plugins.data.reading import (CHUNK_BYTES, Layout, documents, in_val, layout, partition, record_fields, records,
+from plugins.data.packing import longest_record, packed_stream
+from plugins.data.reading import (Layout, documents, in_val, layout, partition, record_fields, records,
                                   utf8)
 from plugins.data.registry import Corpus, get_source, split_documents
 
@@ -153,10 +153,19 @@ def _piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
             yield split, Chat(record["messages_field"], where), True
             continue
         learned = utf8(record["completion_field"])
-        yield split, (utf8(record["prompt_field"]), learned) if learned else (), True
+        yield split, Record((utf8(record["prompt_field"]), learned), where) if learned else (), True
 
 
-class Chat(tuple):
+class Record(tuple):
+    """A record's texts (its prompt and its completion), knowing where it is (for a message)."""
+
+    def __new__(cls, texts, where):
+        record = super().__new__(cls, texts)
+        record.where = where
+        return record
+
+
+class Chat(Record):
     """A chat record's messages, as a document's texts (their contents: what a BPE learns from); the tokenize stage
     renders it with the chat template and learns the assistant's tokens (plugins/data/chat.py)."""
 
@@ -165,8 +174,8 @@ class Chat(tuple):
                                                      and isinstance(m.get("content"), str) for m in messages):
             raise ValueError(f"{where}: a record's data.messages_field is not a list of {{role, content}} messages "
                              f"of text: {str(messages)[:200]}")
-        chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages))
-        chat.messages, chat.where = messages, where
+        chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages), where)
+        chat.messages = messages
         return chat
 
 
@@ -191,7 +200,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                progress: Callable[[int, int], None] = lambda read, tokens: None, attempt: str = "") -> dict:
     """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards."""
     t0 = time.perf_counter()
-    masked = masks_loss(cfg)
+    masked, longest = masks_loss(cfg), longest_record(cfg)
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
     held = read = unlearned = 0
@@ -205,15 +214,19 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                 if masked and not trained[:-1].any():
                     unlearned += 1  # the template marks nothing of it as the assistant's
                     continue
-                writer.append(split, ids, closes, trained if masked else None)
-                continue
-            pieces = [next(encoded) for _ in texts]  # one, or the prompt's and the completion's ids
-            ids = np.concatenate(pieces + ([np.array([tok.eos])] if closes else []))
-            trained = None
-            if masked:  # the prompt's tokens are not learned; the completion's and its <eos> are
-                trained = np.ones(len(ids), dtype=bool)
-                trained[:len(pieces[0])] = False
-            writer.append(split, ids, closes, trained)
+            else:
+                pieces = [next(encoded) for _ in texts]  # one, or the prompt's and the completion's ids
+                ids = np.concatenate(pieces + ([np.array([tok.eos])] if closes else []))
+                trained = None
+                if masked:  # the prompt's tokens are not learned; the completion's and its <eos> are
+                    trained = np.ones(len(ids), dtype=bool)
+                    trained[:len(pieces[0])] = False
+            if longest is not None and len(ids) > longest:
+                raise ValueError(f"{texts.where}: a record of {len(ids):,} tokens is longer than a row "
+                                 f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "
+                                 f"data.long_documents=split (pieces that overlap by one token), "
+                                 f"train.seq_len={len(ids) - 1} or more, or a shorter record")
+            writer.append(split, ids, closes, trained if masked else None)
         progress(read, sum(writer.tokens.values()))
         batch, held = [], 0
 

@@ -115,6 +115,15 @@ def whole_documents(data) -> Optional[str]:
     return data.get("long_documents", "split") if strategy == "bfd" else None
 
 
+def longest_record(cfg) -> Optional[int]:
+    """The most tokens a record may hold when a longer one is refused (data.long_documents=refuse, rows of whole
+    records): a row's train.seq_len+1. The tokenize stage checks each record against it as it encodes it, naming
+    its file and line (train.seq_len then enters that stage's key); None otherwise."""
+    if cfg.data.get("format", "text") == "text" or whole_documents(cfg.data) != "refuse":
+        return None
+    return cfg.train.seq_len + 1
+
+
 def packed_stream(data) -> bool:
     """Whether rows are windows of one stream per split (data.packing, wrapped): the corpus is read as a stream."""
     return bool(data.packing) and whole_documents(data) is None

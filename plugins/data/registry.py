@@ -7,12 +7,12 @@ packages add theirs through the `orchestrator.data` entry-point group.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Callable, Iterable, Optional
 
 import numpy as np
 
+from common.registry import Registry
 from plugins.data.reading import assign
 from plugins.data.tokenizer import PAD
 
@@ -46,33 +46,8 @@ class DataSource:
     pieces (plugins/data/reading.py), by as many tokenize tasks as data.tasks says."""
 
 
-_SOURCES: dict[str, DataSource] = {}
-_plugins_loaded = False
-
-
-def register_source(name: str, source: DataSource) -> None:
-    _SOURCES[name] = source
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if not _plugins_loaded:
-        _plugins_loaded = True
-        for ep in entry_points(group="orchestrator.data"):
-            ep.load()()
-
-
-def source_names() -> list[str]:
-    """Every registered source: the built-in ones and those third-party packages add through entry points."""
-    _load_plugins()
-    return sorted(_SOURCES)
-
-
-def get_source(name: str) -> DataSource:
-    _load_plugins()
-    if name not in _SOURCES:
-        raise KeyError(f"data.name={name!r} is not registered; known: {', '.join(sorted(_SOURCES))}")
-    return _SOURCES[name]
+SOURCES: Registry[DataSource] = Registry("data.name", "orchestrator.data")
+register_source, source_names, get_source = SOURCES.register, SOURCES.names, SOURCES.get
 
 
 def _cut(doc: bytes, val_fraction: float) -> tuple[bytes, bytes]:

@@ -7,13 +7,13 @@ callable that calls `register_model`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import entry_points
 from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from common.problem import Problem, divisors
+from common.registry import Registry
 from storage.weights import tie_groups
 
 
@@ -74,32 +74,8 @@ class ModelSpec:
     """(module, "sdpa" | "math") -> None: the attention kernel (fused scaled-dot-product, or the reference math)."""
 
 
-_REGISTRY: dict[str, ModelSpec] = {}
-_plugins_loaded = False
-
-
-def register_model(name: str, spec: ModelSpec) -> None:
-    _REGISTRY[name] = spec
-
-
-def _load_plugins() -> None:
-    global _plugins_loaded
-    if not _plugins_loaded:
-        _plugins_loaded = True
-        for ep in entry_points(group="orchestrator.models"):
-            ep.load()()
-
-
-def model_names() -> list[str]:
-    _load_plugins()
-    return sorted(_REGISTRY)
-
-
-def get_model(name: str) -> ModelSpec:
-    _load_plugins()
-    if name not in _REGISTRY:
-        raise KeyError(f"model.name={name!r} is not registered; known: {', '.join(sorted(_REGISTRY))}")
-    return _REGISTRY[name]
+MODELS: Registry[ModelSpec] = Registry("model.name", "orchestrator.models")
+register_model, model_names, get_model = MODELS.register, MODELS.names, MODELS.get
 
 
 def check(cfg) -> list:

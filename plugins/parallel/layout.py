@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from plugins.data.packing import rank_tokens, repack
+from plugins.engines import get_engine
 from plugins.models.registry import build_on_meta, materialise
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
@@ -41,7 +42,7 @@ class Layout:
     loss_rank: bool = True              # whether this rank's loss counts in the global sum
     stage_ids: list[int] = field(default_factory=list)
     kernels: KernelReport = field(default_factory=KernelReport)   # what compilation did (triton=on)
-    engine_fallbacks: dict[str, str] = field(default_factory=dict)  # engine=ort: units that run on torch, and why
+    engine_fallbacks: dict[str, str] = field(default_factory=dict)  # units the engine left to torch, and why
 
     def __post_init__(self):
         seen: set[int] = set()
@@ -111,18 +112,17 @@ class Layout:
 
 
 def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False,
-                 ort_dir=None, log=None) -> Layout:
-    """ort_dir: the transform stage's graphs, for engine=ort (None: no engine); log: where compilation reports
+                 prepared=None, log=None) -> Layout:
+    """prepared: what the transform stage prepared for the engine (None: no engine); log: where compilation reports
     (None: the `triton` section is not applied). The train stage passes both; a reference layout neither."""
     p = cfg.parallel
     mesh, coords = build_mesh(p, device)
     local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
     engine, fallbacks = None, {}
-    if ort_dir is not None and cfg.engine.name == "ort":
-        from plugins.engines.ort.engine import build
-
+    runs_on = get_engine(cfg.engine.name)
+    if prepared is not None and runs_on.build is not None:
         hp_group = mesh.get_group("hp") if coords.hp_size > 1 else None
-        engine, fallbacks = build(spec, ort_dir, cfg.engine, hp_group, device, dist.get_rank() if mesh else 0)
+        engine, fallbacks = runs_on.build(spec, prepared, cfg.engine, hp_group, device, dist.get_rank() if mesh else 0)
     kernels = KernelReport()
     parts = []
     for i, st in enumerate(local_stages):

@@ -23,6 +23,7 @@ from typing import Optional
 
 from torch import nn
 
+from plugins.engines import get_engine
 from plugins.parallel.data import apply_dp as _fsdp
 from runtime import precision as mixed
 from runtime.kernels import KernelReport, apply_kernels
@@ -30,15 +31,16 @@ from runtime.kernels import KernelReport, apply_kernels
 
 def parallelize(module: nn.Module, spec, cfg, mesh, device, engine=None,
                 kernels: Optional[KernelReport] = None, log=None, part: int = 0) -> nn.Module:
-    """engine: the ORT engine (None: the model's own forward); kernels: where compilation reports (None: the
-    `triton` section is not applied, as for a reference layout)."""
-    precision = mixed.of(cfg, device)
+    """engine: what cfg.engine's spec built (None: the model's own forward); kernels: where compilation reports
+    (None: the `triton` section is not applied, as for a reference layout)."""
+    runs_on = get_engine(cfg.engine.name)
+    precision = mixed.of(cfg, device, runs_on.mixed_precision)
     apply_memory(module, spec, cfg.memory)
     apply_hp(module, spec, mesh, cfg.parallel)
-    apply_engine(module, spec, engine)
+    apply_engine(module, spec, runs_on, engine)
     if kernels is not None:
         apply_kernels([module], spec, cfg.triton, log, cuda=device.type == "cuda", report=kernels, first_part=part)
-    apply_dp(module, spec, mesh, cfg.parallel, cfg.engine, precision)
+    apply_dp(module, spec, mesh, cfg.parallel, runs_on, precision)
     apply_precision(module, cfg, device, precision)
     return module
 
@@ -52,17 +54,15 @@ def apply_hp(module: nn.Module, spec, mesh, parallel_cfg) -> None:
         spec.parallelize(module, mesh["hp"], parallel_cfg)
 
 
-def apply_engine(module: nn.Module, spec, engine) -> None:
+def apply_engine(module: nn.Module, spec, runs_on, engine) -> None:
     if engine is not None:
-        from plugins.engines.ort.engine import apply
-
-        apply(module, spec, engine)
+        runs_on.apply(module, spec, engine)
 
 
-def apply_dp(module: nn.Module, spec, mesh, parallel_cfg, engine_cfg, precision) -> None:
+def apply_dp(module: nn.Module, spec, mesh, parallel_cfg, runs_on, precision) -> None:
     if parallel_cfg.dp > 1:
         _fsdp(module, mesh["dp"], parallel_cfg.dp_mode, spec.blocks(module),
-              reshard_after_forward=engine_cfg.name != "ort", mp_policy=precision.fsdp_policy())
+              reshard_after_forward=runs_on.reshard_after_forward, mp_policy=precision.fsdp_policy())
 
 
 def apply_precision(module: nn.Module, cfg, device, precision: mixed.Precision) -> None:

@@ -11,8 +11,6 @@ from runtime import machine
 
 
 def check(cfg) -> list[Problem]:
-    if cfg.engine.name != "ort":
-        return []
     problems = []
     if cfg.triton.enabled and not (machine.has_cuda() and machine.ort_has_triton()):
         missing = "no CUDA device" if not machine.has_cuda() else "an onnxruntime-training build without CUDA and Triton"
