@@ -70,8 +70,9 @@ def keys() -> list[tuple[str, tuple[str, ...], object, dataclasses.Field]]:
         for f in dataclasses.fields(schema):
             if prefix == "" and (f.name in GROUPS or dataclasses.is_dataclass(hints[f.name])):
                 continue
-            if f.name == "name" and prefix.rstrip(".") in GROUPS:
-                continue  # a group's name is its option's (choosing it is the group cases' business)
+            if f.name == "name" and prefix.rstrip(".") in GROUPS and f.metadata.get("choices"):
+                continue  # a group's name is its option's (choosing it is the group cases' business); one a
+                #           registry decides (model, data, engine) is text a user may set: fuzzed
             out.append((prefix + f.name, choose, _kind(hints[f.name]), f))
 
     add("", S.Config, ())

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 def resolve_auto(cfg: DictConfig) -> list[str]:
     """Fill in the config's `auto` values in place; one line per choice made, for the plan."""
-    from plugins.engines import get_engine
+    from plugins.engines import engine_names, get_engine
     from runtime.precision import auto_precision
 
     notes = []
@@ -25,7 +25,9 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
 
             cuda = torch.cuda.is_available()
             bf16 = cuda and torch.cuda.is_bf16_supported()
-        name, why = auto_precision(cuda, bf16, cfg.engine.name, get_engine(cfg.engine.name).mixed_precision)
+        # an engine not registered is refused by validation, which runs after this
+        mixed = cfg.engine.name not in engine_names() or get_engine(cfg.engine.name).mixed_precision
+        name, why = auto_precision(cuda, bf16, cfg.engine.name, mixed)
         cfg.precision.name = name
         notes.append(f"precision=auto: {name} ({why})")
     return notes
