@@ -1,4 +1,4 @@
-"""Named specs of one pluggable kind (models, data sources): the built-in ones register when their module is
+"""Named specs of one pluggable kind (models, data sources, engines): the built-in ones register when their module is
 imported, third-party packages through an entry-point group (`[project.entry-points."orchestrator.models"]` and so
 on), whose functions are called once, on the first lookup. Lookups come from threads too (a sweep's points side by
 side), so that first load happens under a lock: no thread sees the registry half-filled."""

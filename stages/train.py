@@ -44,11 +44,12 @@ def train(ctx: StageContext) -> None:
     device = pick_device()
     probe = MemoryProbe(device)
     spec = get_model(cfg.model.name)
+    prepared = ctx.inputs["transform"] / cfg.engine.name  # what the transform stage prepared for the engine, if any
     layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1,
-                          prepared=ctx.inputs["transform"] / cfg.engine.name, log=ctx.log)
+                          prepared=prepared, log=ctx.log)
     engine = get_engine(cfg.engine.name)
     if engine.report is not None:
-        engine.report(ctx, spec, layout.engine_fallbacks, ctx.inputs["transform"] / cfg.engine.name)
+        engine.report(ctx, spec, layout.engine_fallbacks, prepared)
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
     batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")

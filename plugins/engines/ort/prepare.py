@@ -42,5 +42,5 @@ def prepare(cfg, plan: dict, export: Path, out: Path, log, tracker) -> None:
             onnx.save(graph, out / f"{unit.name}.onnx")
             (out / f"{unit.name}.grad.onnx").write_bytes(grad_model)
             log.info("unit %s: %d parameter input(s) partitioned for hp=%d, gradient graph built",
-                         unit.name, record["partitioned_inputs"], plan["layout"]["hp"])
+                     unit.name, record["partitioned_inputs"], plan["layout"]["hp"])
         atomic_write_json(out / f"{unit.name}.json", record)
