@@ -15,6 +15,13 @@ peak allocated memory.
 
     python benchmarks/gpu.py [model=gpt2_124m] [batch=16] [seq=1024] [steps=20] [rounds=6]
                              [modes=fp32,tf32,bf16,bf16+compile] [log_every=20] [device=cuda]
+    python benchmarks/gpu.py documents=1 [model=gpt2_124m] [batch=8] [seq=2048] [steps=10] [rounds=3]
+
+documents=1 measures the document mask instead (rows of whole documents, data.packing_strategy=bfd): the stage's
+step in bf16 on rows of chat-like documents (log-normal lengths, median 300 tokens) with FlexAttention
+(triton.attention=flex, what auto picks on a GPU) and with SDPA's dense mask (triton.attention=sdpa), beside the
+same rows attended causally across documents (SDPA's flash kernel: the wrong loss, the speed to match). Printed:
+tokens/s, the ratio to the causal rows, peak allocated memory.
 
 Without a CUDA GPU it exits with status 2 and says so (`device=cpu` runs the same comparison on the CPU, to
 try the script itself on a small model; its figures say nothing about GPUs).
@@ -167,19 +174,80 @@ def bench_mode(mode: str, args: dict, device: torch.device) -> dict:
     return out
 
 
+def document_batches(cfg, n: int, seed: int = 0, median: int = 300) -> list:
+    """Rows of whole documents as the batcher makes them: random tokens, documents of log-normal lengths (`median`
+    tokens the median) laid end to end, the label after each document's last token not learned."""
+    import numpy as np
+
+    from plugins.data.batcher import Batch
+
+    rng = np.random.default_rng(seed)
+    B, T, vocab = cfg.train.batch_size, cfg.train.seq_len, cfg.model.vocab_size
+    out = []
+    for _ in range(n):
+        documents = np.zeros((B, T + 1), dtype=np.int64)
+        for r in range(B):
+            at, d = 0, 0
+            while at < T + 1:
+                length = int(np.clip(rng.lognormal(np.log(median), 0.8), 4, T + 1))
+                documents[r, at:at + length] = d
+                at, d = at + length, d + 1
+        tokens = torch.from_numpy(rng.integers(0, vocab, (B, T + 1)))
+        labels = tokens[:, 1:].clone()
+        labels[torch.from_numpy(documents[:, 1:] != documents[:, :-1])] = -100
+        out.append(Batch(tokens[:, :-1].contiguous(), labels, 1.0, float((labels != -100).float().mean()),
+                         documents=torch.from_numpy(documents[:, :-1].copy())))
+    return out
+
+
+def bench_documents(args: dict, device: torch.device) -> None:
+    """The document mask's cost: the stage's bf16 step with FlexAttention and with SDPA's dense mask, beside the
+    same rows attended causally across their documents."""
+    from dataclasses import replace
+
+    print(f"{'rows':<34} {'tok/s':>10} {'/causal':>8} {'peak':>7}")
+    causal_tps = None
+    for name, attention, with_documents in (("causal across documents (sdpa)", "sdpa", False),
+                                            ("documents, flex", "flex", True),
+                                            ("documents, sdpa dense mask", "sdpa", True)):
+        if attention == "flex" and device.type != "cuda":
+            print(f"{name:<34} {'(CUDA only: no backward on a CPU)':>27}")
+            continue
+        cfg = config(args["model"], args["batch"], args["seq"], "bf16", args["log_every"])
+        OmegaConf.update(cfg, "triton.attention", attention)
+        batches = document_batches(cfg, 4)
+        if not with_documents:
+            batches = [replace(b, documents=None) for b in batches]
+        side = StageSide(cfg, device, batches)
+        timed(side, args["steps"], device)  # warm-up: FlexAttention compiles here
+        runs = [timed(side, args["steps"], device) for _ in range(args["rounds"])]
+        tps = cfg.train.batch_size * cfg.train.seq_len * args["steps"] / statistics.median(r[0] for r in runs)
+        causal_tps = causal_tps or tps
+        print(f"{name:<34} {tps:>10,.0f} {tps / causal_tps:>8.3f} {max(r[1] for r in runs) / 1024:>6.1f}G",
+              flush=True)
+        del side
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main(argv: list[str]) -> int:
     args = arguments(argv, __doc__)
     device = torch.device(args.get("device", "cuda"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print(NO_CUDA, file=sys.stderr)
         return 2
-    opts = {"model": args.get("model", "gpt2_124m"), "batch": int(args.get("batch", 16)),
-            "seq": int(args.get("seq", 1024)), "steps": int(args.get("steps", 20)),
-            "rounds": int(args.get("rounds", 6)), "log_every": int(args.get("log_every", 20))}
+    documents = args.get("documents", "0") == "1"
+    opts = {"model": args.get("model", "gpt2_124m"), "batch": int(args.get("batch", 8 if documents else 16)),
+            "seq": int(args.get("seq", 2048 if documents else 1024)),
+            "steps": int(args.get("steps", 10 if documents else 20)),
+            "rounds": int(args.get("rounds", 3 if documents else 6)), "log_every": int(args.get("log_every", 20))}
     modes = args.get("modes", ",".join(MODES)).split(",")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (figures say nothing about GPUs)"
     print(f"{name}, torch {torch.__version__}; {opts['model']}, batch {opts['batch']} x {opts['seq']}; "
           f"{opts['rounds']} alternating rounds of {opts['steps']} steps after a warm-up round", flush=True)
+    if documents:
+        bench_documents(opts, device)
+        return 0
     print(f"{'mode':<13} {'stage tok/s':>12} {'loop tok/s':>12} {'stage/loop':>10} {'stage MFU':>9} {'loop MFU':>9} "
           f"{'stage peak':>11} {'loop peak':>10}  stage runs")
     for mode in modes:

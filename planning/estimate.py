@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from plugins.data.packing import balances_ranks, whole_documents
+from plugins.data.packing import document_rows
 from plugins.parallel import world_size
 from plugins.parallel.schedules import SCHEDULES
 
@@ -128,14 +128,13 @@ def estimate(cfg, plan: dict) -> Estimate:
     from plugins.models.registry import vocab_rows
 
     logits = 2 * vocab_rows(m) / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
-    # rows of whole documents (or padded rows packed by their rank, data.balance_ranks): the document mask, a byte
-    # per (query, key), shared by a microbatch's layers
-    mask = seq if whole_documents(cfg.data) is not None or balances_ranks(cfg.data) else 0
+    # rows with their documents (whole documents, or padded rows packed by their rank): SDPA's document mask, a byte
+    # per (query, key), shared by a microbatch's layers; FlexAttention's block mask is a few ints per 128 x 128 tile
+    mask = seq if document_rows(cfg.data) and cfg.triton.attention != "flex" else 0
     activations = int(tokens_per_microbatch * (in_flight * (layer_bytes + mask) + logits))
-    import torch
+    from runtime.machine import ranks_on_cuda
 
-    # ranks on GPUs: this machine's, or a SLURM job's that asks for them
-    cpu = not cfg.cluster.get("gpus_per_task") if cfg.cluster.name == "slurm" else not torch.cuda.is_available()
+    cpu = not ranks_on_cuda(cfg)[0]  # ranks on GPUs: this machine's, or a SLURM job's that asks for them
     return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
                     int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu)
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from common.problem import Problem
+from runtime.sdpa import resolve_attention
 
 
 class CompileFailed(RuntimeError):
@@ -102,9 +103,14 @@ def apply_kernels(parts: list[nn.Module], spec, tcfg, log: logging.Logger, cuda:
     """Set the attention kernel, then compile per `tcfg.scope` (when enabled), adding to `report`. Compilation is
     lazy (the first call compiles) and wraps each target's forward: hooks FSDP adds later stay outside it."""
     report = report if report is not None else KernelReport()
+    # auto is resolved before planning (orchestrator/config/resolve.py); a config composed without it (a benchmark's,
+    # a test's) gets what auto gives rows of documents: flex only ever serves those
+    attention = tcfg.attention if tcfg.attention != "auto" else resolve_attention(cuda, documents=True)[0]
     if spec.set_attention is not None:
         for part in parts:
-            spec.set_attention(part, tcfg.attention)
+            spec.set_attention(part, attention)
+    if attention == "flex" and cuda:
+        configure(tcfg, cuda)  # FlexAttention is compiled: its kernels go to the run's Inductor cache too
     if not tcfg.enabled:
         return report
     configure(tcfg, cuda)
@@ -128,12 +134,18 @@ def _block_name(part: nn.Module, block: nn.Module) -> str:
 
 
 def check(cfg) -> list:
-    """On a CPU, torch.compile generates C++: triton=on needs a compiler there."""
+    """On a CPU, torch.compile generates C++: triton=on needs a compiler there. FlexAttention trains on GPUs only."""
     import shutil
 
     from runtime import machine
 
+    problems = []
     if cfg.triton.enabled and not machine.has_cuda() and not (shutil.which("g++") or shutil.which("c++")):
-        return [Problem("triton.enabled", True, "on CPU, torch.compile generates C++ and needs a C++ compiler; none "
-                        "found on PATH (g++ or c++)", "install g++, or triton=off")]
-    return []
+        problems.append(Problem("triton.enabled", True, "on CPU, torch.compile generates C++ and needs a C++ "
+                                "compiler; none found on PATH (g++ or c++)", "install g++, or triton=off"))
+    if cfg.triton.attention == "flex" and not machine.ranks_on_cuda(cfg)[0]:
+        problems.append(Problem("triton.attention", "flex", "FlexAttention has no backward on a CPU (torch: "
+                                "'FlexAttention does not support backward on CPU'), and the train stage's ranks get "
+                                "no CUDA GPU here", "triton.attention=auto (SDPA with the document mask on CPUs), or "
+                                "ranks on GPUs (cluster=slurm cluster.gpus_per_task=1)"))
+    return problems

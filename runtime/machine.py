@@ -13,6 +13,16 @@ def has_cuda() -> bool:
         return False
 
 
+def ranks_on_cuda(cfg) -> tuple[bool, bool]:
+    """(the train stage's ranks get CUDA GPUs, those GPUs have bf16). On SLURM the login node's devices say nothing
+    of the compute nodes': GPUs requested (cluster.gpus_per_task) count as CUDA GPUs with bf16."""
+    if cfg.cluster.name == "slurm":
+        gpus = bool(cfg.cluster.get("gpus_per_task"))
+        return gpus, gpus
+    cuda = has_cuda()
+    return cuda, cuda and cuda_bf16()
+
+
 def cuda_devices() -> int:
     import torch
 

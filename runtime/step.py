@@ -20,15 +20,15 @@ class StepSettings:
     skip_nonfinite: bool = False  # check every step's gradient norm (one read per step) and drop non-finite ones
     microbatches: int = 1
     repack_to: int = 0           # padded rows: each rank packs its rows' real tokens into as few rows as hold them,
-    #                              as wide as a multiple of this (0: rows keep their shape: a pipeline, ORT and
-    #                              compiled graphs want one shape)
+    #                              as wide as a multiple of this (0: rows keep their shape: a pipeline, ORT,
+    #                              compiled graphs and FlexAttention's compiled kernel want one shape)
 
     @staticmethod
     def of(cfg, one_shape: bool = False) -> "StepSettings":
         """one_shape: the engine's graphs take one input shape (plugins/engines: EngineSpec.one_shape)."""
         p = cfg.parallel
         repacks = not cfg.data.packing and cfg.data.get("balance_ranks", True) and p.pp == 1 and \
-            not one_shape and not cfg.triton.enabled
+            not one_shape and not cfg.triton.enabled and cfg.triton.attention != "flex"
         return StepSettings(cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
                             cfg.train.seed if cfg.model.dropout > 0 else None, cfg.train.nonfinite == "skip",
                             p.microbatches, math.lcm(8, p.hp if p.sequence_parallel else 1) if repacks else 0)

@@ -78,7 +78,8 @@ def gather_timeline(layout) -> Optional[dict]:
 
 def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
     """summary.json, the pictures and the tracker's final metrics and tags (rank 0). run: start, tokens_per_s,
-    peak_mb, growth_mb, timeline, the probe, the optimizers, the kernels and the engine fallbacks."""
+    peak_mb, growth_mb, timeline, the probe, the optimizers, the kernels, the engine fallbacks and whether rows
+    held whole documents."""
     cfg, device = ctx.cfg, layout.device
     precision = mixed.of(cfg, device)
     peak = peak_flops(device, precision.name, cfg.precision.tf32)
@@ -93,7 +94,8 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                "peak_memory_mb": run["peak_mb"], "memory_kind": run["probe"].kind,
                "peak_memory_growth_mb": run["growth_mb"],  # the worst rank's: peak minus what it held before the model
                "optimizer_impl": describe_impl(run["optimizers"][0]),
-               "attention_kernel": attention_kernel(cfg.model, precision, device, cfg.triton.attention),
+               "attention_kernel": attention_kernel(cfg.model, precision, device, cfg.triton.attention,
+                                                    run.get("documents", False)),
                "loss_scaler": run["scaler"].state_dict() if run["scaler"].enabled else None}
     atomic_write_json(ctx.out / "summary.json", summary)
     c = layout.coords

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from plugins.data import build_batcher
+from plugins.data.packing import whole_documents
 from plugins.engines import get_engine
 from plugins.models import get_model
 from plugins.models.registry import vocab_rows
@@ -147,7 +148,8 @@ def train(ctx: StageContext) -> None:
     write_summary(ctx, layout, plan, history.rows(), {
         "start": start, "tokens_per_s": timed_tokens / timed_s if timed_s else None, "peak_mb": peak_mb,
         "growth_mb": growth_mb, "timeline": timeline, "probe": probe,
-        "optimizers": optimizers, "kernels": layout.kernels, "fallbacks": layout.engine_fallbacks, "scaler": scaler})
+        "optimizers": optimizers, "kernels": layout.kernels, "fallbacks": layout.engine_fallbacks, "scaler": scaler,
+        "documents": whole_documents(cfg.data) is not None})
 
 
 def _summary(out) -> str:

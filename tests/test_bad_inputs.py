@@ -140,6 +140,7 @@ CATALOGUE = [
     # engine and precision
     (["engine.name=onnx"], "engine.name", "no engine of that name is registered"),
     (["engine=ort", "triton=on"], "triton.enabled", "need a CUDA GPU"),
+    (["triton.attention=flex"], "triton.attention", "no backward on a CPU"),
     (["engine=ort", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",
      "runs each unit"),
     (["engine=ort", "precision=bf16"], "precision.name", "fp32 ONNX graph"),

@@ -19,7 +19,7 @@ from tests.test_hf import FAMILIES
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("kernel", ["sdpa", "math"])
+@pytest.mark.parametrize("kernel", ["sdpa", "flex", "math"])  # flex: forward only on a CPU (gpu_tests trains it)
 def test_a_row_of_three_documents_gives_each_token_the_loss_it_has_alone(family, kernel):
     cfg = make_cfg(*FAMILIES[family][0])
     model = get_model(cfg.model.name).build(cfg.model)

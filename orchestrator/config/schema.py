@@ -151,8 +151,10 @@ class TritonConfig:
     dynamic: bool = key(False, "compile for dynamic shapes", read_when=COMPILED)
     cache_dir: str = key("${cache_dir}/inductor", "Inductor's cache, so a rerun does not recompile",
                          content=False)
-    attention: str = key("sdpa", "sdpa: fused scaled-dot-product attention kernels; math: the reference kernel",
-                         choices=("sdpa", "math"))
+    attention: str = key("auto", "auto: flex for rows of whole documents on CUDA GPUs, else sdpa; sdpa: fused "
+                         "scaled-dot-product attention kernels (a dense mask for rows of documents); flex: "
+                         "FlexAttention, compiled, with a block mask for rows of documents (CUDA only); math: the "
+                         "reference kernel", choices=("auto", "sdpa", "flex", "math"))
     fallback: str = key("fail", "on a compile failure: fail, or eager (continue uncompiled, recorded)",
                         choices=("fail", "eager"), read_when=COMPILED)
 

@@ -135,6 +135,12 @@ def balances_ranks(data) -> bool:
     return not data.packing and bool(data.get("balance_ranks", True))
 
 
+def document_rows(data) -> bool:
+    """Whether a batch's rows come with each position's document (a mask keeps attention within it): rows of whole
+    documents, or padded rows that their rank packs."""
+    return whole_documents(data) is not None or balances_ranks(data)
+
+
 def deal(real: np.ndarray, ranks: int) -> np.ndarray:
     """An order of a batch's rows that gives each of `ranks` equal slices (data-parallel ranks take consecutive
     rows) as equal a share of real tokens as the draw allows: the longest row first, each to the rank with the

@@ -71,7 +71,8 @@ class ModelSpec:
     output_names: tuple[str, ...]
     dynamic_axes: dict[str, dict[int, str]]
     set_attention: Optional[Callable[[nn.Module, str], None]] = None
-    """(module, "sdpa" | "math") -> None: the attention kernel (fused scaled-dot-product, or the reference math)."""
+    """(module, "sdpa" | "flex" | "math") -> None: the attention kernel (fused scaled-dot-product; FlexAttention for
+    rows of whole documents; or the reference math)."""
 
 
 MODELS: Registry[ModelSpec] = Registry("model.name", "orchestrator.models")

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
+from runtime.sdpa import document_block_mask, flex
 from storage.weights import set_constant, set_full
 
 
@@ -44,16 +45,19 @@ def rotary(x: torch.Tensor, theta: float, positions: Optional[torch.Tensor] = No
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def document_view(documents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def document_view(documents: torch.Tensor, kernel: str = "sdpa") -> tuple:
     """What a row of whole documents (data.packing_strategy=bfd) means to attention: documents (B, T) numbers each
-    position's document (consecutive runs; padding is a run of its own) -> (mask (B, 1, T, T), True where a query
-    may attend a key: causal and within its document; positions (B, T), restarting at 0 at each document). With
-    both, a packed row's tokens get the losses they would get alone."""
+    position's document (consecutive runs; padding is a run of its own) -> (mask, positions (B, T), restarting at 0
+    at each document). The mask lets a query attend the keys of its own document up to itself: (B, 1, T, T) booleans
+    for SDPA and the math kernel, FlexAttention's block mask for kernel flex. With both, a packed row's tokens get
+    the losses they would get alone."""
     B, T = documents.shape
     at = torch.arange(T, device=documents.device)
     begins = torch.ones_like(documents, dtype=torch.bool)
     begins[:, 1:] = documents[:, 1:] != documents[:, :-1]
     positions = at - torch.where(begins, at, 0).cummax(dim=1).values
+    if kernel == "flex":
+        return document_block_mask(documents), positions
     causal = torch.ones(T, T, dtype=torch.bool, device=documents.device).tril()
     return ((documents[:, :, None] == documents[:, None, :]) & causal)[:, None], positions
 
@@ -68,7 +72,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.wo = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
-        self.kernel = "sdpa"  # sdpa | math, set by set_attention (triton.attention)
+        self.kernel = "sdpa"  # sdpa | flex | math, set by set_attention (triton.attention, resolved)
 
     def mix(self, x, documents: Optional[tuple] = None):
         """q/k/v projections and causal attention, heads concatenated: the input of the output projection.
@@ -87,6 +91,8 @@ class Attention(nn.Module):
             scores = (q @ k.transpose(-2, -1)) * self.head_dim ** -0.5
             allowed = mask if mask is not None else torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
             y = scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v
+        elif mask is not None and self.kernel == "flex":  # the mask's visible tiles only (runtime/sdpa.py)
+            y = flex(q, k, v, mask)
         elif mask is not None:  # SDPA's kernels that take a mask (on CUDA: memory-efficient; flash takes none)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
@@ -158,6 +164,7 @@ class Decoder(nn.Module):
         self.wte = nn.Embedding(rows, cfg.d_model)
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned_positions else None
         self.drop = nn.Dropout(cfg.dropout)
+        self.attention = "sdpa"  # the kernel set_attention gave the blocks: the document view it needs
         self.layers = nn.ModuleDict({str(i): block() for i in range(cfg.n_layers)})
         self.ln_f = norm()
         self.lm_head = nn.Linear(cfg.d_model, rows, bias=False)
@@ -168,7 +175,9 @@ class Decoder(nn.Module):
         """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output.
         documents (B, T): each position's document in rows of whole documents (data.packing_strategy=bfd): attention
         stays within a document and positions restart at each (every pipeline stage gets them beside its input)."""
-        view = document_view(documents) if documents is not None and (self.wpe is not None or self.layers) else None
+        view = None
+        if documents is not None and (self.wpe is not None or self.layers):
+            view = document_view(documents, self.attention)
         if self.wte is not None:
             x = self.wte(h)
             if self.wpe is not None:
@@ -213,6 +222,7 @@ def apply_memory(model: nn.Module, level: int) -> nn.Module:
 
 
 def set_attention(model: nn.Module, kernel: str) -> None:
+    model.attention = kernel
     for layer in model.layers.values():
         layer.attn.kernel = kernel
 
