@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from plugins.data.batcher import build_batcher
 from plugins.data.corpus import tokenized
 from tests.conftest import make_cfg, run_cli
-from tests.test_chat import hf_tokenizer  # noqa: F401 (a fixture: a tokenizer folder with a ChatML template)
+from tests.test_chat import CHATML, hf_tokenizer  # noqa: F401 (a fixture: a tokenizer folder with a ChatML template)
 from tests.test_hf import FAMILIES, saved
 
 import transformers  # noqa: E402  (the [hf] extra, part of .[dev])
@@ -147,21 +147,30 @@ def test_ten_steps_of_packed_records_equal_a_transformers_loop(tmp_path, family)
     assert theirs[-1] < theirs[0]
 
 
-def test_chat_records_learn_what_apply_chat_template_marks_as_the_assistants(tmp_path, hf_tokenizer):
+@pytest.mark.parametrize("turns_end_with_eos", [True, False])
+def test_chat_records_learn_what_apply_chat_template_marks_as_the_assistants(tmp_path, hf_tokenizer,
+                                                                             turns_end_with_eos):
     """data.format=chat with an HF tokenizer folder's ChatML template: each document is the rendered chat's ids as
-    transformers' apply_chat_template gives them, then <eos>; what is learned is its assistant mask (and the <eos>
-    after an answer)."""
+    transformers' apply_chat_template gives them; what is learned is its assistant mask. ChatML ends each turn with
+    the tokenizer's eos (<|im_end|>), which the mask holds after an answer: nothing is appended. A template whose
+    turns end otherwise gets an <eos> after the chat, learned after an answer."""
     hf, folder = hf_tokenizer
+    template = CHATML if turns_end_with_eos else CHATML.replace("<|im_end|>", "\n\n")
+    (tmp_path / "turns.jinja").write_text(template)
     rng = random.Random(0)
     chats = [[{"role": "user", "content": f"Add {a} and {b}."}, {"role": "assistant", "content": f"{a + b}."}]
              for a, b in ((rng.randint(0, 99), rng.randint(0, 99)) for _ in range(200))]
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
     expected = {}
     for chat in chats:
-        theirs = hf.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        expected[tuple(theirs["input_ids"]) + (hf.eos_token_id,)] = list(theirs["assistant_masks"]) + [1]
+        theirs = hf.apply_chat_template(chat, chat_template=template, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        ids, mask = list(theirs["input_ids"]), list(theirs["assistant_masks"])
+        assert ids.count(hf.eos_token_id) == (2 if turns_end_with_eos else 0)
+        expected[tuple(ids if turns_end_with_eos else ids + [hf.eos_token_id])] = mask if turns_end_with_eos \
+            else mask + [1]
     cfg = make_cfg("data=text", f"data.paths=[{tmp_path}/chats.jsonl]", "data.format=chat",
-                   f"data.tokenizer=hf:{folder}", "data.packing=false", "train.seq_len=32", "train.batch_size=4",
+                   f"data.tokenizer=hf:{folder}", f"data.chat_template={tmp_path}/turns.jinja", "data.packing=false", "train.seq_len=32", "train.batch_size=4",
                    runs_dir=tmp_path)
     corpus = tokenized(cfg)
     documents = list(zip(corpus.train, corpus.train_mask)) + list(zip(corpus.val, corpus.val_mask))

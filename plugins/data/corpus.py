@@ -325,8 +325,8 @@ def masks_loss(cfg) -> bool:
 
 
 def _chat_ids(tok: tokenizers.Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
-    """A chat record's ids (the rendered template's, then <eos>) and which are the assistant's: the <eos> too when
-    the chat's last message is the assistant's (it learns to stop there)."""
+    """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
+    assistant's: an appended <eos> too when the chat's last message is the assistant's (it learns to stop there)."""
     unknown = next((m["role"] for m in chat.messages if m["role"] not in roles(tok.chat_template)), None)
     if unknown is not None:
         raise ValueError(f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} "
@@ -338,6 +338,8 @@ def _chat_ids(tok: tokenizers.Tokenizer, chat: Chat) -> tuple[np.ndarray, np.nda
     except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
         raise ValueError(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
                          f"fix: data.chat_template= a template for these messages") from None
+    if tok.eos in ids:  # the template ends turns with <eos> itself (ChatML's <|im_end|>, Llama 3's <|eot_id|>):
+        return ids, trained  # its assistant mask holds the stop; one more would teach a second stop after the first
     return np.append(ids, tok.eos), np.append(trained, chat.messages[-1]["role"] == "assistant")
 
 
