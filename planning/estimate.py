@@ -46,6 +46,7 @@ class Estimate:
     runtime: int = 0
     temporaries: int = 0
     cpu: bool = False
+    staging: int = 0  # train.async_checkpoint=async: the host copy of the rank's weights and optimizer state
 
     @property
     def total(self) -> int:
@@ -54,7 +55,7 @@ class Estimate:
         so its RSS holds both, and the optimizer step's temporaries on top."""
         if self.cpu:
             return self.parameters + self.optimizer + self.gradients + self.activations + self.temporaries + \
-                self.runtime
+                self.runtime + self.staging
         return self.parameters + self.optimizer + max(self.activations, self.gradients) + self.runtime
 
     def describe(self) -> str:
@@ -62,8 +63,11 @@ class Estimate:
         both = (f"activations {self.activations / gb:,.2f}, gradients {self.gradients / gb:,.2f}, step temporaries "
                 f"{self.temporaries / gb:,.2f}") if self.cpu else \
             f"activations {self.activations / gb:,.2f} or gradients {self.gradients / gb:,.2f}"
+        # a GPU rank stages a background checkpoint in host memory, beside the device's figure
+        staging = "" if not self.staging else f", checkpoint staging {self.staging / gb:,.2f}" if self.cpu else \
+            f"; checkpoint staging {self.staging / gb:,.2f} in host memory"
         return (f"{self.total / gb:,.2f} GB per rank at its peak (parameters {self.parameters / gb:,.2f}, optimizer "
-                f"state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f})")
+                f"state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f}{staging})")
 
 
 def _held_by_rank(plan: dict) -> dict[int, int]:
@@ -135,8 +139,9 @@ def estimate(cfg, plan: dict) -> Estimate:
     from runtime.machine import ranks_on_cuda
 
     cpu = not ranks_on_cuda(cfg)[0]  # ranks on GPUs: this machine's, or a SLURM job's that asks for them
+    staging = parameters + optimizer if cfg.train.get("async_checkpoint", "disabled") == "async" else 0
     return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
-                    int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu)
+                    int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu, staging)
 
 
 def available_bytes(cfg) -> tuple[int, str]:

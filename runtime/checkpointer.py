@@ -24,18 +24,39 @@ class Checkpointer:
         self.meta, self.history, self.vocab_rows = meta, history, vocab_rows
         self.folder = ctx.scratch / "checkpoints"
         self.keep = max(ctx.cfg.train.keep_checkpoints, 1)
+        self.background = ctx.cfg.train.get("async_checkpoint", "disabled") == "async"
+        self.pending: Optional[ckpt.PendingSave] = None
+        # the background writer's collectives get a gloo group of their own (as TorchTitan's): on training's group
+        # they would interleave with the step's
+        self.group = dist.new_group(backend="gloo") if self.background and layout.world else None
 
     def forget(self) -> None:
         """train.resume=false: this key's earlier checkpoints are not resumed (rank 0 removes them)."""
         if self.ctx.is_rank0:
             remove_tree(self.folder)
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, wait: bool = False) -> None:
+        """A checkpoint of this step. With train.async_checkpoint=async it is written in the background (the one
+        before it finished first) unless `wait`: the last step's, and a stop's, are complete when this returns."""
+        self.wait()
         if self.ctx.is_rank0:
             self.history.sync()  # the metrics up to the step, on disk before the checkpoint that resumes after them
-        ckpt.save(ckpt.step_dir(self.folder, step), self.parts,
-                  {**self.meta, "step": step, "loss_scaler": self.scaler.state_dict()}, self.layout.aliases)
+        path, meta = ckpt.step_dir(self.folder, step), {**self.meta, "step": step,
+                                                         "loss_scaler": self.scaler.state_dict()}
+        if self.background:
+            self.pending = ckpt.save_async(path, self.parts, meta, self.layout.aliases, self.group)
+            if wait:
+                self.wait()
+            return
+        ckpt.save(path, self.parts, meta, self.layout.aliases)
         ckpt.prune(self.folder, keep=self.keep)
+
+    def wait(self) -> None:
+        """Finish the checkpoint being written in the background, if any: complete and published on return."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.finish()
+            ckpt.prune(self.folder, keep=self.keep)
 
     def last(self, step: int) -> Path:
         return ckpt.step_dir(self.folder, step)

@@ -123,16 +123,18 @@ def train(ctx: StageContext) -> None:
                     bar.update(task, completed=done, loss=rows[-1]["loss"])
                 if diverged:
                     history.close()
+                    checkpointer.wait()  # one written before the divergence is good
                     raise Diverged(divergence(diverged, done, skipped_in_a_row, cfg, checkpointer.last_good()))
             elif ctx.is_rank0:
                 bar.update(task, completed=done)
             if saving or reason:
-                checkpointer.save(done)
+                checkpointer.save(done, wait=bool(reason) or done == t.steps)
             if reason:
                 history.close()
                 ctx.tracker.set_tags({"preempted_at_step": done})
                 raise preemption.Preempted(done, reason)
     history.close()
+    checkpointer.wait()
     timeline = gather_timeline(layout)
     peak_mb, growth_mb = layout.reduce(torch.tensor([probe.peak_mb, probe.peak_mb - probe.baseline_mb],
                                                     dtype=torch.float64), dist.ReduceOp.MAX).tolist()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ MANIFEST = "manifest.json"
 FORMAT = "orchestrator-dcp-v1"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+SINGLE_PROCESS = "torch.distributed is disabled"  # DCP's warning on every call without a process group
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -44,13 +46,13 @@ def step_dir(root: Path, step: int) -> Path:
 def quiet_single_process():
     """DCP warns on every call without a process group that it "assumes" one process: that is our intent."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
         yield
 
 
-def _barrier() -> None:
+def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _is_rank0() -> bool:
@@ -98,26 +100,88 @@ def apply_training_state(parts: Parts, state: dict, aliases: Optional[dict[str, 
 def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]] = None) -> Path:
     """Write a complete checkpoint at `path` (every rank calls this). Returns path."""
     path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    if _is_rank0():
-        remove_tree(partial)
-        if path.exists():  # a complete checkpoint of this step exists already: keep it, it is identical
-            raise FileExistsError(f"checkpoint {path} exists")
-    _barrier()
+    partial = _begin(path)
     state = training_state(parts, aliases)
     try:
         with quiet_single_process():
             dcp.save(state, checkpoint_id=str(partial))
     except (OSError, RuntimeError, CheckpointException) as e:  # DCP's own exception is a BaseException
         remove_tree(partial)  # never leave a half-written folder (or a full disk) behind
-        raise _explained(e, path, state) from e
+        raise _explained(e, path, state_bytes(state)) from e
+    _publish(partial, path, meta)
+    return path
+
+
+class PendingSave:
+    """A checkpoint DCP writes in the background (dcp.async_save: the state was copied to host memory before
+    training went on). A thread of its own then publishes it exactly as `save` does (every rank's files written,
+    then rank 0 records their checksums in the manifest and renames the folder into place), so that hashing runs
+    beside training too. It counts only once published: until then the folder is `.step_N.partial`, which a crash
+    leaves and a restart sweeps away."""
+
+    def __init__(self, path: Path, partial: Path, meta: dict, future, needed: int,
+                 group: Optional[dist.ProcessGroup]):
+        self.path, self.partial, self.meta, self.future, self.needed = path, partial, meta, future, needed
+        self.group, self.error = group, None
+        # a daemon: a process that dies with a write in flight must not wait for its peers at exit
+        self.publisher = threading.Thread(target=self._publish, name=f"publish {path.name}", daemon=True)
+        self.publisher.start()
+
+    def _publish(self) -> None:
+        try:
+            self.future.result()
+            _publish(self.partial, self.path, self.meta, self.group)
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            self.error = e
+
+    def finish(self) -> Path:
+        """Wait until the checkpoint is published (every rank calls this). Returns its path."""
+        self.publisher.join()
+        if self.error is not None:
+            remove_tree(self.partial)
+            raise _explained(self.error, self.path, self.needed) from self.error
+        return self.path
+
+
+def save_async(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]] = None,
+               group: Optional[dist.ProcessGroup] = None) -> PendingSave:
+    """Start writing a checkpoint at `path` and return once the state is copied to host memory (every rank calls
+    this). `group`: a gloo process group of its own (the writer's collectives run beside training's)."""
+    path = Path(path)
+    partial = _begin(path)
+    state = training_state(parts, aliases)
+    needed = state_bytes(state)
+    if not (dist.is_available() and dist.is_initialized()):
+        # the writer thread outlives quiet_single_process's block: DCP's "assumes one process" filtered for good
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
+    try:
+        with quiet_single_process():
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+    except (OSError, RuntimeError, CheckpointException) as e:
+        remove_tree(partial)
+        raise _explained(e, path, needed) from e
+    return PendingSave(path, partial, meta, future, needed, group)
+
+
+def _begin(path: Path) -> Path:
+    """The partial folder a save of `path` writes into, emptied (every rank, after rank 0 prepared it)."""
+    partial = path.with_name(f".{path.name}.partial")
+    if _is_rank0():
+        remove_tree(partial)
+        if path.exists():  # a complete checkpoint of this step exists already: keep it, it is identical
+            raise FileExistsError(f"checkpoint {path} exists")
     _barrier()
+    return partial
+
+
+def _publish(partial: Path, path: Path, meta: dict, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Once every rank's files are written: rank 0 records them in the manifest and renames the folder into place."""
+    _barrier(group)
     if _is_rank0():
         manifest = {"format": FORMAT, **meta, "files": file_table(partial, exclude=(MANIFEST,))}
         atomic_write_json(partial / MANIFEST, manifest)
         publish_dir(partial, path)
-    _barrier()
-    return path
+    _barrier(group)
 
 
 def state_bytes(state: dict) -> int:
@@ -130,7 +194,7 @@ def state_bytes(state: dict) -> int:
     return 0
 
 
-def _explained(error: BaseException, path: Path, state: dict) -> BaseException:
+def _explained(error: BaseException, path: Path, needed: int) -> BaseException:
     """DCP reports a full disk as `[enforce fail at inline_container.cc:...] . unexpected pos ...`, or as a
     CheckpointException holding each rank's traceback: say so. Any other DCP failure becomes a RuntimeError (a
     BaseException would slip past every `except Exception` that reports a failed stage)."""
@@ -138,7 +202,6 @@ def _explained(error: BaseException, path: Path, state: dict) -> BaseException:
     import shutil
 
     free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-    needed = state_bytes(state)
     text = str(error)
     if getattr(error, "errno", None) == errno.ENOSPC or "unexpected pos" in text or "No space left" in text or \
             free < needed:

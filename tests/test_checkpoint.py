@@ -41,6 +41,32 @@ def test_save_and_load_are_exact(tmp_path):
     assert states_equal(want["model"], got["model"]) and states_equal(want["optim"], got["optim"])
 
 
+def test_an_async_save_holds_the_state_of_its_step_and_the_bytes_of_a_sync_one(tmp_path):
+    """train.async_checkpoint=async: the state is copied before training goes on, so steps taken while the files are
+    written do not reach them; once finished the checkpoint is published as a sync save publishes it, with the same
+    shards (DCP's .metadata names the folder it was written to)."""
+    cfg, spec, model, opt = trained()
+    at_save = ckpt.training_state([(model, opt)])
+    at_save = {part: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+               for part, entries in at_save.items()}
+    sync = ckpt.save(tmp_path / "sync" / "step_0000002", [(model, opt)], {"step": 2, "trainer": {}})
+    pending = ckpt.save_async(ckpt.step_dir(tmp_path / "async", 2), [(model, opt)], {"step": 2, "trainer": {}})
+    for s in range(3):  # training goes on while the checkpoint is written
+        x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(10 + s))
+        spec.loss(model(x), x).backward()
+        opt.step()
+        opt.zero_grad()
+    assert not ckpt.step_dir(tmp_path / "async", 2).exists()  # not a checkpoint until finished
+    path = pending.finish()
+    assert ckpt.verify(path) == [] and ckpt.read_manifest(path)["step"] == 2
+    shards = [name for name in ckpt.read_manifest(sync)["files"] if name.endswith(".distcp")]
+    assert shards and all((path / name).read_bytes() == (sync / name).read_bytes() for name in shards)
+    _, _, fresh, fresh_opt = trained(steps=0, seed=1)
+    ckpt.load(path, [(fresh, fresh_opt)])
+    got = ckpt.training_state([(fresh, fresh_opt)])
+    assert states_equal(at_save["model"], got["model"]) and states_equal(at_save["optim"], got["optim"])
+
+
 def test_partial_and_damaged_checkpoints_are_never_taken(tmp_path):
     cfg, spec, model, opt = trained()
     ckpt.save(ckpt.step_dir(tmp_path, 1), [(model, opt)], {"step": 1, "trainer": {}})

@@ -180,10 +180,13 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_pat
     5 steps awaited): one path for both, acted on within seconds (SLURM's and Kubernetes' grace is 30 s). That the
     same command then continues, to the loss of a run never stopped, test_sweep_and_slurm_config's signal test checks
     on that path (a point stopped by SIGTERM, continued)."""
-    steps = (["train.steps=80", "train.eval_every=0"] if during == "training" else
-                    ["train.steps=20", "train.eval_every=10", "train.eval_batches=6000"])
+    # the evaluation's run writes its checkpoints in the background (train.async_checkpoint=async): step 5's is
+    # finished, and the stop's written, before it exits
+    steps = (["train.steps=80", "train.eval_every=0", "train.checkpoint_every=0"] if during == "training" else
+             ["train.steps=20", "train.eval_every=10", "train.eval_batches=6000", "train.checkpoint_every=5",
+              "train.async_checkpoint=async"])
     args = ["parallel=ddp2", *steps, "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
-            "train.checkpoint_every=0", "tracking=mlflow"]
+            "tracking=mlflow"]
     history = tmp_path / "runs" / "cache" / "train"
     logged = [0]  # steps in metrics.jsonl when the signal went
 
@@ -201,8 +204,9 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_pat
     assert returncode == code, out[-3000:]
     assert "interrupted: nothing is lost; run the same command to continue" in out
     assert "Traceback" not in out, out[-6000:]
-    (checkpoint,) = history.glob("*.work/scratch/checkpoints/step_*/manifest.json")
-    step = json.loads(checkpoint.read_text())["step"]
+    checkpoints = sorted(history.glob("*.work/scratch/checkpoints/step_*/manifest.json"))
+    assert len(checkpoints) == (1 if during == "training" else 2)  # evaluation: step 5's and the stop's
+    step = json.loads(checkpoints[-1].read_text())["step"]
     if during == "training":  # rows are written every log_every=5 steps: the steps unwritten, the one in flight
         assert logged[0] <= step <= logged[0] + 2 * 5, (logged[0], step)
     else:  # stopped inside the evaluation at step 10: its loss never came

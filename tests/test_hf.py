@@ -14,7 +14,7 @@ from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import validate
 from storage import consolidate, hf
 from plugins.models import get_model
-from tests.conftest import make_cfg, run_cli, run_folder
+from tests.conftest import cache_entry, make_cfg, run_cli, run_debug, run_folder
 
 import transformers  # noqa: E402  (the [hf] extra, part of .[dev])
 
@@ -63,6 +63,7 @@ def test_import_gives_transformers_logits(family, tmp_path):
     assert (got - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.e2e  # eight ranks through `python -m orchestrator`
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_round_trip_through_a_distributed_run(family, tmp_path):
     """hf folder -> train.init_from=hf: -> 3 steps in dp2_hp2_pp2 -> aggregate's hf/ -> transformers."""
@@ -148,22 +149,23 @@ def _losses(result) -> list[float]:
     return [json.loads(line)["loss"] for line in (train / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.e2e  # four ranks through `python -m orchestrator`
 def test_a_padded_vocabulary_trains_vocab_parallel_with_the_unpadded_loss(tmp_path):
     """hp=2 x pp=2 with the logits vocab-sharded on the last stage (the padding's columns masked to -inf on the shard
     that holds them) and the padded embedding tied across the first and last stage: the same losses as the
-    unpadded model, and an hf/ folder with the real vocabulary."""
+    unpadded model in one process (layouts equal one process: tests/test_layouts.py), and an hf/ folder with the
+    real vocabulary."""
     folder = saved("gpt", tmp_path / "in")
-    args = [*FAMILIES["gpt"][0], "parallel=megatron_hp2", "parallel.pp=2", "parallel.microbatches=2",
-            "parallel.loss_parallel=true", f"train.init_from=hf:{folder}",
-            "train.steps=3", "train.batch_size=8", "train.seq_len=32", "train.eval_every=0",
-            "train.checkpoint_every=0", "tracking=none"]
-    results = {}
-    for name, extra in (("plain", []), ("padded", ["model.pad_vocab_to=128"])):
-        (tmp_path / name).mkdir()
-        results[name] = run_cli([*args, *extra], tmp_path / name, timeout=900)
-        assert results[name].returncode == 0, results[name].stdout[-3000:] + results[name].stderr[-3000:]
-    plain, padded = _losses(results["plain"]), _losses(results["padded"])
-    assert len(padded) == 3 and padded == pytest.approx(plain, rel=1e-5, abs=0)
-    run_dir = run_folder(results["padded"])
+    model = [*FAMILIES["gpt"][0], f"train.init_from=hf:{folder}", "train.steps=3", "train.batch_size=8",
+             "train.seq_len=32", "train.eval_every=0", "train.checkpoint_every=0", "tracking=none"]
+    plain = run_debug(tmp_path / "plain", *model)
+    (tmp_path / "padded").mkdir()
+    padded = run_cli([*model, "model.pad_vocab_to=128", "parallel=megatron_hp2", "parallel.pp=2",
+                      "parallel.microbatches=2", "parallel.loss_parallel=true"], tmp_path / "padded", timeout=900)
+    assert padded.returncode == 0, padded.stdout[-3000:] + padded.stderr[-3000:]
+    metrics = cache_entry(tmp_path / "plain", plain, "train") / "metrics.jsonl"
+    one_process = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert len(one_process) == 3 and _losses(padded) == pytest.approx(one_process, rel=1e-5, abs=0)
+    run_dir = run_folder(padded)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(run_dir / "stages/aggregate/output/hf")
     assert loaded.config.vocab_size == 320

@@ -101,20 +101,42 @@ def test_failed_aggregate_verification_publishes_nothing(tmp_path, monkeypatch):
     assert run(tmp_path, name="second").results["aggregate"].status == "ran"
 
 
-def test_resume_continues_exactly(tmp_path):
-    """Train 12 steps; separately train with the run cut after step 6 (its checkpoint), then resume."""
-    reference = run(tmp_path / "a", "train.steps=12")
-    ref_rows = (entry(tmp_path / "a", reference, "train") / "metrics.jsonl").read_text().splitlines()
+def test_a_kill_during_a_background_write_resumes_from_the_checkpoint_before(tmp_path, monkeypatch):
+    """train.async_checkpoint=async, the run killed while step 6's checkpoint is written in the background (its
+    write held until then): nothing of it is published, and the same command resumes from step 3 with the losses of
+    a run never stopped."""
+    import threading
 
+    from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+    args = ["train.steps=12", "train.checkpoint_every=3", "train.async_checkpoint=async"]
+    reference = run(tmp_path / "a", *args)
+    held, release, real = threading.Event(), threading.Event(), _FileSystemWriter.write_data
+
+    def write_data(self, plan, planner):
+        if ".step_0000006.partial" in str(self.path) and not held.is_set():
+            held.set()
+            release.wait(120)
+            raise OSError("killed")  # nothing of this write reaches the disk, as under a kill
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(_FileSystemWriter, "write_data", write_data)
     with killed_after(7), pytest.raises(KeyboardInterrupt):
-        run(tmp_path / "b", "train.steps=12", name="killed")
-    resumed = run(tmp_path / "b", "train.steps=12", name="resumed")
+        run(tmp_path / "b", *args, name="killed")
+    assert held.is_set()
+    try:
+        resumed = run(tmp_path / "b", *args, name="resumed")
+    finally:
+        release.set()
     train = entry(tmp_path / "b", resumed, "train")
-    assert read_json(train / "summary.json")["resumed_from_step"] == 6
+    assert read_json(train / "summary.json")["resumed_from_step"] == 3
     got = [json.loads(r) for r in (train / "metrics.jsonl").read_text().splitlines()]
-    want = [json.loads(r) for r in ref_rows]
+    want = [json.loads(r) for r in (entry(tmp_path / "a", reference, "train") / "metrics.jsonl").read_text()
+            .splitlines()]
     assert [r["step"] for r in got] == [r["step"] for r in want]
-    for g, w in zip(got, want):
+    for g, w in zip(got, want):  # the run continues exactly: every loss, every evaluation
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-6, abs=0), g["step"]
         if "eval_loss" in w:
             assert g["eval_loss"] == pytest.approx(w["eval_loss"], rel=1e-6, abs=0), g["step"]
+
+

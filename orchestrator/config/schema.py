@@ -373,6 +373,10 @@ class TrainConfig:
     eval_batches: int = key(4, "batches per evaluation", min=1)
     checkpoint_every: int = key(100, "save a resumable checkpoint every N steps; 0: only the final one", min=0)
     keep_checkpoints: int = key(2, "periodic checkpoints kept while training (older ones are deleted)", content=False, min=1)
+    async_checkpoint: str = key("disabled", "disabled: a save stops training until its files are written; async: the "
+                                "state is copied to host memory and written in the background while training goes "
+                                "on (DCP's async_save, TorchTitan's checkpoint.async_mode); a checkpoint counts once "
+                                "written and published", choices=("disabled", "async"), content=False)
     resume: bool = key(True, "continue an interrupted run from its latest complete checkpoint", content=False)
     init_from: Optional[str] = key(None, "start from this checkpoint folder (written by any layout): weights, optimizer "
                                          "state and step, training continues up to train.steps; or hf:<folder>, a "

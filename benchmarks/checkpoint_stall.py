@@ -1,0 +1,116 @@
+"""How long a checkpoint stops training: the train stage's step with saves every few steps, train.async_checkpoint
+disabled (DCP's save: the step waits for the files) against async (DCP's async_save: the state is copied to host
+memory and written by a thread while the steps go on), against no save at all; each in a process of its own, on the
+same batches, the same disk.
+
+Printed per mode: the steps' wall time, the stall per save (the time over the run without saves, divided by the
+saves), the checkpoint's bytes, the process's peak RSS and the plan's estimate of it. Goal: the async stall <= 0.2x
+the sync one.
+
+    python benchmarks/checkpoint_stall.py [model=gpt2_124m] [batch=4] [seq=128] [steps=12] [every=3] [device=cpu]
+                                          [threads=1]
+
+threads: torch's threads for the steps. One leaves the 2-core VM a core for the writer, as a GPU node leaves its
+cores to it (its steps run on the GPU); with every core computing, the background write takes its CPU time (memory
+copies, checksums) from the steps, and the stall measures that instead.
+"""
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.support.cli import arguments  # noqa: E402
+
+MODES = ("none", "disabled", "async")
+
+
+def one_mode(mode: str, opts: dict, folder: Path) -> dict:
+    """This process: the steps, saving every `every` steps as `mode` says; its figures."""
+    import torch
+
+    from benchmarks.gpu import StageSide, config
+    from planning.estimate import estimate
+    from planning.partition import build_plan
+    from plugins.data import build_batcher
+    from storage import checkpoint as ckpt
+
+    torch.set_num_threads(opts["threads"])
+    device = torch.device(opts["device"])
+    cfg = config(opts["model"], opts["batch"], opts["seq"], "fp32", 1000)
+    if mode != "none":
+        cfg.train.async_checkpoint = mode
+    batcher = build_batcher(cfg)
+    side = StageSide(cfg, device, [batcher.train_batch(i) for i in range(4)])
+    parts = list(zip(side.layout.parts, side.optimizers))
+    side.run(1)  # optimizer state exists before the first save, as in training
+    pending, saves, t0 = None, 0, time.perf_counter()
+    for step in range(2, opts["steps"] + 2):
+        side.run(1)
+        if mode != "none" and step % opts["every"] == 0:
+            path = ckpt.step_dir(folder, step)
+            if pending is not None:
+                pending.finish()  # the one before: written by now, published here
+            if mode == "async":
+                pending = ckpt.save_async(path, parts, {"step": step})
+            else:
+                ckpt.save(path, parts, {"step": step})
+            saves += 1
+    if pending is not None:
+        pending.finish()
+    side.window.flush()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) // max(saves, 1)
+    plan = estimate(cfg, build_plan(cfg.model, cfg.parallel))
+    return {"mode": mode, "seconds": seconds, "saves": saves, "bytes_per_save": written,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "estimate_gb": plan.total / 2**30, "staging_gb": plan.staging / 2**30}
+
+
+def main(argv: list[str]) -> int:
+    args = arguments(argv, __doc__)
+    if "mode" in args:  # a child: one mode, its figures on the last line
+        opts = json.loads(args["opts"])
+        print(json.dumps(one_mode(args["mode"], opts, Path(args["folder"]))))
+        return 0
+    opts = {"model": args.get("model", "gpt2_124m"), "batch": int(args.get("batch", 4)),
+            "seq": int(args.get("seq", 128)), "steps": int(args.get("steps", 12)), "every": int(args.get("every", 3)),
+            "device": args.get("device", "cpu"), "threads": int(args.get("threads", 1))}
+    print(f"{opts['model']}, batch {opts['batch']} x {opts['seq']}, {opts['steps']} steps, a save every "
+          f"{opts['every']}, on {opts['device']} ({opts['threads']} torch thread(s)); each mode in a process of its own")
+    results = {}
+    for mode in MODES:
+        with tempfile.TemporaryDirectory(dir=args.get("dir")) as folder:
+            done = subprocess.run([sys.executable, __file__, f"mode={mode}", f"opts={json.dumps(opts)}",
+                                   f"folder={folder}"], capture_output=True, text=True, cwd=ROOT)
+        if done.returncode != 0:
+            print(done.stderr[-3000:], file=sys.stderr)
+            return 1
+        results[mode] = json.loads(done.stdout.splitlines()[-1])
+    base = results["none"]["seconds"]
+    print(f"{'train.async_checkpoint':<22} {'steps s':>8} {'stall/save s':>12} {'GB/save':>8} {'peak RSS':>9} "
+          f"{'estimate':>9} {'staging':>8}")
+    for mode in MODES:
+        r = results[mode]
+        stall = (r["seconds"] - base) / r["saves"] if r["saves"] else 0.0
+        r["stall"] = stall
+        print(f"{'(no saves)' if mode == 'none' else mode:<22} {r['seconds']:>8.2f} {stall:>12.2f} "
+              f"{r['bytes_per_save'] / 2**30:>8.2f} {r['peak_rss_gb']:>8.2f}G {r['estimate_gb']:>8.2f}G "
+              f"{r['staging_gb']:>7.2f}G")
+    if results["disabled"]["stall"] > 0:
+        print(f"async stall / sync stall: {results['async']['stall'] / results['disabled']['stall']:.2f} "
+              f"(goal <= 0.2)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
