@@ -4,8 +4,10 @@ memory and written by a thread while the steps go on), against no save at all; e
 same batches, the same disk.
 
 Printed per mode: the steps' wall time, the stall per save (the time over the run without saves, divided by the
-saves), the checkpoint's bytes, the process's peak RSS and the plan's estimate of it. Goal: the async stall <= 0.2x
-the sync one.
+saves), how long the save call held the step (async: the copy, and the wait for the save before when the steps since
+took less than its write), the checkpoint's bytes, the peak memory (RSS on a CPU, allocated CUDA memory on a GPU;
+staging is host memory there) and the plan's estimate of it. Goal: the async stall <= 0.2x the sync one, where the
+steps between two saves take longer than one write (on a GPU: raise `every`).
 
     python benchmarks/checkpoint_stall.py [model=gpt2_124m] [batch=4] [seq=128] [steps=12] [every=3] [device=cpu]
                                           [threads=1]
@@ -51,18 +53,18 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     side = StageSide(cfg, device, [batcher.train_batch(i) for i in range(4)])
     parts = list(zip(side.layout.parts, side.optimizers))
     side.run(1)  # optimizer state exists before the first save, as in training
-    pending, saves, t0 = None, 0, time.perf_counter()
+    pending, saves, in_saves, t0 = None, 0, 0.0, time.perf_counter()
     for step in range(2, opts["steps"] + 2):
         side.run(1)
         if mode != "none" and step % opts["every"] == 0:
-            path = ckpt.step_dir(folder, step)
+            path, called = ckpt.step_dir(folder, step), time.perf_counter()
             if pending is not None:
-                pending.finish()  # the one before: written by now, published here
+                pending.finish()  # the one before: published by now unless the steps since took less than its write
             if mode == "async":
                 pending = ckpt.save_async(path, parts, {"step": step})
             else:
                 ckpt.save(path, parts, {"step": step})
-            saves += 1
+            saves, in_saves = saves + 1, in_saves + time.perf_counter() - called
     if pending is not None:
         pending.finish()
     side.window.flush()
@@ -71,9 +73,11 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     seconds = time.perf_counter() - t0
     written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) // max(saves, 1)
     plan = estimate(cfg, build_plan(cfg.model, cfg.parallel))
-    return {"mode": mode, "seconds": seconds, "saves": saves, "bytes_per_save": written,
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "estimate_gb": plan.total / 2**30, "staging_gb": plan.staging / 2**30}
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"mode": mode, "seconds": seconds, "saves": saves, "save_call_s": in_saves / max(saves, 1),
+            "bytes_per_save": written, "peak_gb": peak / 2**30, "estimate_gb": plan.total / 2**30,
+            "staging_gb": plan.staging / 2**30}
 
 
 def main(argv: list[str]) -> int:
@@ -97,15 +101,16 @@ def main(argv: list[str]) -> int:
             return 1
         results[mode] = json.loads(done.stdout.splitlines()[-1])
     base = results["none"]["seconds"]
-    print(f"{'train.async_checkpoint':<22} {'steps s':>8} {'stall/save s':>12} {'GB/save':>8} {'peak RSS':>9} "
-          f"{'estimate':>9} {'staging':>8}")
+    peak = "peak CUDA" if opts["device"] == "cuda" else "peak RSS"
+    print(f"{'train.async_checkpoint':<22} {'steps s':>8} {'stall/save s':>12} {'save call s':>11} {'GB/save':>8} "
+          f"{peak:>9} {'estimate':>9} {'staging':>8}")
     for mode in MODES:
         r = results[mode]
         stall = (r["seconds"] - base) / r["saves"] if r["saves"] else 0.0
         r["stall"] = stall
         print(f"{'(no saves)' if mode == 'none' else mode:<22} {r['seconds']:>8.2f} {stall:>12.2f} "
-              f"{r['bytes_per_save'] / 2**30:>8.2f} {r['peak_rss_gb']:>8.2f}G {r['estimate_gb']:>8.2f}G "
-              f"{r['staging_gb']:>7.2f}G")
+              f"{r['save_call_s']:>11.2f} {r['bytes_per_save'] / 2**30:>8.2f} {r['peak_gb']:>8.2f}G "
+              f"{r['estimate_gb']:>8.2f}G {r['staging_gb']:>7.2f}G")
     if results["disabled"]["stall"] > 0:
         print(f"async stall / sync stall: {results['async']['stall'] / results['disabled']['stall']:.2f} "
               f"(goal <= 0.2)")

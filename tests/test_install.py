@@ -56,6 +56,7 @@ def _resolve(requirements: list[str], python: str, tmp_path) -> dict[str, str]:
     return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
 
 
+@pytest.mark.install
 @pytest.mark.parametrize("python", PYTHONS)
 def test_every_pin_and_every_core_range_resolves_as_a_wheel(python, tmp_path):
     pinned = _resolve(_pins(), python, tmp_path)
