@@ -157,9 +157,10 @@ def pytest_sessionfinish(session):
 # The files that take minutes, longest first (CI's durations). xdist hands whole files to the workers in collection
 # order; a long file handed out last runs alone at the end while the other workers idle (longest first: the short
 # files fill in around the long ones).
-LONGEST_FIRST = ("test_layouts.py", "test_slurm.py", "test_cli_e2e.py", "test_slurm_recovery.py",
-                 "test_kernels.py", "test_readme_examples.py", "test_hf.py", "test_install.py",
-                 "test_sweep_and_slurm_config.py", "test_recovery.py")
+LONGEST_FIRST = ("test_layouts.py", "test_slurm.py", "test_slurm_recovery.py", "test_kernels.py",
+                 "test_readme_examples.py", "test_cli_e2e.py", "test_disks.py", "test_install.py", "test_hpo.py",
+                 "test_tune.py", "test_sweep_and_slurm_config.py", "test_first_hour.py", "test_hf.py",
+                 "test_recovery.py")
 
 
 def pytest_collection_modifyitems(items):
