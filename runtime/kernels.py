@@ -109,11 +109,10 @@ def apply_kernels(parts: list[nn.Module], spec, tcfg, log: logging.Logger, cuda:
     if spec.set_attention is not None:
         for part in parts:
             spec.set_attention(part, attention)
-    if attention == "flex" and cuda:
-        configure(tcfg, cuda)  # FlexAttention is compiled: its kernels go to the run's Inductor cache too
+    if tcfg.enabled or (attention == "flex" and cuda):  # FlexAttention is compiled too: the run's Inductor cache
+        configure(tcfg, cuda)
     if not tcfg.enabled:
         return report
-    configure(tcfg, cuda)
     options = {"mode": tcfg.mode, "fullgraph": tcfg.fullgraph, "dynamic": tcfg.dynamic}
     if tcfg.scope == "blocks":
         targets = [(f"block {_block_name(part, b)}", b) for part in parts for b in spec.blocks(part)]

@@ -17,9 +17,8 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
     """Fill in the config's `auto` values in place; one line per choice made, for the plan."""
     from plugins.data.packing import whole_documents
     from plugins.engines import engine_names, get_engine
-    from runtime.precision import auto_precision
-
     from runtime.machine import ranks_on_cuda
+    from runtime.precision import auto_precision
     from runtime.sdpa import resolve_attention
 
     notes = []
