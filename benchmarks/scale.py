@@ -5,7 +5,9 @@ stage, one rank for training) while every process of the run is sampled (psutil,
 are named <stage>.rank<N>). Printed per size: each stage's wall time and peak RSS, as a ratio to the fp32 weights
 (train, export) or to the checkpoint's bytes (aggregate); bytes/s of the checkpoint and aggregate stages and of
 cache verification (a full sha256 of the checkpoint entry against a hit of the untouched entry, which stats it);
-and the plan's estimate of each stage beside the measured peak. Then, at the 0.2B size, `parallel.pp=8` and
+the bytes the aggregate wrote against what it must write (the weights once, the optimizer state, the ONNX model's
+weights), and its rate against this disk's own, measured first in the same run (dd: 2 GB written with fsync, read
+back with O_DIRECT); and the plan's estimate of each stage beside the measured peak. Then, at the 0.2B size, `parallel.pp=8` and
 `parallel.hp=4`: each train rank's peak RSS against the plan's per-rank estimate. Last, a projection on paper
 from these per-byte figures for Llama-3 8B and 70B at 8 ranks per node.
 
@@ -125,6 +127,20 @@ def verify_speed(cache_root: Path) -> dict:
     return {"full_s": full, "hit_s": time.perf_counter() - t0}
 
 
+def disk_speed(work: Path, size_mb: int = 2048) -> dict:
+    """This disk's write (fsync included) and uncached read speed, bytes/s, by dd."""
+    probe = work / "dd.probe"
+    speeds = {}
+    for what, cmd in (("write", ["dd", "if=/dev/zero", f"of={probe}", "bs=16M", f"count={size_mb // 16}",
+                                 "conv=fsync"]),
+                      ("read", ["dd", f"if={probe}", "of=/dev/null", "bs=16M", "iflag=direct"])):
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        speeds[what] = size_mb * 2**20 / (time.perf_counter() - t0)
+    probe.unlink()
+    return speeds
+
+
 def measure_size(size: str, work: Path) -> dict:
     shutil.rmtree(work / "runs", ignore_errors=True)
     args = [*model_args(size), *COMMON]
@@ -139,10 +155,14 @@ def measure_size(size: str, work: Path) -> dict:
     row = {"size": size, **estimates(args), "checkpoint_bytes": sum(f["bytes"] for f in manifest["files"].values()),
            "aggregate_bytes": sum(p.stat().st_size for p in agg_dir.rglob("*") if p.is_file()),
            "peaks": {stage_of(k): v for k, v in sampled["peaks"].items()}, "seconds": stage_times(result.stdout),
-           "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["hf"] * 2**20,
+           "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["eval"] * 2**20,
            "safetensors_peak": aggregate["peak_rss_mb"]["safetensors"] * 2**20,
            **verify_speed(cache_root)}
     row["weights_bytes"] = row["n_parameters"] * 4
+    optimizer = sum(p.stat().st_size for p in agg_dir.glob("optimizer*.safetensors"))
+    onnx = sum(p.stat().st_size for p in agg_dir.glob("model.onnx*"))
+    row["aggregate_needed"] = row["weights_bytes"] + optimizer + onnx  # the weights once, optimizer state, ONNX
+    row["aggregate_files"] = aggregate["safetensors"]
     shutil.rmtree(work / "runs", ignore_errors=True)
     return row
 
@@ -208,6 +228,9 @@ def main() -> None:
     work = Path(args.get("workdir", "/tmp/orchestrator-scale"))
     work.mkdir(parents=True, exist_ok=True)
     sizes = args.get("sizes", "50m,200m,350m,520m").split(",")
+    disk = disk_speed(work)
+    print(f"this disk: writes {disk['write'] / 1e6:,.0f} MB/s (fsync), reads {disk['read'] / 1e6:,.0f} MB/s "
+          "(O_DIRECT)", flush=True)
     rows = []
     for size in sizes:
         row = measure_size(size, work)
@@ -227,6 +250,13 @@ def main() -> None:
         print(f"  checkpoint {c / row['seconds']['checkpoint'] / 1e6:,.0f} MB/s; aggregate "
               f"{c / row['seconds']['aggregate'] / 1e6:,.0f} MB/s of checkpoint (phases: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in row["aggregate_phases"].items()) + ")")
+        written, agg_s = row["aggregate_bytes"], row["seconds"]["aggregate"]
+        phase = sum(f["bytes"] for f in row["aggregate_files"].values())
+        print(f"  aggregate wrote {written / GB:.2f} GB = {written / row['aggregate_needed']:.2f}x what it must "
+              f"(weights once + optimizer state + ONNX: {row['aggregate_needed'] / GB:.2f} GB); "
+              f"{written / agg_s / 1e6:,.0f} MB/s over the stage = {written / agg_s / disk['write']:.2f}x the disk's "
+              f"write speed; its safetensors step {phase / row['aggregate_phases']['safetensors'] / 1e6:,.0f} MB/s "
+              f"= {phase / row['aggregate_phases']['safetensors'] / disk['write']:.2f}x")
         print(f"  cache verification of the checkpoint entry: full hash {row['full_s']:.2f} s "
               f"({c / row['full_s'] / 1e6:,.0f} MB/s), hit of the untouched entry {row['hit_s'] * 1e3:.1f} ms "
               f"({row['hit_s'] / row['full_s']:.2%} of the full hash)", flush=True)

@@ -22,15 +22,15 @@ def aggregate_entry(path: Union[str, Path]) -> Path:
         if consolidate.exists(candidate) and (candidate / ENTRY_FILE).is_file():
             return candidate.resolve()
     raise FileNotFoundError(f"{path} is neither a run folder whose aggregate stage finished (it would hold "
-                            f"stages/aggregate/output/{consolidate.MODEL_FILE} or its shards) nor an aggregate output: "
-                            "give the "
-                            "folder printed after 'outputs:'")
+                            f"stages/aggregate/output/{consolidate.HF}/ or {consolidate.MODEL_FILE}) nor an aggregate "
+                            "output: give the folder printed after 'outputs:'")
 
 
 def load(path: Union[str, Path], optimizer: bool = False):
     """The model of a run (in eval mode), from a run folder or an aggregate output; with optimizer=True, (model,
     optimizer) with the optimizer state, to keep training. The config comes from the run itself. The weights are
-    read one tensor at a time (one safetensors file or Hugging Face's shards), straight into the model."""
+    read one tensor at a time (hf/ or model.safetensors, one file or Hugging Face's shards), straight into the
+    model."""
     entry = aggregate_entry(path)
     config = OmegaConf.create(read_json(entry / ENTRY_FILE)["material"]["config"])
     spec = get_model(config.model.name)

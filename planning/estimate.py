@@ -212,7 +212,7 @@ def matmul_rate(device: str, dtype: str, threads: int) -> float:
 
 
 STAGE_RUNTIME = 320 * 2**20  # a one-process stage: torch, onnx and ONNX Runtime imported, measured 0.27-0.33 GB
-READ_GROUP = 64 * 2**20     # storage.safetensors_shards.READ_BYTES: tensors the aggregate writer holds at once
+READ_GROUP = 64 * 2**20     # storage.safetensors_shards.READ_BYTES: tensors each aggregate writer holds at once
 EXPORT_CHECK = 1.75          # the export check, per byte of the weights it runs with (1.5-1.75x measured)
 ORT_COPY = 1.2               # ONNX Runtime checking model.onnx, per byte of its weights (1.15-1.2x measured)
 
@@ -236,8 +236,9 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
                  twin's: the graph itself is traced on the meta device) in torch and in ONNX Runtime;
       checkpoint nothing that grows with the model (files are hashed and linked, streamed);
       aggregate  ONNX Runtime's copy of the weights for the ONNX model's check (aggregate.onnx), else the larger of
-                 the writer's read group (+ a tensor being read back) and one piece of the piece-by-piece
-                 evaluation (one block's weights, the eval batches' hidden states, one batch's logits);
+                 two writers' (the weights', the optimizer state's) read groups, each with the tensors made of it
+                 (Hugging Face's layout) and one being read back, and one piece of the piece-by-piece evaluation
+                 (one block's weights, the eval batches' hidden states, one batch's logits);
     plus STAGE_RUNTIME each. onnx: whether the aggregate makes the ONNX model (default: aggregate.onnx)."""
     params = plan["parameters"]
     weights = sum(_bytes_of(p["shape"]) for p in params.values() if not p["tied_to"])
@@ -252,12 +253,11 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
     chunk, head = piece_budgets(m.d_model, vocab_rows(m))
     hidden = min(t.eval_batches, max(1, chunk // (t.batch_size * t.seq_len))) * t.batch_size * t.seq_len
     pieces = 2 * block + hidden * m.d_model * 4 * 2 + min(head, t.batch_size * t.seq_len) * vocab_rows(m) * 8
-    streaming = max(READ_GROUP + 2 * largest, pieces)
+    streaming = max(2 * (READ_GROUP + 2 * largest), pieces)
     onnx = int(ORT_COPY * weights) if (cfg.aggregate.onnx if onnx is None else onnx) else 0
     from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES
 
     checked = weights if weights <= CHECK_WEIGHTS_BYTES else weights - max(m.n_layers - 2, 0) * block
-    hf = weights
     return {
         "export": StageCost(STAGE_RUNTIME + int(EXPORT_CHECK * checked), "the model checked in ONNX Runtime"
                             if checked == weights else "a two-layer twin checked in ONNX Runtime; the graph traced "
@@ -265,6 +265,6 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
         "checkpoint": StageCost(STAGE_RUNTIME, "files hashed and linked, streamed", checkpoint),
         "aggregate": StageCost(STAGE_RUNTIME + max(onnx, streaming),
                                "ONNX Runtime's copy of the weights" if onnx > streaming else
-                               "one read group or one block of the piece-by-piece evaluation",
-                               checkpoint + hf + (weights if onnx else 0)),
+                               "two writers' read groups or one block of the piece-by-piece evaluation",
+                               checkpoint + (weights if onnx else 0)),
     }

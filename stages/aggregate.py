@@ -2,16 +2,17 @@
 
 Everything streams, so a model of any size aggregates on a node that could never hold its training state:
 1. the weights and the optimizer state go from the DCP shards into Hugging Face's sharded safetensors layout a few
-   tensors at a time, each file read back and checked tensor by tensor against what the checkpoint held;
+   tensors at a time, by a thread each, each file read back and checked tensor by tensor against what was written.
+   The weights are written once: as hf/, the folder transformers loads, where the model has that form (the reader,
+   storage.consolidate.weights, maps it back to our names bit for bit), else as model.safetensors;
 2. the plain single-process model, read from those files one piece at a time (embedding, each block, head),
    scores the train stage's final eval loss;
-3. hf/ is written from the files, tensor by tensor, sharded like save_pretrained;
-4. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
+3. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
    off, the weights written in one at a time (external data above aggregate.onnx_external_data_mb), checked in ONNX
    Runtime against the plain model's outputs (made piece by piece).
-No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 4 (aggregate.onnx=false skips
-it), else one piece, or one read group and the largest tensor; the manifest records the process's peak after each
-step (peak_rss_mb), so the streaming steps' own peak is the one after step 3. The file table of everything written is the cache
+No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips
+it), else one piece, or each writer's read group and the largest tensor; the manifest records the process's peak
+after each step (peak_rss_mb), so the streaming steps' own peak is the one after step 2. The file table of everything written is the cache
 entry's (_entry.json), checked on every reuse.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import onnx
 import torch
 
 from storage import checkpoint as ckpt
-from storage import consolidate, hf
+from storage import consolidate
 from plugins.data import build_batcher
 from plugins.engines import get_engine
 from storage.dcp_reader import CheckpointReader
@@ -34,7 +35,6 @@ from plugins.models.registry import build_on_meta, materialise, vocab_rows
 from plugins.onnx.exporter import save_inference
 from plugins.onnx.io_schema import IOSchema
 from runtime.precision import Precision
-from storage.safetensors_shards import Reader
 from storage.weights import load_full, tied_aliases
 from stages.base import Stage, StageContext
 
@@ -62,17 +62,28 @@ def aggregate(ctx: StageContext) -> None:
         peak_rss_mb[phase] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         clock = time.perf_counter()
 
-    # 1. the checkpoint's state, streamed into safetensors shards (each verified as it is written)
+    # 1. the checkpoint's state, streamed into safetensors shards (each verified as it is written): the weights once,
+    # as the Hugging Face folder hf/ where the model has that form, and the optimizer state, by a thread each
+    index = read_json(ctx.inputs["tokenize"] / "tokens" / "index.json")
     broken: list[str] = []
     files = consolidate.write_from_checkpoint(ctx.out, CheckpointReader(source), order,
                                               {"step": manifest["step"], "model": cfg.model.name},
                                               int(a.shard_size_mb * MB),
-                                              inspect=lambda name, t: broken.append(name) if nonfinite(t) else None)
+                                              inspect=lambda name, t: broken.append(name) if nonfinite(t) else None,
+                                              model_cfg=cfg.model,
+                                              token_ids={k: index[t] for k, t in (("eos_token_id", "eos"),
+                                                                                  ("pad_token_id", "pad"))
+                                                         if index[t] < cfg.model.vocab_size})
     if broken:
         raise RuntimeError(f"the checkpoint of step {manifest['step']} holds non-finite weights ({len(broken)} "
                            f"tensor(s), e.g. {broken[0]}): training diverged; nothing was aggregated")
+    hf_note = files.pop("hf_note", None)
+    if hf_note:
+        ctx.log.warning("no hf/ folder: %s", hf_note)
+    elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
+        link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / consolidate.HF)
     lap("safetensors")
-    weights = Reader(ctx.out, consolidate.MODEL)
+    weights = consolidate.weights(ctx.out)
 
     def make(layers: list[int], first: bool, last: bool) -> torch.nn.Module:
         """A part of the plain model (pipeline split's contract), with its weights from the files."""
@@ -99,18 +110,7 @@ def aggregate(ctx: StageContext) -> None:
                            f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
                            f"precision={precision.name})")
 
-    # 3. a folder transformers loads (AutoModelForCausalLM.from_pretrained(out / "hf"))
-    index = read_json(ctx.inputs["tokenize"] / "tokens" / "index.json")
-    hf_note = hf.save_folder(ctx.out / "hf", weights, cfg.model, int(a.shard_size_mb * MB),
-                             {k: index[t] for k, t in (("eos_token_id", "eos"), ("pad_token_id", "pad"))
-                              if index[t] < cfg.model.vocab_size})
-    if hf_note:
-        ctx.log.warning("no hf/ folder: %s", hf_note)
-    elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
-        link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / "hf")
-    lap("hf")
-
-    # 4. an ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the weights
+    # 3. an ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the weights
     # written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs, made piece by piece
     onnx_record = None
     if a.onnx:

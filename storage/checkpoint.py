@@ -44,10 +44,12 @@ def step_dir(root: Path, step: int) -> Path:
 
 @contextmanager
 def quiet_single_process():
-    """DCP warns on every call without a process group that it "assumes" one process: that is our intent."""
-    with warnings.catch_warnings():
+    """DCP warns on every call without a process group that it "assumes" one process: that is our intent. The
+    filter, once set, stays: warnings.catch_warnings would swap the process's filters under the other threads that
+    call DCP (a background save's writer, the aggregate's writers)."""
+    if not any(f[1] is not None and f[1].pattern == SINGLE_PROCESS for f in warnings.filters):
         warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
-        yield
+    yield
 
 
 def _barrier(group: Optional[dist.ProcessGroup] = None) -> None:
@@ -151,9 +153,6 @@ def save_async(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str,
     partial = _begin(path)
     state = training_state(parts, aliases)
     needed = state_bytes(state)
-    if not (dist.is_available() and dist.is_initialized()):
-        # the writer thread outlives quiet_single_process's block: DCP's "assumes one process" filtered for good
-        warnings.filterwarnings("ignore", message=SINGLE_PROCESS)
     try:
         with quiet_single_process():
             future = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)

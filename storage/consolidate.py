@@ -1,19 +1,26 @@
 """The consolidated (aggregated) checkpoint: one full model and its optimizer state, no pickle, in Hugging Face's
-sharded safetensors layout (storage.safetensors_shards):
+sharded safetensors layout (storage.safetensors_shards). The weights are written once, in one of two forms:
 
-  model.safetensors, or model-0000i-of-0000N.safetensors + model.safetensors.index.json
-      every weight once (a tied pair stored once, under the name of the weight it copies)
+  hf/                 a folder transformers loads (model.safetensors or its shards, config.json), when the model has
+                      a Hugging Face form (GPT-2, Llama): Hugging Face's names and layout, which `weights` maps back
+                      to ours bit for bit (a transpose, a split of GPT-2's fused q/k/v)
+  vocab_padding.safetensors
+                      beside it, model.pad_vocab_to's rows of the embedding (and untied head): Hugging Face's
+                      vocabulary leaves them out, the checkpoint had them
+  model.safetensors   (or model-0000i-of-0000N.safetensors + model.safetensors.index.json) otherwise: our names,
+                      every weight once (a tied pair once, under the name of the weight it copies)
   optimizer.safetensors, or optimizer-0000i-of-0000N.safetensors + optimizer.safetensors.index.json
       the flattened optimizer state (moments, step counts) as tensors; the param-group settings (lr, betas, ...)
       as JSON in each file's metadata
 
-`write_from_checkpoint` makes it from a sharded DCP checkpoint a few tensors at a time (memory: the writer's read
-group and the largest tensor, never the model); `save` from a model in memory. Any plain single-process PyTorch
-program loads it: `load(folder, model, optimizer)`, one tensor at a time into the model's own parameters.
+`write_from_checkpoint` makes them from a sharded DCP checkpoint a few tensors at a time (memory: each writer's
+read group and the largest tensor, never the model); `save` from a model in memory. Any plain single-process PyTorch
+program loads them: `load(folder, model, optimizer)`, one tensor at a time into the model's own parameters.
 """
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
@@ -22,12 +29,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
 
+from storage import hf
 from storage import safetensors_shards as shards
 from storage.dcp_reader import CheckpointReader
 from storage.weights import load_full
 from storage.safetensors_shards import Entry, Reader
 
-MODEL, OPTIMIZER = "model", "optimizer"      # file stems
+MODEL, OPTIMIZER, PADDING = "model", "optimizer", "vocab_padding"  # file stems
+HF = "hf"                                    # the Hugging Face folder
 MODEL_FILE = "model.safetensors"             # the single-file form
 OPTIMIZER_FILE = "optimizer.safetensors"
 DEFAULT_SHARD_BYTES = 5 * 10**9              # save_pretrained's max_shard_size="5GB"
@@ -37,29 +46,69 @@ _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[str], metadata: dict,
                           max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                           inspect: Optional[Callable[[str, torch.Tensor], None]] = None,
-                          read_bytes: int = shards.READ_BYTES) -> dict:
-    """The checkpoint's model and optimizer state as safetensors shards, streamed (read_bytes at a time). order:
-    parameter names in model order (a layer's tensors end up together). inspect(name, tensor) sees every weight."""
-    weights = source.tensors("model")
-    model_entries = [Entry(n, *weights[n]) for n in _ordered(weights, order, lambda k: k)]
+                          read_bytes: int = shards.READ_BYTES, model_cfg=None,
+                          token_ids: Optional[dict] = None) -> dict:
+    """The checkpoint's weights (hf/ + vocab_padding when model_cfg has a Hugging Face form, else model.safetensors)
+    and optimizer state as safetensors shards, streamed (read_bytes at a time). The weights and the optimizer state
+    are written at once, by a thread each: the reads, the writes and the checks of one overlap the other's.
+    order: parameter names in model order (a layer's tensors end up together). inspect(name, tensor) sees every
+    weight. token_ids: hf/config.json's eos and pad (hf.write_folder). Returns each set's {files, tensors, bytes}
+    (and the Hugging Face form's reason when there is none: "hf_note")."""
+    shapes = source.tensors("model")
 
-    def read_model(group: list[Entry]) -> dict[str, torch.Tensor]:
-        tensors = source.read("model", [e.name for e in group])
+    def read_model(names: list[str]) -> dict[str, torch.Tensor]:
+        tensors = source.read("model", names)
         for name, t in tensors.items():
             if inspect:
                 inspect(name, t)
         return tensors
 
-    record = {"model": shards.write(folder, MODEL, model_entries, max_shard_bytes, metadata, read=read_model,
-                                    read_bytes=read_bytes)}
+    form = hf.folder_plan(model_cfg, shapes) if model_cfg is not None else "no model config given"
     moments, settings = source.tensors("optim"), source.objects("optim")
-    if moments or settings:  # SGD without momentum keeps no tensors, but its settings still make a file
-        optim_entries = [Entry(n, *moments[n]) for n in _ordered(moments, order, _param_of_optim_key)]
-        settings = {"param_groups": json.dumps(_encode(settings))}
-        record["optimizer"] = shards.write(folder, OPTIMIZER, optim_entries, max_shard_bytes, settings,
-                                           read=lambda group: source.read("optim", [e.name for e in group]),
-                                           read_bytes=read_bytes)
+    with ThreadPoolExecutor(2, thread_name_prefix="aggregate") as pool:
+        jobs = {}
+        if isinstance(form, str):
+            entries = [Entry(n, *shapes[n]) for n in _ordered(shapes, order, lambda k: k)]
+            jobs[MODEL] = pool.submit(shards.write, folder, MODEL, entries, max_shard_bytes, metadata,
+                                      lambda group: read_model([e.name for e in group]), read_bytes)
+        else:
+            jobs[HF] = pool.submit(hf.write_folder, folder / HF, read_model, shapes, model_cfg, max_shard_bytes,
+                                   token_ids, read_bytes, metadata)
+        if moments or settings:  # SGD without momentum keeps no tensors, but its settings still make a file
+            entries = [Entry(n, *moments[n]) for n in _ordered(moments, order, _param_of_optim_key)]
+            jobs[OPTIMIZER] = pool.submit(shards.write, folder, OPTIMIZER, entries, max_shard_bytes,
+                                          {"param_groups": json.dumps(_encode(settings))},
+                                          lambda group: source.read("optim", [e.name for e in group]), read_bytes)
+        record = {name: job.result() for name, job in jobs.items()}
+    if isinstance(form, str):
+        record["hf_note"] = form
+    elif (padding := _padding_entries(shapes, model_cfg.vocab_size, source)):
+        record[PADDING] = shards.write(folder, PADDING, padding, DEFAULT_SHARD_BYTES * 1000)
     return record
+
+
+def _padding_entries(shapes: dict, vocab: int, source: CheckpointReader) -> list[Entry]:
+    """model.pad_vocab_to's rows of the embedding and an untied head (what Hugging Face's folder leaves out)."""
+    out = []
+    for name in hf.VOCAB_ROWS:
+        if name in shapes and shapes[name][0][0] > vocab:
+            (rows, width), dtype = shapes[name]
+            out.append(Entry(name, (rows - vocab, width), dtype,
+                             lambda name=name: source.read("model", [name])[name][vocab:].contiguous()))
+    return out
+
+
+def weights(folder: Path) -> Mapping[str, torch.Tensor]:
+    """The aggregated weights under our parameter names, read one tensor at a time, whichever form they were
+    written in (model.safetensors, or hf/ and the vocabulary's padding rows)."""
+    folder = Path(folder)
+    if shards.exists(folder, MODEL):
+        return Reader(folder, MODEL)
+    padding = Reader(folder, PADDING) if shards.exists(folder, PADDING) else None
+    rows = None
+    if padding is not None:
+        rows = hf.read_config(folder / HF)[1]["vocab_size"] + padding.shape(hf.VOCAB_ROWS[0])[0]
+    return hf.load_state(folder / HF, rows, padding)
 
 
 def save(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer], metadata: dict,
@@ -78,7 +127,7 @@ def save(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimiz
 def load(folder: Path, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
     """Load weights into model (every parameter must be there, under any name of its tie group) and, if given, the
     optimizer state. Either layout (one file, or shards and their index) and either name of a tied pair."""
-    load_full(model, Reader(folder, MODEL))
+    load_full(model, weights(folder))
     if optimizer is not None:
         reader = Reader(folder, OPTIMIZER)
         flat: dict = _decode(json.loads(reader.metadata()["param_groups"]))
@@ -95,7 +144,7 @@ def tensors(folder: Path, stem: str) -> dict[str, torch.Tensor]:
 
 
 def exists(folder: Path) -> bool:
-    return shards.exists(folder, MODEL)
+    return shards.exists(folder, MODEL) or shards.exists(Path(folder) / HF, MODEL)
 
 
 def _ordered(names: Mapping[str, object], order: list[str], param_of: Callable[[str], str]) -> list[str]:

@@ -12,11 +12,13 @@ import json
 import re
 from functools import partial
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch
 
 from storage import safetensors_shards as shards
+from storage.fsio import atomic_write_json
 from storage.safetensors_shards import Reader
 
 PREFIX = "hf:"
@@ -119,15 +121,24 @@ def _reader(folder: Path) -> Reader:
         raise HFError(f"{folder} holds no *.safetensors weights (save with safe_serialization=True)") from None
 
 
-def load_state(folder: Path, vocab_rows: Optional[int] = None) -> Weights:
+def load_state(folder: Path, vocab_rows: Optional[int] = None,
+               padding: Optional[Mapping[str, torch.Tensor]] = None) -> Weights:
     """The folder's weights under our parameter names (fp32), read lazily; with vocab_rows, the embedding and head
-    padded with zero rows to that many (model.pad_vocab_to: the padding's logits never count)."""
+    padded to that many rows (model.pad_vocab_to: the padding's logits never count): padding's rows where it holds
+    them (the aggregate's vocab_padding.safetensors: the rows the checkpoint had), else zeros."""
     family, cfg = read_config(folder)
     reader = _reader(folder)
     names = {re.sub(r"^(transformer|model)\.", "", k): k for k in reader}
+    last: dict[str, torch.Tensor] = {}  # the fused q/k/v tensor read for q, kept for k and v
 
     def get(short: str) -> torch.Tensor:
-        return reader[names[short]].float()
+        if short in last:
+            return last[short]
+        t = reader[names[short]].float()
+        if "c_attn" in short:
+            last.clear()
+            last[short] = t
+        return t
 
     recipes: dict[str, Callable[[], torch.Tensor]] = {}
     if family == "gpt":
@@ -159,65 +170,73 @@ def load_state(folder: Path, vocab_rows: Optional[int] = None) -> Weights:
         recipes.pop("lm_head.weight", None)
     for k in VOCAB_ROWS:
         if vocab_rows and k in recipes:
-            recipes[k] = partial(_padded, recipes[k], vocab_rows)
+            recipes[k] = partial(_padded, recipes[k], vocab_rows, partial(padding.__getitem__, k)
+                                 if padding is not None and k in padding else None)
     return Weights(recipes)
 
 
 def _fused_part(get, short: str, weight: bool, d: int, j: int) -> torch.Tensor:
     fused = get(short)
-    return (fused.t() if weight else fused).split(d, dim=0)[j]
+    return (fused.t() if weight else fused).split(d, dim=0)[j].clone()  # not a view of the tensor kept
 
 
 def _conv(get, short: str, weight: bool) -> torch.Tensor:
     return get(short).t() if weight else get(short)
 
 
-def _padded(make: Callable[[], torch.Tensor], rows: int) -> torch.Tensor:
+def _padded(make: Callable[[], torch.Tensor], rows: int,
+            extra: Optional[Callable[[], torch.Tensor]]) -> torch.Tensor:
     t = make()
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], t.shape[1])]) if t.shape[0] < rows else t
+    if t.shape[0] >= rows:
+        return t
+    pad = extra() if extra is not None else t.new_zeros(rows - t.shape[0], t.shape[1])
+    return torch.cat([t, pad.to(t.dtype)])
 
 
-def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
-                max_shard_bytes: int = DEFAULT_SHARD_BYTES, token_ids: Optional[dict] = None) -> Optional[str]:
-    """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads, from our full (fp32) weights (a dict,
-    or a Reader of the aggregated files: read one Hugging Face tensor at a time, written in shards of at most
-    max_shard_bytes). token_ids: the data's {"eos_token_id", "pad_token_id"} (generation stops at the <eos> the
-    model learned). Returns why not when the model cannot be expressed (then nothing is written)."""
-    folder = Path(folder)
+@dataclass(frozen=True)
+class Recipe:
+    """One Hugging Face tensor: the tensors of ours it is made of, and how (a transpose, a concatenation, a cut)."""
+    sources: tuple[str, ...]
+    make: Callable[[list[torch.Tensor]], torch.Tensor]
+
+
+def _one(names: tuple[str, ...], change: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Recipe:
+    return Recipe(names, lambda ts: change(ts[0]))
+
+
+def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[str, Recipe], dict]]:
+    """How our weights (names in `ours`) become a save_pretrained folder: ({their name: Recipe}, config.json), or why
+    the model cannot be expressed as one."""
     d, n = model_cfg.d_model, model_cfg.n_layers
+    cut = model_cfg.vocab_size  # without model.pad_vocab_to's rows: Hugging Face has the real vocabulary
 
-    def ours(name: str, on_meta: bool) -> torch.Tensor:
-        if on_meta:  # shapes only: the sizes of the shards are planned before anything is read
-            shape = weights.shape(name) if isinstance(weights, Reader) else weights[name].shape  # no read
-            t = torch.empty(shape, device="meta")
-        else:
-            t = weights[name].detach().float()
-        # without model.pad_vocab_to's rows: Hugging Face has the real vocabulary
-        return t[:model_cfg.vocab_size] if name in VOCAB_ROWS else t
+    def plain(name: str, change: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Recipe:
+        return _one((name,), (lambda t: change(t)[:cut]) if name in VOCAB_ROWS else change)
 
-    def bias(name: str, rows: int, on_meta: bool) -> torch.Tensor:
-        return ours(name, on_meta) if name in weights else torch.zeros(rows, device="meta" if on_meta else "cpu")
+    def bias(name: str, rows: int) -> Recipe:  # a model without biases: Hugging Face's GPT-2 has them, as zeros
+        return plain(name) if name in ours else Recipe((), lambda ts, rows=rows: torch.zeros(rows))
 
-    recipes: dict[str, Callable[[bool], torch.Tensor]] = {}
+    recipes: dict[str, Recipe] = {}
     if model_cfg.name == "gpt":
         act = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}.get(model_cfg.activation)
         if act is None:
             return f"GPT-2 has no activation {model_cfg.activation!r}"
-        recipes.update({f"transformer.{k}": partial(ours, k) for k in ("wte.weight", "wpe.weight", "ln_f.weight")})
-        recipes["transformer.ln_f.bias"] = partial(bias, "ln_f.bias", d)
+        recipes.update({f"transformer.{k}": plain(k) for k in ("wte.weight", "wpe.weight", "ln_f.weight")})
+        recipes["transformer.ln_f.bias"] = bias("ln_f.bias", d)
         for i in range(n):
             p, h = f"layers.{i}.", f"transformer.h.{i}."
-            recipes[h + "attn.c_attn.weight"] = lambda m, p=p: torch.cat([ours(p + f"attn.w{x}.weight", m)
-                                                                          for x in "qkv"], 0).t()
-            recipes[h + "attn.c_attn.bias"] = lambda m, p=p: torch.cat([bias(p + f"attn.w{x}.bias", d, m)
-                                                                        for x in "qkv"])
+            recipes[h + "attn.c_attn.weight"] = Recipe(tuple(p + f"attn.w{x}.weight" for x in "qkv"),
+                                                       lambda ts: torch.cat(ts, 0).t())
+            biases = [bias(p + f"attn.w{x}.bias", d) for x in "qkv"]
+            recipes[h + "attn.c_attn.bias"] = Recipe(tuple(s for b in biases for s in b.sources),
+                                                     partial(_fused_bias, biases))
             for theirs, mine in GPT2_CONV.items():
                 rows = model_cfg.d_ff if mine == "mlp.fc1" else d
-                recipes[h + f"{theirs}.weight"] = lambda m, k=p + f"{mine}.weight": ours(k, m).t()
-                recipes[h + f"{theirs}.bias"] = partial(bias, p + f"{mine}.bias", rows)
+                recipes[h + f"{theirs}.weight"] = plain(p + f"{mine}.weight", torch.t)
+                recipes[h + f"{theirs}.bias"] = bias(p + f"{mine}.bias", rows)
             for theirs, mine in GPT2_NORMS.items():
-                recipes[h + f"{theirs}.weight"] = partial(ours, p + f"{mine}.weight")
-                recipes[h + f"{theirs}.bias"] = partial(bias, p + f"{mine}.bias", d)
+                recipes[h + f"{theirs}.weight"] = plain(p + f"{mine}.weight")
+                recipes[h + f"{theirs}.bias"] = bias(p + f"{mine}.bias", d)
         config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": model_cfg.vocab_size,
                   "n_positions": model_cfg.max_seq_len, "n_embd": d, "n_layer": n, "n_head": model_cfg.n_heads,
                   "n_inner": model_cfg.d_ff, "activation_function": act, "layer_norm_epsilon": 1e-5,
@@ -226,11 +245,10 @@ def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
     else:
         if model_cfg.bias:
             return "Llama with biases cannot be written as a LlamaForCausalLM (attention_bias and mlp_bias differ)"
-        recipes.update({"model.embed_tokens.weight": partial(ours, "wte.weight"),
-                        "model.norm.weight": partial(ours, "ln_f.weight")})
+        recipes.update({"model.embed_tokens.weight": plain("wte.weight"), "model.norm.weight": plain("ln_f.weight")})
         for i in range(n):
             for theirs, mine in LLAMA_NAMES.items():
-                recipes[f"model.layers.{i}.{theirs}.weight"] = partial(ours, f"layers.{i}.{mine}.weight")
+                recipes[f"model.layers.{i}.{theirs}.weight"] = plain(f"layers.{i}.{mine}.weight")
         theta = float(model_cfg.rope_theta)
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model_cfg.vocab_size,
                   "hidden_size": d, "intermediate_size": model_cfg.d_ff, "num_hidden_layers": n,
@@ -241,10 +259,58 @@ def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
                   "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                   "tie_word_embeddings": bool(model_cfg.tie_embeddings), "bos_token_id": None, "eos_token_id": None}
     if not model_cfg.tie_embeddings:
-        recipes["lm_head.weight"] = partial(ours, "lm_head.weight")
-    entries = [shards.Entry(k, tuple(planned.shape), planned.dtype, partial(make, False))
-               for k, make in recipes.items() for planned in [make(True)]]
-    shards.write(folder, "model", entries, max_shard_bytes, metadata={"format": "pt"})
+        recipes["lm_head.weight"] = plain("lm_head.weight")
+    return recipes, config
+
+
+def _fused_bias(biases: list[Recipe], ts: list[torch.Tensor]) -> torch.Tensor:
+    at, parts = 0, []
+    for b in biases:
+        parts.append(b.make(ts[at:at + len(b.sources)]))
+        at += len(b.sources)
+    return torch.cat(parts)
+
+
+def write_folder(folder: Path, read: Callable[[list[str]], dict[str, torch.Tensor]],
+                 shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], model_cfg,
+                 max_shard_bytes: int = DEFAULT_SHARD_BYTES, token_ids: Optional[dict] = None,
+                 read_bytes: int = shards.READ_BYTES, metadata: Optional[dict] = None) -> Union[str, dict]:
+    """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads from our full weights: read(names)
+    makes some of ours (the checkpoint's, a few at a time), shapes: {our name: (shape, dtype)}. The Hugging Face
+    tensors are planned from the shapes (on the meta device), then streamed into shards of at most max_shard_bytes,
+    each read back and checked (safetensors_shards.write). token_ids: the data's {"eos_token_id", "pad_token_id"}
+    (generation stops at the <eos> the model learned). Returns the files written, or why the model cannot be
+    expressed (then nothing is written). metadata: more of the files' header metadata (transformers reads
+    "format")."""
+    planned = folder_plan(model_cfg, shapes)
+    if isinstance(planned, str):
+        return planned
+    recipes, config = planned
+    entries = []
+    for name, r in recipes.items():
+        meta = r.make([torch.empty(shapes[s][0], dtype=shapes[s][1], device="meta") for s in r.sources]).float()
+        entries.append(shards.Entry(name, tuple(meta.shape), meta.dtype))
+
+    def made(group: list[shards.Entry]) -> dict[str, torch.Tensor]:
+        ours = read(sorted({s for e in group for s in recipes[e.name].sources}))
+        return {e.name: recipes[e.name].make([ours[s] for s in recipes[e.name].sources]).float().contiguous()
+                for e in group}
+
+    folder = Path(folder)
+    record = shards.write(folder, "model", entries, max_shard_bytes, {**(metadata or {}), "format": "pt"}, read=made,
+                          read_bytes=read_bytes)
     config.update(token_ids or {})
-    (folder / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2) + "\n")
-    return None
+    atomic_write_json(folder / "config.json", {**config, "torch_dtype": "float32"})
+    return record
+
+
+def save_folder(folder: Path, weights: Mapping[str, torch.Tensor], model_cfg,
+                max_shard_bytes: int = DEFAULT_SHARD_BYTES, token_ids: Optional[dict] = None) -> Optional[str]:
+    """write_folder from weights in memory (a dict) or a Reader of safetensors files; None, or why not."""
+    if isinstance(weights, Reader):
+        shapes = {k: (weights.shape(k), weights.dtype(k)) for k in weights}
+    else:
+        shapes = {k: (tuple(t.shape), t.dtype) for k, t in weights.items()}
+    done = write_folder(folder, lambda names: {k: weights[k].detach() for k in names}, shapes, model_cfg,
+                        max_shard_bytes, token_ids)
+    return done if isinstance(done, str) else None

@@ -41,28 +41,55 @@ def _for_python(requirements: list[str], python: str) -> list[str]:
     return [str(r).split(";")[0] for r in reqs if r.marker is None or r.marker.evaluate(env)]
 
 
-def _resolve(requirements: list[str], python: str, tmp_path) -> dict[str, str]:
+def _resolve(requirements: list[str], python: str, folder) -> subprocess.Popen:
     """Each requirement resolved on its own (no dependencies) as a wheel for `python` on Linux x86_64, against
-    the index pip is configured with (CI's); name -> version picked. Markers are evaluated for `python`."""
+    the index pip is configured with (CI's): a pip process, whose report `_picked` reads. Markers are evaluated for
+    `python`."""
     requirements = _for_python(requirements, python)
-    report = tmp_path / f"report-{python}.json"
     argv = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-deps",
-            "--only-binary=:all:", "--python-version", python, "--target", str(tmp_path / "target"),
-            "--report", str(report), "--quiet", *[f"--platform={p}" for p in PLATFORMS], *requirements]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
-    errors = "\n".join(line for line in done.stderr.splitlines() if not line.startswith("WARNING: Location"))
-    assert done.returncode == 0, f"Python {python}: no wheel for a requirement\n{errors[-3000:]}"
-    return {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+            "--only-binary=:all:", "--python-version", python, "--target", str(folder / "target"),
+            "--report", str(folder / "report.json"), "--quiet", *[f"--platform={p}" for p in PLATFORMS],
+            *requirements]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+
+
+def _picked(proc: subprocess.Popen, python: str, folder) -> dict[str, str] | str:
+    """name -> version pip picked, or what pip said when a requirement has no wheel."""
+    _, stderr = proc.communicate(timeout=600)
+    errors = "\n".join(line for line in stderr.splitlines() if not line.startswith("WARNING: Location"))
+    if proc.returncode != 0:
+        return f"Python {python}: no wheel for a requirement\n{errors[-3000:]}"
+    return {i["metadata"]["name"].lower(): i["metadata"]["version"]
+            for i in json.loads((folder / "report.json").read_text())["install"]}
+
+
+@pytest.fixture(scope="module")
+def resolved(tmp_path_factory) -> dict[tuple[str, str], dict[str, str] | str]:
+    """The pins and the ranges for every Python, resolved by six pip processes at once: most of their time is
+    spent waiting on the index."""
+    procs = {}
+    try:
+        for python in PYTHONS:
+            for what, requirements in (("pins", _pins()), ("ranges", _ranges())):
+                folder = tmp_path_factory.mktemp(f"{what}-{python}")
+                procs[python, what] = (_resolve(requirements, python, folder), folder)
+        return {key: _picked(proc, key[0], folder) for key, (proc, folder) in procs.items()}
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 @pytest.mark.install
 @pytest.mark.parametrize("python", PYTHONS)
-def test_every_pin_and_every_core_range_resolves_as_a_wheel(python, tmp_path):
-    pinned = _resolve(_pins(), python, tmp_path)
+def test_every_pin_and_every_core_range_resolves_as_a_wheel(python, resolved):
+    pinned, ranged = resolved[python, "pins"], resolved[python, "ranges"]
+    assert isinstance(pinned, dict), pinned
+    assert isinstance(ranged, dict), ranged
     assert pinned["torch"].split("+")[0] == "2.13.0"
     assert ("onnxruntime-training" in pinned) == (python == "3.11")  # the ort extra's marker
-    ranged = _resolve(_ranges(), python, tmp_path)
     assert {"torch", "onnx", "hydra-core", "mlflow", "submitit"} <= ranged.keys()
 
 

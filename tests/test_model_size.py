@@ -122,17 +122,20 @@ def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path):
 
 
 def test_small_thresholds_shard_the_files_and_put_the_onnx_weights_outside(tmp_path):
-    """aggregate.shard_size_mb=0.5 and onnx_external_data_mb=0 on the 1.7 MB default model: several safetensors
-    shards with an index (model, optimizer and hf/), model.onnx + model.onnx.data; transformers loads hf/,
-    orchestrator.load reads the shards bit for bit against the checkpoint, ONNX Runtime runs the model from its
+    """aggregate.shard_size_mb=0.5 and onnx_external_data_mb=0 on the 1.7 MB default model with its vocabulary
+    padded (320 -> 384 rows): several safetensors shards with an index (optimizer and hf/, the one copy of the
+    weights, the padding's rows beside it), model.onnx + model.onnx.data; transformers loads hf/, orchestrator.load
+    reads the shards bit for bit against the checkpoint, padding included, ONNX Runtime runs the model from its
     external data, all with the torch model's logits."""
     import onnxruntime as ort
     import transformers
 
-    report = run_debug(tmp_path, "aggregate.shard_size_mb=0.5", "aggregate.onnx_external_data_mb=0")
+    report = run_debug(tmp_path, "aggregate.shard_size_mb=0.5", "aggregate.onnx_external_data_mb=0",
+                       "model.pad_vocab_to=128")
     assert report.exit_code == 0
     out = cache_entry(tmp_path, report, "aggregate")
-    for folder, stem in ((out, "model"), (out, "optimizer"), (out / "hf", "model")):
+    assert not list(out.glob("model*.safetensors*")) and (out / "vocab_padding.safetensors").is_file()
+    for folder, stem in ((out, "optimizer"), (out / "hf", "model")):
         index = json.loads((folder / f"{stem}.safetensors.index.json").read_text())
         files = sorted(set(index["weight_map"].values()))
         assert len(files) >= 3 and all(re.fullmatch(rf"{stem}-\d{{5}}-of-{len(files):05d}\.safetensors", f)
@@ -166,7 +169,7 @@ def test_without_the_onnx_model_the_rest_is_aggregated(tmp_path):
     report = run_debug(tmp_path, "train.steps=2", "train.eval_every=0", "aggregate.onnx=false")
     assert report.exit_code == 0
     out = cache_entry(tmp_path, report, "aggregate")
-    assert not (out / "model.onnx").exists() and (out / "model.safetensors").is_file() and (out / "hf").is_dir()
+    assert not (out / "model.onnx").exists() and (out / "hf" / "model.safetensors").is_file()
     assert json.loads((out / "manifest.json").read_text())["onnx"] == "skipped (aggregate.onnx=false)"
 
 

@@ -124,7 +124,7 @@ def test_bf16_aggregate_is_fp32_and_checkpoints_cross_precisions(tmp_path):
     bf16 = run(tmp_path, "precision=bf16", "train.steps=6", name="bf16")
     assert bf16.exit_code == 0
     agg = tmp_path / "runs" / "cache" / "aggregate" / bf16.results["aggregate"].key
-    with safe_open(str(agg / "model.safetensors"), "pt") as f:
+    with safe_open(str(agg / "hf" / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float32}
     bf16_ckpt = tmp_path / "runs" / "cache" / "checkpoint" / bf16.results["checkpoint"].key
     fp32 = run(tmp_path, "precision=fp32", "train.steps=12", f"train.init_from={bf16_ckpt}", name="fp32")

@@ -75,7 +75,7 @@ def test_all_checkpoints_damaged_restarts_from_zero_loudly(tmp_path):
 
 # -- rows 2 and 10: damaged cache entries ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("stage,victim", [("aggregate", "model.safetensors"), ("export", "model.onnx"),
+@pytest.mark.parametrize("stage,victim", [("aggregate", "hf/model.safetensors"), ("export", "model.onnx"),
                                           ("checkpoint", "__0_0.distcp")])
 def test_damaged_cache_entry_is_set_aside_and_rebuilt(tmp_path, stage, victim, capsys):
     first = run(tmp_path, name="first")
@@ -130,7 +130,7 @@ def test_an_untouched_entry_is_not_hashed_again_and_any_write_to_it_is(tmp_path,
     third = run(tmp_path, name="third")
     assert {r.status for r in third.results.values()} == {"cached"} and hashed == []
 
-    victim = entry(tmp_path, first, "aggregate") / "model.safetensors"
+    victim = entry(tmp_path, first, "aggregate") / "hf" / "model.safetensors"
     before = victim.stat()
     flip(victim)
     import os
@@ -149,7 +149,7 @@ def test_an_untouched_entry_is_not_hashed_again_and_any_write_to_it_is(tmp_path,
 
 def test_size_only_verification_skips_hashing_but_catches_truncation(tmp_path):
     first = run(tmp_path, name="first")
-    victim = entry(tmp_path, first, "aggregate") / "model.safetensors"
+    victim = entry(tmp_path, first, "aggregate") / "hf" / "model.safetensors"
     flip(victim)
     assert run(tmp_path, "cache_verify=size", name="sizes").results["aggregate"].status == "cached"
     victim.write_bytes(victim.read_bytes()[:-10])
