@@ -159,7 +159,7 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
     if agg.peak > avail and cfg.aggregate.onnx and without.peak <= avail:
         problems.append(Problem("aggregate.onnx", True, f"the aggregate stage's ONNX check needs about "
                                 f"{agg.peak / GB:,.1f} GB ({agg.what}), more than the {avail / GB:,.1f} GB it may use "
-                                f"({where})", f"aggregate.onnx=false (the safetensors and hf/ files then need "
+                                f"({where})", f"aggregate.onnx=false (the safetensors files then need "
                                 f"{without.peak / GB:,.1f} GB), or a node with more memory"))
     elif agg.peak > avail:
         problems.append(Problem("model", cfg.model.name, f"the aggregate stage needs about {agg.peak / GB:,.1f} GB "
@@ -204,7 +204,8 @@ def _tokenize_problem(cfg, avail: int, where: str):
 def _disk_problems(cfg, plan: Plan) -> list[Problem]:
     """Room for the checkpoints (fp32 weights and optimizer state): train.keep_checkpoints of them while training
     plus the published one (the checkpoint stage links it, no copy on the same disk), and the aggregate's files
-    (the checkpoint again as safetensors, hf/ and the ONNX model's weights)."""
+    (the checkpoint's bytes again, as safetensors: the weights once, in hf/, and the optimizer state; and the ONNX
+    model's weights)."""
     where = Path(cfg.cache_dir).expanduser().absolute()
     while not where.exists():
         where = where.parent

@@ -3,6 +3,8 @@ step, pruning, and what is left when a run stops. Every rank calls restore and s
 chooses the folder and verifies it."""
 from __future__ import annotations
 
+import math
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -29,6 +31,8 @@ class Checkpointer:
         # the background writer's collectives get a gloo group of their own (as TorchTitan's): on training's group
         # they would interleave with the step's
         self.group = dist.new_group(backend="gloo") if self.background and layout.world else None
+        self.in_flight: Optional[tuple[int, float]] = None  # (step, when) of the background save being written
+        self.advised = False
 
     def forget(self) -> None:
         """train.resume=false: this key's earlier checkpoints are not resumed (rank 0 removes them)."""
@@ -38,7 +42,14 @@ class Checkpointer:
     def save(self, step: int, wait: bool = False) -> None:
         """A checkpoint of this step. With train.async_checkpoint=async it is written in the background (the one
         before it finished first) unless `wait`: the last step's, and a stop's, are complete when this returns."""
+        asked = time.monotonic()
         self.wait()
+        if self.in_flight is not None and not wait and self.ctx.is_rank0 and not self.advised:
+            advice = pacing_advice(*self.in_flight, step, asked, time.monotonic())
+            if advice:
+                self.ctx.log.warning("%s", advice)
+                self.advised = True
+        self.in_flight = (step, time.monotonic()) if self.background and not wait else None
         if self.ctx.is_rank0:
             self.history.sync()  # the metrics up to the step, on disk before the checkpoint that resumes after them
         path, meta = ckpt.step_dir(self.folder, step), {**self.meta, "step": step,
@@ -173,3 +184,20 @@ def progress_hint(scratch: Path) -> Optional[str]:
     if path is None:
         return f"restarts from step 0: its {len(damaged)} checkpoint(s) are damaged"
     return f"resumes from step {step}" + (f", {len(damaged)} damaged checkpoint(s) set aside" if damaged else "")
+
+
+def pacing_advice(step_before: int, began: float, step: int, asked: float, done: float,
+                  tolerated: float = 0.1, floor_s: float = 0.5) -> Optional[str]:
+    """When a background save (of step_before, begun at `began`) was still being written when the next (of `step`,
+    asked for at `asked`) came, and training waited for it (until `done`) more than `tolerated` of the steps' time
+    and more than floor_s:
+    what a write takes here against the steps between saves, and the train.checkpoint_every that keeps writes out
+    of the steps' way; else None."""
+    waited, steps_s = done - asked, asked - began
+    if waited <= max(tolerated * steps_s, floor_s) or step <= step_before:
+        return None
+    per_step, write = steps_s / (step - step_before), done - began
+    return (f"the checkpoint of step {step} waited {waited:.1f} s for step {step_before}'s, still being written: a "
+            f"save takes about {write:.1f} s here and the {step - step_before} steps between saves {steps_s:.1f} s, so "
+            f"training waits at every save; "
+            f"train.checkpoint_every={math.ceil(write / per_step)} or more keeps the writes out of the steps' way")

@@ -97,14 +97,16 @@ LLAMA_TOP = {"embed_tokens.weight": "wte.weight", "norm.weight": "ln_f.weight", 
 
 
 class Weights(Mapping[str, torch.Tensor]):
-    """A folder's weights under our parameter names, each read from the files when asked for (fp32, contiguous):
-    a rank that holds a shard of a layer reads that layer's tensors, never the whole model."""
+    """A folder's weights under our parameter names, each read from the files when asked for (fp32): a rank that
+    holds a shard of a layer reads that layer's tensors, never the whole model. GPT-2's Conv1D weights come as
+    transposed views, not copies: copied into a parameter they are copied once, and the ONNX model, which stores a
+    Linear's weight transposed, takes the bytes as they were read."""
 
     def __init__(self, recipes: dict[str, Callable[[], torch.Tensor]]):
         self._recipes = recipes
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return self._recipes[name]().contiguous()
+        return self._recipes[name]()
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._recipes)

@@ -6,6 +6,7 @@ import torch
 from storage import checkpoint as ckpt
 from storage import consolidate
 from plugins.models import get_model
+from runtime.checkpointer import pacing_advice
 from runtime.optim import build_optimizer
 from tests.conftest import make_cfg
 
@@ -65,6 +66,17 @@ def test_an_async_save_holds_the_state_of_its_step_and_the_bytes_of_a_sync_one(t
     ckpt.load(path, [(fresh, fresh_opt)])
     got = ckpt.training_state([(fresh, fresh_opt)])
     assert states_equal(at_save["model"], got["model"]) and states_equal(at_save["optim"], got["optim"])
+
+
+def test_saves_that_come_faster_than_the_disk_writes_them_are_named_with_the_interval_that_fits():
+    """Step 10's save began at t=100 s and was published at t=112 s; step 20's was asked for at t=105 s (10 steps of
+    0.5 s): training waited 7 s, and saves 24 steps apart (12 s of writing at 0.5 s a step) would not wait."""
+    advice = pacing_advice(10, 100.0, 20, 105.0, 112.0)
+    assert advice.startswith("the checkpoint of step 20 waited 7.0 s for step 10's, still being written: a save "
+                             "takes about 12.0 s here and the 10 steps between saves 5.0 s")
+    assert advice.endswith("train.checkpoint_every=24 or more keeps the writes out of the steps' way")
+    assert pacing_advice(10, 100.0, 20, 105.0, 105.3) is None    # a wait under floor_s (0.5 s)
+    assert pacing_advice(10, 100.0, 20, 200.0, 205.0) is None    # 5 s against 100 s of steps: under a tenth
 
 
 def test_partial_and_damaged_checkpoints_are_never_taken(tmp_path):

@@ -19,6 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 
 from storage import checkpoint as ckpt
 from storage import consolidate
@@ -66,7 +67,32 @@ def rows(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("layouts")
+    """The module's runs share one cache (the export runs once), and find LAYOUTS as presets of a config group
+    `layout` (conf/layout/<name>.yaml, written from LAYOUTS), which a sweep takes as `+layout=a,b,c`."""
+    work = tmp_path_factory.mktemp("layouts")
+    for name, overrides in LAYOUTS.items():
+        preset: dict = {"defaults": []}
+        for override in overrides:
+            key, value = override.split("=", 1)
+            if "." in key:
+                group, leaf = key.split(".", 1)
+                preset.setdefault(group, {})[leaf] = yaml.safe_load(value)
+            else:
+                preset["defaults"].append({f"override /{key}": value})
+        (work / "conf" / "layout").mkdir(parents=True, exist_ok=True)
+        (work / "conf" / "layout" / f"{name}.yaml").write_text("# @package _global_\n" + yaml.safe_dump(preset))
+    return work
+
+
+def sweep(args: list[str], names: list[str], workdir: Path) -> dict[str, Path]:
+    """The layouts `names` as one sweep, `python -m orchestrator -m +layout=...` (one process plans them all and
+    starts their ranks, as a user's sweep does): name -> the point's run folder."""
+    result = run_cli(["-m", f"hydra.searchpath=[file://{workdir / 'conf'}]", f"+layout={','.join(names)}", *args],
+                     workdir, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    folder = Path(re.search(r"^sweep in (\S+)$", result.stdout, re.M).group(1))
+    points = read_json(folder / "sweep_summary.json")["points"]
+    return {p["overrides"].removeprefix("+layout="): Path(p["run_dir"]) for p in points}
 
 
 # Layouts whose 10-step parity with one process other tests' runs take: hp=4 trains steps 6-10 from a dp2_hp2_pp2
@@ -79,8 +105,7 @@ TAKEN_ELSEWHERE = ("megatron_hp4", "ddp2-shard", "megatron_hp2-sp-lp")
 @pytest.fixture(scope="module")
 def runs(workdir) -> dict[str, Path]:
     """10 steps in every layout, one after another, sharing one cache (the export runs once)."""
-    return {name: outputs(run_cli([*COMMON, "train.steps=10", *args], workdir)) for name, args in LAYOUTS.items()
-            if name not in TAKEN_ELSEWHERE}
+    return sweep([*COMMON, "train.steps=10"], [name for name in LAYOUTS if name not in TAKEN_ELSEWHERE], workdir)
 
 
 def assert_close(got: list[float], want: list[float], what: str) -> None:
@@ -123,12 +148,17 @@ def test_pipeline_runs_record_their_timeline(runs):
         assert all(0 <= r["pipeline_idle_fraction"] < 1 for r in rows(runs[layout]))
 
 
-def test_checkpoint_reshards_into_other_layouts(runs, workdir):
+@pytest.fixture(scope="module")
+def five_steps(workdir) -> Path:
+    """The first half of runs["dp2_hp2_pp2-shard"] (a constant learning rate): its checkpoint is continued elsewhere."""
+    return outputs(run_cli([*COMMON, "train.steps=5", *LAYOUTS["dp2_hp2_pp2-shard"]], workdir))
+
+
+def test_checkpoint_reshards_into_other_layouts(runs, workdir, five_steps):
     """5 steps in dp2_hp2_pp2, then 5 more in megatron_hp4 and in single from that checkpoint: the same
     losses as 10 uninterrupted steps in dp2_hp2_pp2."""
-    first = outputs(run_cli([*COMMON, "train.steps=5", *LAYOUTS["dp2_hp2_pp2-replicate"]], workdir))
-    checkpoint = (first / "stages/checkpoint/output").resolve()
-    reference = [r["loss"] for r in rows(runs["dp2_hp2_pp2-replicate"])][5:]
+    checkpoint = (five_steps / "stages/checkpoint/output").resolve()
+    reference = [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][5:]
     for layout in ("megatron_hp4", "single"):
         cont = outputs(run_cli([*COMMON, "train.steps=10", f"train.init_from={checkpoint}", *LAYOUTS[layout]], workdir))
         got = rows(cont)
@@ -154,13 +184,12 @@ def test_checkpoint_reshards_into_other_layouts(runs, workdir):
     assert f"{victim.relative_to(damaged)}: sha256 differs from the manifest" in refusal(f"train.init_from={damaged}")
 
 
-def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, workdir):
+def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, five_steps):
     """The aggregated dp2_hp2_pp2 checkpoint: a plain model scores the distributed eval loss, and a plain
     loop with a plain optimizer loaded from it continues exactly like the distributed run."""
-    first = outputs(run_cli([*COMMON, "train.steps=5", *LAYOUTS["dp2_hp2_pp2-shard"]], workdir))
-    aggregated = first / "stages/aggregate/output"
+    aggregated = five_steps / "stages/aggregate/output"
     verification = read_json(aggregated / "manifest.json")["verification"]
-    distributed = read_json(first / "stages/train/output/summary.json")["final_eval_loss"]
+    distributed = read_json(five_steps / "stages/train/output/summary.json")["final_eval_loss"]
     assert abs(verification["eval_loss"] - distributed) <= RTOL * distributed
 
     cfg = make_cfg(*COMMON, "train.steps=10")
@@ -249,9 +278,9 @@ def sums(path: Path) -> Path:
 def llama_runs(workdir) -> dict[str, Path]:
     records = ["data=text", f"data.paths=[{sums(workdir / 'sums.jsonl')}]", "data.format=prompt_completion"]
     llama = [*COMMON, "train.steps=10", "model=llama_tiny"]
-    runs = {name: outputs(run_cli([*llama, *records, *LAYOUTS[name]], workdir)) for name in LLAMA_LAYOUTS}
-    runs.update({f"padded-{name}": outputs(run_cli([*llama, *records, "data.packing=false", *LAYOUTS[name]], workdir))
-                 for name in LLAMA_PADDED})
+    runs = sweep([*llama, *records], LLAMA_LAYOUTS, workdir)
+    runs.update({f"padded-{k}": v for k, v in sweep([*llama, *records, "data.packing=false"], LLAMA_PADDED,
+                                                    workdir).items()})
     runs.update({f"text-{name}": outputs(run_cli([*llama, *LAYOUTS[name]], workdir)) for name in LLAMA_ORT})
     runs.update({f"ort-{name}": outputs(run_cli([*llama, "engine=ort", *LAYOUTS[name]], workdir))
                  for name in LLAMA_ORT})
@@ -291,8 +320,7 @@ BF16_LAYOUTS_AGREE = 1e-2  # two bf16 layouts: other reduction orders and casts 
 
 @pytest.fixture(scope="module")
 def bf16_runs(workdir) -> dict[str, Path]:
-    return {name: outputs(run_cli([*COMMON, "train.steps=10", "precision=bf16", *LAYOUTS[name]], workdir))
-            for name in BF16_LAYOUTS}
+    return sweep([*COMMON, "train.steps=10", "precision=bf16"], BF16_LAYOUTS, workdir)
 
 
 def _worst(got: list[dict], want: list[dict]) -> float:
@@ -320,8 +348,7 @@ ORT_LAYOUTS = ["single", "dp2_hp2_pp2-replicate", "dp2_hp2_pp2-shard"]  # hp and
 
 @pytest.fixture(scope="module")
 def ort_runs(workdir) -> dict[str, Path]:
-    return {name: outputs(run_cli([*COMMON, "train.steps=10", "engine=ort", *LAYOUTS[name]], workdir))
-            for name in ORT_LAYOUTS}
+    return sweep([*COMMON, "train.steps=10", "engine=ort"], ORT_LAYOUTS, workdir)
 
 
 @requires_ort_training

@@ -29,8 +29,10 @@ def module_file(module: str, root: Path) -> Optional[Path]:
     return None
 
 
-def _imported(module: str, path: Path) -> set[str]:
-    """The modules an import statement in this file names, with the packages importing them runs."""
+@lru_cache(maxsize=None)
+def _imported(module: str, path: Path) -> frozenset[str]:
+    """The modules an import statement in this file names, with the packages importing them runs (each file read
+    once per process: the stages reach many of the same modules)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -48,7 +50,7 @@ def _imported(module: str, path: Path) -> set[str]:
     for name in names:
         parts = name.split(".")
         found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))  # parents' __init__ run first
-    return found
+    return frozenset(found)
 
 
 @lru_cache(maxsize=None)
