@@ -131,14 +131,14 @@ def load_state(folder: Path, vocab_rows: Optional[int] = None,
     family, cfg = read_config(folder)
     reader = _reader(folder)
     names = {re.sub(r"^(transformer|model)\.", "", k): k for k in reader}
-    last: dict[str, torch.Tensor] = {}  # the fused q/k/v tensor read for q, kept for k and v
+    last: dict[str, torch.Tensor] = {}  # the fused q/k/v tensor read for q, kept for k and v (until another read)
 
     def get(short: str) -> torch.Tensor:
         if short in last:
             return last[short]
+        last.clear()
         t = reader[names[short]].float()
         if "c_attn" in short:
-            last.clear()
             last[short] = t
         return t
 
