@@ -190,9 +190,8 @@ def pacing_advice(step_before: int, began: float, step: int, asked: float, done:
                   tolerated: float = 0.1, floor_s: float = 0.5) -> Optional[str]:
     """When a background save (of step_before, begun at `began`) was still being written when the next (of `step`,
     asked for at `asked`) came, and training waited for it (until `done`) more than `tolerated` of the steps' time
-    and more than floor_s:
-    what a write takes here against the steps between saves, and the train.checkpoint_every that keeps writes out
-    of the steps' way; else None."""
+    and more than floor_s: what a write takes here against the steps between saves, and the train.checkpoint_every
+    that keeps writes out of the steps' way; else None."""
     waited, steps_s = done - asked, asked - began
     if waited <= max(tolerated * steps_s, floor_s) or step <= step_before:
         return None

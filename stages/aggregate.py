@@ -12,8 +12,8 @@ Everything streams, so a model of any size aggregates on a node that could never
    Runtime against the plain model's outputs (made piece by piece).
 No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips
 it), else one piece, or each writer's read group and the largest tensor; the manifest records the process's peak
-after each step (peak_rss_mb), so the streaming steps' own peak is the one after step 2. The file table of everything written is the cache
-entry's (_entry.json), checked on every reuse.
+after each step (peak_rss_mb), so the streaming steps' own peak is the one after step 2. The file table of everything
+written is the cache entry's (_entry.json), checked on every reuse.
 """
 from __future__ import annotations
 

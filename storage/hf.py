@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Union
 
 import torch
@@ -202,10 +202,6 @@ class Recipe:
     make: Callable[[list[torch.Tensor]], torch.Tensor]
 
 
-def _one(names: tuple[str, ...], change: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Recipe:
-    return Recipe(names, lambda ts: change(ts[0]))
-
-
 def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[str, Recipe], dict]]:
     """How our weights (names in `ours`) become a save_pretrained folder: ({their name: Recipe}, config.json), or why
     the model cannot be expressed as one."""
@@ -213,7 +209,7 @@ def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[
     cut = model_cfg.vocab_size  # without model.pad_vocab_to's rows: Hugging Face has the real vocabulary
 
     def plain(name: str, change: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> Recipe:
-        return _one((name,), (lambda t: change(t)[:cut]) if name in VOCAB_ROWS else change)
+        return Recipe((name,), (lambda ts: change(ts[0])[:cut]) if name in VOCAB_ROWS else lambda ts: change(ts[0]))
 
     def bias(name: str, rows: int) -> Recipe:  # a model without biases: Hugging Face's GPT-2 has them, as zeros
         return plain(name) if name in ours else Recipe((), lambda ts, rows=rows: torch.zeros(rows))
@@ -229,9 +225,8 @@ def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[
             p, h = f"layers.{i}.", f"transformer.h.{i}."
             recipes[h + "attn.c_attn.weight"] = Recipe(tuple(p + f"attn.w{x}.weight" for x in "qkv"),
                                                        lambda ts: torch.cat(ts, 0).t())
-            biases = [bias(p + f"attn.w{x}.bias", d) for x in "qkv"]
-            recipes[h + "attn.c_attn.bias"] = Recipe(tuple(s for b in biases for s in b.sources),
-                                                     partial(_fused_bias, biases))
+            qkv = tuple(p + f"attn.w{x}.bias" for x in "qkv")  # model.bias gives all three or none
+            recipes[h + "attn.c_attn.bias"] = Recipe(qkv, torch.cat) if qkv[0] in ours else bias(qkv[0], 3 * d)
             for theirs, mine in GPT2_CONV.items():
                 rows = model_cfg.d_ff if mine == "mlp.fc1" else d
                 recipes[h + f"{theirs}.weight"] = plain(p + f"{mine}.weight", torch.t)
@@ -263,14 +258,6 @@ def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[
     if not model_cfg.tie_embeddings:
         recipes["lm_head.weight"] = plain("lm_head.weight")
     return recipes, config
-
-
-def _fused_bias(biases: list[Recipe], ts: list[torch.Tensor]) -> torch.Tensor:
-    at, parts = 0, []
-    for b in biases:
-        parts.append(b.make(ts[at:at + len(b.sources)]))
-        at += len(b.sources)
-    return torch.cat(parts)
 
 
 def write_folder(folder: Path, read: Callable[[list[str]], dict[str, torch.Tensor]],
