@@ -19,6 +19,8 @@ from hydra.core.plugins import Plugins
 from hydra_plugins.orchestrator_launcher.orchestrator_study import store as store_optuna_sweeper
 from omegaconf import DictConfig
 
+from common.quick_exit import exit_now
+
 from orchestrator.boundary import Refused, unexpected
 from orchestrator.config.command import explain, task_overrides
 from orchestrator.config.errors import ConfigError
@@ -92,4 +94,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())  # common/quick_exit.py: without the modules' teardown, which every command paid

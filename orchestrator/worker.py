@@ -21,6 +21,8 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from common.quick_exit import exit_now
+
 from orchestrator import interrupt
 from orchestrator.cache.store import Cache
 from orchestrator.tracking.tracker import stage_tracker
@@ -177,4 +179,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    exit_now(main(sys.argv[1:]))  # common/quick_exit.py

@@ -102,6 +102,19 @@ def run_folder(result: subprocess.CompletedProcess) -> Path:
     return Path(re.search(r"^outputs: (\S+)", result.stdout, re.M).group(1))
 
 
+def run_sweep(args: list[str], cwd: Path, timeout: float = 1800) -> dict[str, Path]:
+    """`python -m orchestrator -m args...` (one process plans every point and starts its ranks, as a user's sweep
+    does): each point's overrides -> its run folder."""
+    import json
+    import re
+
+    result = run_cli(["-m", *args], cwd, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    folder = Path(re.search(r"^sweep in (\S+)$", result.stdout, re.M).group(1))
+    points = json.loads((folder / "sweep_summary.json").read_text())["points"]
+    return {p["overrides"]: Path(p["run_dir"]) for p in points}
+
+
 DEBUG = ["cluster=debug", "tracking=none", *QUICK]
 
 
@@ -157,7 +170,7 @@ def pytest_sessionfinish(session):
 # The files that take minutes, longest first (CI's durations). xdist hands whole files to the workers in collection
 # order; a long file handed out last runs alone at the end while the other workers idle (longest first: the short
 # files fill in around the long ones).
-LONGEST_FIRST = ("test_layouts.py", "test_slurm.py", "test_slurm_recovery.py", "test_kernels.py",
+LONGEST_FIRST = ("test_layouts.py", "test_slurm_recovery.py", "test_slurm.py", "test_kernels.py",
                  "test_readme_examples.py", "test_cli_e2e.py", "test_disks.py", "test_install.py", "test_hpo.py",
                  "test_tune.py", "test_sweep_and_slurm_config.py", "test_first_hour.py", "test_hf.py",
                  "test_recovery.py")

@@ -267,12 +267,13 @@ def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
 
 def test_forked_and_executed_ranks_train_alike(tmp_path):
     """cluster.start_method: ranks forked from the preloaded server (the default) and ranks started as fresh
-    `python -m orchestrator.worker` processes give the same losses; the plan's command is the same either way."""
+    `python -m orchestrator.worker` processes give the same losses; the plan's command is the same either way.
+    One store: the second run's train key differs by train.checkpoint_every (the losses do not), so it trains
+    again on the first run's tokens, export and plan."""
     args = [*QUICK, "parallel=ddp2", "train.steps=4", "tracking=none"]
     losses = {}
-    for method in ("forkserver", "exec"):
-        (tmp_path / method).mkdir()
-        result = run_cli([*args, f"cluster.start_method={method}"], tmp_path / method)
+    for method, every in (("forkserver", 0), ("exec", 2)):
+        result = run_cli([*args, f"cluster.start_method={method}", f"train.checkpoint_every={every}"], tmp_path)
         assert result.returncode == 0, result.stdout + result.stderr
         run_dir = run_folder(result)
         rows = (run_dir / "stages/train/output/metrics.jsonl").read_text().splitlines()
@@ -280,4 +281,5 @@ def test_forked_and_executed_ranks_train_alike(tmp_path):
         plan = json.loads((run_dir / "plan.json").read_text())
         train = next(s for s in plan if s["stage"] == "train")
         assert train["command"].endswith(f"-m orchestrator.worker {run_dir}/stages/train/spec.json")
+        assert not train["cached"]
     assert len(losses["exec"]) == 4 and losses["forkserver"] == losses["exec"]

@@ -33,28 +33,40 @@ def train_run(workdir: Path, result):
     return train
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    """One folder for the runs below: the eager run serves both layouts, and Inductor's cache the rerun."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(scope="module")
+def eager_losses(store) -> list[float]:
+    """One process, uncompiled: the losses every compiled layout must give (every layout gives one process's
+    losses to RTOL 1e-5: test_layouts)."""
+    eager = run_cli(["tracking=none", "parallel=single", "model.n_layers=2", *SMALL], store)
+    assert eager.returncode == 0, eager.stdout + eager.stderr
+    return train_output(eager)[0]
+
+
 # dp2 x hp2 (4 ranks): compiled blocks under FSDP2 and DTensor, where compilation meets the layouts (a pipeline stage
 # compiles its blocks as one process does)
 @pytest.mark.parametrize("layout", ["single", "dp2_hp2"])
-def test_compiled_blocks_give_the_losses_of_eager_mode(layout, workdir):
+def test_compiled_blocks_give_the_losses_of_eager_mode(layout, store, eager_losses):
     given = ["parallel=dp2_hp2_pp2", "parallel.pp=1"] if layout == "dp2_hp2" else [f"parallel={layout}"]
     args = [*given, "model.n_layers=2", *SMALL]
-    eager = run_cli(["tracking=none", *args], workdir)
-    assert eager.returncode == 0, eager.stdout + eager.stderr
-    compiled = run_cli(["triton=on", *args], workdir)
+    compiled = run_cli(["triton=on", *args], store)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
-    eager_losses, _ = train_output(eager)
     compiled_losses, summary = train_output(compiled)
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-5)
     blocks_per_rank = 2
     assert summary["compiled"] == {"blocks": blocks_per_rank, "eager_fallbacks": {}}
-    metrics = train_run(workdir, compiled).data.metrics
+    metrics = train_run(store, compiled).data.metrics
     assert metrics["compile/blocks_compiled"] == blocks_per_rank and metrics["compile/fx_graph_cache_misses"] > 0
 
     if layout == "single":  # the next run (another learning rate: train runs again) loads the compiled kernels
-        again = run_cli(["triton=on", "optimizer.lr=3e-4", *args], workdir)
+        again = run_cli(["triton=on", "optimizer.lr=3e-4", *args], store)
         assert again.returncode == 0, again.stdout + again.stderr
-        cached = train_run(workdir, again).data.metrics
+        cached = train_run(store, again).data.metrics
         assert cached["compile/fx_graph_cache_misses"] == 0 and cached["compile/fx_graph_cache_hits"] > 0
         assert cached["compile/first_step_s"] < metrics["compile/first_step_s"]
         assert "Inductor cache hits" in again.stdout

@@ -27,7 +27,7 @@ from plugins.data import build_batcher
 from storage.fsio import read_json
 from plugins.models import get_model
 from runtime.optim import build_optimizer
-from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli, run_folder
+from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli, run_folder, run_sweep
 
 pytestmark = pytest.mark.e2e
 
@@ -85,14 +85,9 @@ def workdir(tmp_path_factory) -> Path:
 
 
 def sweep(args: list[str], names: list[str], workdir: Path) -> dict[str, Path]:
-    """The layouts `names` as one sweep, `python -m orchestrator -m +layout=...` (one process plans them all and
-    starts their ranks, as a user's sweep does): name -> the point's run folder."""
-    result = run_cli(["-m", f"hydra.searchpath=[file://{workdir / 'conf'}]", f"+layout={','.join(names)}", *args],
-                     workdir, timeout=1800)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    folder = Path(re.search(r"^sweep in (\S+)$", result.stdout, re.M).group(1))
-    points = read_json(folder / "sweep_summary.json")["points"]
-    return {p["overrides"].removeprefix("+layout="): Path(p["run_dir"]) for p in points}
+    """The layouts `names` as one sweep, `python -m orchestrator -m +layout=...`: name -> the point's run folder."""
+    points = run_sweep([f"hydra.searchpath=[file://{workdir / 'conf'}]", f"+layout={','.join(names)}", *args], workdir)
+    return {overrides.removeprefix("+layout="): run_dir for overrides, run_dir in points.items()}
 
 
 # Layouts whose 10-step parity with one process other tests' runs take: hp=4 trains steps 6-10 from a dp2_hp2_pp2

@@ -1,48 +1,22 @@
 """cluster=slurm against a real 2-node SLURM cluster (scripts/slurm_cluster.sh, NODES=2: each slurmd in a network
 namespace of its own; started here if needed).
 
-Five stages as jobs with the loss of a local run (a dp2 hp2 pp2 train job on both nodes too), a failing stage's
-dependants cancelled and the rerun resuming there, a 4-point sweep with per-point resources and one shared export, a
-layout tune whose trials are jobs submitted together, and requests the scheduler refuses reported with their key.
-Preemption and a lost node: test_slurm_recovery.py.
+A failing stage's dependants cancelled and the rerun resuming there, a 2-point sweep with per-point resources and one
+shared export, a layout tune whose trials are jobs submitted together, and requests the scheduler refuses reported
+with their key. The five stages as jobs on both nodes (preempted, and ending with one process's losses) and a lost
+node: test_slurm_recovery.py.
 """
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import mlflow
 import pytest
 
 from tests.conftest import run_cli
-from tests.slurm_support import SMALL, jobs_of, losses, node_list, our_queued_jobs, run_dirs, sacct, slurm  # noqa: F401
+from tests.slurm_support import SMALL, jobs_of, our_queued_jobs, run_dirs, sacct, slurm  # noqa: F401
 
 pytestmark = pytest.mark.slurm
-
-
-# On two nodes: one-node jobs take the same path, which the sweep below (2 and 4 ranks) and the lost node's rerun
-# (8 ranks on the node left, against a local run's losses: test_slurm_recovery.py) take
-@pytest.mark.parametrize("layout,nodes,tasks", [("dp2_hp2_pp2", 2, 8)])
-def test_five_stages_as_jobs_with_the_loss_of_a_local_run(slurm, tmp_path, layout, nodes, tasks):
-    args = [f"parallel={layout}", "train.steps=6", *SMALL]
-    (tmp_path / "slurm").mkdir()
-    on_slurm = run_cli(["cluster=slurm", f"cluster.nodes={nodes}", *args], tmp_path / "slurm", timeout=600)
-    assert on_slurm.returncode == 0, on_slurm.stdout + on_slurm.stderr
-    (run_dir,) = run_dirs(tmp_path / "slurm")
-    jobs = jobs_of(run_dir)
-    assert [j["stage"] for j in jobs] == ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
-    train = next(j for j in jobs if j["stage"] == "train")
-    assert train["tasks"] == tasks and len(list(Path(train["folder"]).glob("*_log.out"))) == tasks
-    assert len(node_list(train["job_id"])) == nodes  # sacct: the job ran on that many nodes
-    tokenize = next(j for j in jobs if j["stage"] == "tokenize")  # one task per node, each writing a part
-    assert tokenize["tasks"] == nodes and len(node_list(tokenize["job_id"])) == nodes
-    assert all(s["state"] == "COMPLETED" for s in sacct([j["job_id"] for j in jobs]).values())
-
-    (tmp_path / "local").mkdir()
-    local = run_cli(["cluster=local", "tracking=none", *args], tmp_path / "local", timeout=600)
-    assert local.returncode == 0, local.stdout + local.stderr
-    (local_dir,) = [p.parent for p in (tmp_path / "local" / "runs").rglob("plan.json")]
-    assert losses(run_dir) == pytest.approx(losses(local_dir), abs=1e-5)  # (the local run tokenizes with 2 tasks)
 
 
 def test_failed_stage_cancels_dependants_shows_traceback_and_rerun_resumes(slurm, workdir):
@@ -80,27 +54,23 @@ def test_failed_stage_cancels_dependants_shows_traceback_and_rerun_resumes(slurm
 
 
 def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(slurm, workdir):
-    result = run_cli(["-m", "cluster=slurm", "parallel=ddp2,megatron_hp4", "optimizer.lr=1e-3,3e-4",
-                      "train.steps=4", *SMALL], workdir, timeout=900)
+    result = run_cli(["-m", "cluster=slurm", "parallel=ddp2,megatron_hp4", "train.steps=4", *SMALL], workdir,
+                     timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
     dirs = run_dirs(workdir)
-    assert len(dirs) == 4
+    assert len(dirs) == 2
     jobs = [j for d in dirs for j in jobs_of(d)]
     assert len({j["job_id"] for j in jobs if j["stage"] == "export"}) == 1          # submitted once, shared
-    assert sorted(j["tasks"] for j in jobs if j["stage"] == "train") == [2, 2, 4, 4]
+    assert sorted(j["tasks"] for j in jobs if j["stage"] == "train") == [2, 4]
     trains = sacct([j["job_id"] for j in jobs if j["stage"] == "train"])
     spans = sorted((t["start"], t["end"]) for t in trains.values())
-    assert any(b[0] < a[1] for a, b in zip(spans, spans[1:])), f"no two train jobs overlapped: {spans}"
+    assert spans[1][0] < spans[0][1], f"the two train jobs did not overlap: {spans}"
 
     summary = json.loads(next((workdir / "runs" / "multirun").rglob("sweep_summary.json")).read_text())
     rows = summary["points"]
-    assert [r["status"] for r in rows] == ["ok"] * 4
+    assert [r["status"] for r in rows] == ["ok"] * 2
     assert {r["layout"] for r in rows} == {"dp2 hp1 pp1", "dp1 hp4 pp1"}
-    by_lr = {}
-    for r in rows:  # every layout gives the loss of the others at the same learning rate
-        by_lr.setdefault(r["overrides"].split("optimizer.lr=")[1], []).append(r["final_loss"])
-    for values in by_lr.values():
-        assert values[0] == pytest.approx(values[1], rel=1e-5)
+    assert rows[0]["final_loss"] == pytest.approx(rows[1]["final_loss"], rel=1e-5)  # one layout's loss, the other's
     assert "final loss" in result.stdout and "tokens/s" in result.stdout
 
     client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
@@ -108,7 +78,7 @@ def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(
     (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
     assert sweep.info.status == "FINISHED"
     points = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{sweep.info.run_id}'")
-    assert len(points) == 4
+    assert len(points) == 2
     for p in points:
         stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{p.info.run_id}'")
         assert sorted(s.data.tags["orchestrator.stage"] for s in stages) == \

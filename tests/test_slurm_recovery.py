@@ -1,6 +1,6 @@
-"""cluster=slurm when things go wrong, on a real 2-node SLURM cluster: a preempted train job (one node, and two)
-requeued and resumed exactly, and a node lost mid-training named, with the same command on the node left going
-on from the last checkpoint to the losses of an uninterrupted run. (A file of its own: the test workers share the
+"""cluster=slurm on a real 2-node SLURM cluster, when things go wrong: the five stages as jobs, the train job on
+both nodes preempted, requeued and resumed exactly, and a node lost mid-training named, with the same command on the
+node left going on from the last checkpoint to the losses of an uninterrupted run. (A file of its own: the test workers share the
 SLURM tests out file by file.)"""
 from __future__ import annotations
 
@@ -14,23 +14,26 @@ import mlflow
 import pytest
 
 from tests.conftest import ROOT, run_cli
-from tests.slurm_support import NODES, SCRIPT, jobs_of, losses, node_list, run_dirs, slurm  # noqa: F401
+from tests.slurm_support import NODES, SCRIPT, jobs_of, losses, node_list, run_dirs, sacct, slurm  # noqa: F401
 
 pytestmark = pytest.mark.slurm
 
 
-# On two nodes only: a one-node job takes the same path (signal, save at the step, requeue, resume), which the
-# two-node one covers with more (eight ranks on two hosts stop together); CI's 146 s are better spent elsewhere.
-@pytest.mark.parametrize("layout", [["parallel=dp2_hp2_pp2", "cluster.nodes=2"]], ids=["two-nodes"])
-def test_preempted_train_job_is_requeued_and_ends_with_the_uninterrupted_loss(slurm, tmp_path, layout):
+# The whole DAG as jobs on two nodes (one-node jobs take the same path: the sweep in test_slurm.py, 2 and 4 ranks,
+# and the lost node's rerun below, 8 ranks on the node left), its train job preempted (signal, save at the step,
+# requeue, resume: eight ranks on two hosts stop together) and ending with the losses of one local process
+def test_five_stages_as_jobs_on_two_nodes_a_preempted_train_job_requeued_with_the_loss_of_one_process(slurm, tmp_path):
     # full-size gpt_tiny steps (~0.1 s each under SLURM): the signal lands mid-training, not after the last step
-    args = ["train.steps=40", "train.checkpoint_every=1000", "train.log_every=1", "train.eval_every=0", *layout]
+    args = ["train.steps=40", "train.checkpoint_every=1000", "train.log_every=1", "train.eval_every=0",
+            "parallel=dp2_hp2_pp2", "cluster.nodes=2"]
     work = tmp_path / "slurm"
     work.mkdir()
     submitted = run_cli(["cluster=slurm", "cluster.wait=false", *args], work)
     assert submitted.returncode == 0 and "python -m orchestrator.follow" in submitted.stdout, submitted.stdout
     (run_dir,) = run_dirs(work)
-    train = next(j for j in jobs_of(run_dir) if j["stage"] == "train")
+    jobs = jobs_of(run_dir)
+    assert [j["stage"] for j in jobs] == ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
+    train = next(j for j in jobs if j["stage"] == "train")
     deadline = time.time() + 300
     while time.time() < deadline:  # signal once training is under way (some steps logged, not all)
         metrics = next((work / "runs" / "cache" / "train").glob("*.work/scratch/metrics.jsonl"), None)
@@ -44,6 +47,11 @@ def test_preempted_train_job_is_requeued_and_ends_with_the_uninterrupted_loss(sl
     assert followed.returncode == 0, followed.stdout + followed.stderr
     log = (Path(train["folder"]) / f"{train['job_id']}_0_log.out").read_text()
     assert "stopped at step" in log and "starting from the checkpoint of step" in log
+    assert train["tasks"] == 8 and len(list(Path(train["folder"]).glob("*_log.out"))) == 8
+    assert len(node_list(train["job_id"])) == 2  # sacct: the job ran on both nodes
+    tokenize = next(j for j in jobs if j["stage"] == "tokenize")  # one task per node, each writing a part
+    assert tokenize["tasks"] == 2 and len(node_list(tokenize["job_id"])) == 2
+    assert all(s["state"] == "COMPLETED" for s in sacct([j["job_id"] for j in jobs]).values())
 
     reference = tmp_path / "reference"
     reference.mkdir()
