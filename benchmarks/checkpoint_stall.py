@@ -6,8 +6,9 @@ same batches, the same disk.
 Printed per mode: the steps' wall time, the stall per save (the time over the run without saves, divided by the
 saves), how long the save call held the step (async: the copy, and the wait for the save before when the steps since
 took less than its write), the checkpoint's bytes, the peak memory (RSS on a CPU, allocated CUDA memory on a GPU;
-staging is host memory there) and the plan's estimate of it. Goal: the async stall <= 0.2x the sync one, where the
-steps between two saves take longer than one write (on a GPU: raise `every`).
+staging is host memory there) and the plan's estimate of it; then the time the plan gives a save before any was
+measured on this disk (a file written now), against the sync save call. Goal: the async stall
+<= 0.2x the sync one, where the steps between two saves take longer than one write (on a GPU: raise `every`).
 
     python benchmarks/checkpoint_stall.py [model=gpt2_124m] [batch=4] [seq=128] [steps=12] [every=3] [device=cpu]
                                           [threads=1]
@@ -80,6 +81,22 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
             "staging_gb": plan.staging / 2**30}
 
 
+def plan_figure(opts: dict, folder) -> str:
+    """What the plan prints for one save of this model before any save was measured on this disk: the
+    checkpoint's bytes at the rate of a file written now (storage.disk_speed; a floor when the checkpoint is
+    larger than the file). Once a save ran, the plan times the next by it (the sync row above)."""
+    from benchmarks.gpu import config
+    from planning.estimate import stage_costs
+    from planning.partition import build_plan
+    from storage.disk_speed import rate_for
+
+    cfg = config(opts["model"], opts["batch"], opts["seq"], "fp32", 1000)
+    writes = stage_costs(cfg, build_plan(cfg.model, cfg.parallel))["checkpoint"].writes
+    rate = rate_for(Path(folder or tempfile.gettempdir()), "checkpoint", writes)
+    return (f"{'at least ' if rate.floor else ''}{writes / rate.bytes_per_s:.2f} s ({writes / 2**30:.2f} GB at "
+            f"{rate.bytes_per_s / 2**20:,.0f} MB/s: {rate.source})")
+
+
 def main(argv: list[str]) -> int:
     args = arguments(argv, __doc__)
     if "mode" in args:  # a child: one mode, its figures on the last line
@@ -111,6 +128,7 @@ def main(argv: list[str]) -> int:
         print(f"{'(no saves)' if mode == 'none' else mode:<22} {r['seconds']:>8.2f} {stall:>12.2f} "
               f"{r['save_call_s']:>11.2f} {r['bytes_per_save'] / 2**30:>8.2f} {r['peak_gb']:>8.2f}G "
               f"{r['estimate_gb']:>8.2f}G {r['staging_gb']:>7.2f}G")
+    print(f"the plan's time for a save before any was measured here: {plan_figure(opts, args.get('dir'))}")
     if results["disabled"]["stall"] > 0:
         print(f"async stall / sync stall: {results['async']['stall'] / results['disabled']['stall']:.2f} "
               f"(goal <= 0.2)")

@@ -157,7 +157,7 @@ def measure_size(size: str, work: Path) -> dict:
            "peaks": {stage_of(k): v for k, v in sampled["peaks"].items()}, "seconds": stage_times(result.stdout),
            "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["eval"] * 2**20,
            "safetensors_peak": aggregate["peak_rss_mb"]["safetensors"] * 2**20,
-           **verify_speed(cache_root)}
+           **verify_speed(cache_root), "plan_saves": re.search(r"^  saves: .*$", result.stdout, re.M).group(0).strip()}
     row["weights_bytes"] = row["n_parameters"] * 4
     optimizer = sum(p.stat().st_size for p in agg_dir.glob("optimizer*.safetensors"))
     onnx = sum(p.stat().st_size for p in agg_dir.glob("model.onnx*"))
@@ -257,6 +257,7 @@ def main() -> None:
               f"{written / agg_s / 1e6:,.0f} MB/s over the stage = {written / agg_s / disk['write']:.2f}x the disk's "
               f"write speed; its safetensors step {phase / row['aggregate_phases']['safetensors'] / 1e6:,.0f} MB/s "
               f"= {phase / row['aggregate_phases']['safetensors'] / disk['write']:.2f}x")
+        print(f"  the plan said: {row['plan_saves']}")
         print(f"  cache verification of the checkpoint entry: full hash {row['full_s']:.2f} s "
               f"({c / row['full_s'] / 1e6:,.0f} MB/s), hit of the untouched entry {row['hit_s'] * 1e3:.1f} ms "
               f"({row['hit_s'] / row['full_s']:.2%} of the full hash)", flush=True)

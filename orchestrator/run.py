@@ -65,7 +65,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     console.print(plan_table(plan, where))
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
     data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
-    for line in [*choices, memory_line(cfg, orchestrator_bytes(cfg)), time_line(cfg), *data, *warnings(cfg)]:
+    for line in [*choices, memory_line(cfg, orchestrator_bytes(cfg)),
+                 time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *data, *warnings(cfg)]:
         console.print(line, soft_wrap=True)
     for ps in plan:
         if ps.damage:

@@ -2,7 +2,8 @@
 stage, what a rank and a one-process stage may use, and the bytes written. Validation refuses what the plan says
 cannot fit; the printed plan shows the same figures (they are computed once, here).
 
-The time floor is separate (`time_line`): it measures this machine's matmul rate, which only a run needs."""
+The time floors are separate (`time_line`): they measure this machine's matmul rate and disk speed, which only a
+run needs."""
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ from plugins.data.corpus import corpus_layouts, memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
 from plugins.parallel import world_size
 from runtime.threads import rank_threads, usable_cores
+from storage.disk_speed import aggregate_kind, rate_for, size_text
 
 GB = 2**30
 
@@ -74,19 +76,47 @@ def memory_line(cfg, orchestrator: int = 0) -> str:
             f"{p.stages['aggregate'].writes / GB:,.2f} GB")
 
 
-def time_line(cfg) -> str:
-    """The plan's line on time: the step's FLOPs against this machine's matmul rate, measured now. A floor, not a
-    forecast: the rest of a step (attention, norms, the optimizer, communication, pipeline bubbles) comes on top.
-    A dry run does not measure (it only plans)."""
+def time_line(cfg, saving: bool = True) -> str:
+    """The plan's lines on time: the step's FLOPs against this machine's matmul rate, measured now, and the saves'
+    and the aggregate's bytes against this disk's write rate, measured now. Floors, not forecasts: the rest of a
+    step (attention, norms, the optimizer, communication, pipeline bubbles) and the aggregate's checks come on top.
+    A dry run does not measure (it only plans); saving=False (train and aggregate cached) leaves the disk out."""
     flops = step_flops(cfg, partition_plan(cfg)["n_parameters"])
     head = f"time: {flops / 1e12:,.3f} TFLOP per step"
-    if cfg.cluster.name == "slurm":
-        return f"{head}; the rate is not estimated here (the stages run on the cluster's nodes)"
     if cfg.dry_run:
-        return f"{head}; this machine's matmul rate is measured when the run starts (not in a dry run)"
-    floor, rate, where = step_floor(cfg)
-    return (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
-            f"least {duration(floor)} and {cfg.train.steps} steps at least {duration(floor * cfg.train.steps)}")
+        return f"{head}; this machine's matmul rate and disk speed are measured when the run starts (not in a dry run)"
+    if cfg.cluster.name == "slurm":
+        steps = f"{head}; the rate is not estimated here (the stages run on the cluster's nodes)"
+    else:
+        floor, rate, where = step_floor(cfg)
+        steps = (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
+                 f"least {duration(floor)} and {cfg.train.steps} steps at least {duration(floor * cfg.train.steps)}")
+    return f"{steps}\n  {saves_line(cfg)}" if saving else steps
+
+
+def saves_line(cfg) -> str:
+    """The checkpoints' and the aggregate's time at this disk's rate (cache_dir's, shared by the nodes on SLURM):
+    a save or an aggregate of about that size measured here before, else a file written now (storage.disk_speed)."""
+    t, p = cfg.train, plan_of(cfg)
+    checkpoint, aggregate = p.stages["checkpoint"].writes, p.stages["aggregate"].writes
+    saves = -(-t.steps // t.checkpoint_every) if t.checkpoint_every else 1
+    root = Path(cfg.cache_dir).resolve()
+    try:
+        root.mkdir(parents=True, exist_ok=True)  # where the run writes next (a dry run does not come here)
+        each = rate_for(root, "checkpoint", checkpoint)
+        whole = rate_for(root, aggregate_kind(cfg.aggregate.onnx), aggregate)
+    except OSError as e:  # a full or read-only disk is refused elsewhere; the estimate is only left out
+        return f"saves: {saves} checkpoint(s) of {size_text(checkpoint)} (this disk's speed not measured: {e})"
+    how = ("written in the background (train.async_checkpoint=async): a step waits for the copy to host memory, "
+           "and a save for the one before") if t.get("async_checkpoint") == "async" else \
+        "the steps wait for each (train.async_checkpoint=async writes them in the background)"
+    return (f"saves: {saves} checkpoint(s) of {size_text(checkpoint)}, each {_timed(checkpoint, each)}: {how}; the "
+            f"aggregate's {size_text(aggregate)} {_timed(aggregate, whole)}")
+
+
+def _timed(nbytes: int, rate) -> str:
+    return (f"{'at least' if rate.floor else 'about'} {duration(nbytes / rate.bytes_per_s)} at "
+            f"{rate.bytes_per_s / 2**20:,.0f} MB/s ({rate.source})")
 
 
 def step_floor(cfg) -> tuple[float, float, str]:

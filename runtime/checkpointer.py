@@ -11,6 +11,7 @@ from typing import Optional
 import torch.distributed as dist
 
 from storage import checkpoint as ckpt
+from storage import disk_speed
 from storage import hf
 from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree
 
@@ -59,15 +60,23 @@ class Checkpointer:
             if wait:
                 self.wait()
             return
+        began = time.monotonic()
         ckpt.save(path, self.parts, meta, self.layout.aliases)
+        self._record(path, time.monotonic() - began)
         ckpt.prune(self.folder, keep=self.keep)
 
     def wait(self) -> None:
         """Finish the checkpoint being written in the background, if any: complete and published on return."""
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            pending.finish()
+            self._record(pending.finish(), pending.seconds)
             ckpt.prune(self.folder, keep=self.keep)
+
+    def _record(self, path: Path, seconds: float) -> None:
+        """The save's bytes and time, for the plan's time of the saves (storage/disk_speed.py)."""
+        if self.ctx.is_rank0:
+            store = Path(self.ctx.cfg.cache_dir).expanduser().resolve()
+            disk_speed.record(store, "checkpoint", disk_speed.folder_bytes(path), seconds)
 
     def last(self, step: int) -> Path:
         return ckpt.step_dir(self.folder, step)

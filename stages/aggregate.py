@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import resource
 import time
+from pathlib import Path
 
 import onnx
 import torch
 
 from storage import checkpoint as ckpt
 from storage import consolidate
+from storage import disk_speed
 from plugins.data import build_batcher
 from plugins.engines import get_engine
 from storage.dcp_reader import CheckpointReader
@@ -136,6 +138,8 @@ def aggregate(ctx: StageContext) -> None:
     ctx.tracker.log_metrics({"eval_loss": loss, **({"onnx_max_abs_diff": onnx_diff} if onnx_record else {})})
     ctx.tracker.log_artifact(ctx.out / "manifest.json")
     lap("manifest")
+    disk_speed.record(Path(cfg.cache_dir).expanduser().resolve(), disk_speed.aggregate_kind(a.onnx),
+                      disk_speed.folder_bytes(ctx.out), sum(seconds.values()))  # the plan's time for the next
     ctx.log.info("aggregated step %d: eval loss %.6f (train stage: %.6f), %s; %s", manifest["step"], loss, trained,
                  f"ONNX check {onnx_diff:.1e}" if onnx_record else "no ONNX model (aggregate.onnx=false)",
                  ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import threading
+import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -125,6 +126,7 @@ class PendingSave:
                  group: Optional[dist.ProcessGroup]):
         self.path, self.partial, self.meta, self.future, self.needed = path, partial, meta, future, needed
         self.group, self.error = group, None
+        self.began, self.seconds = time.monotonic(), 0.0  # the write and its publication, once published
         # a daemon: a process that dies with a write in flight must not wait for its peers at exit
         self.publisher = threading.Thread(target=self._publish, name=f"publish {path.name}", daemon=True)
         self.publisher.start()
@@ -133,6 +135,7 @@ class PendingSave:
         try:
             self.future.result()
             _publish(self.partial, self.path, self.meta, self.group)
+            self.seconds = time.monotonic() - self.began
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             self.error = e
 

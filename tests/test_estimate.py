@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from planning.plan import memory_line, partition_plan, time_line
+from planning.plan import memory_line, partition_plan, plan_of, time_line
 from planning.estimate import estimate, step_flops
-from tests.conftest import make_cfg, run_cli, run_folder
+from storage.disk_speed import PROBE_BYTES, RECORDS, rate_for, record
+from tests.conftest import make_cfg, run_sweep
 
 COMMON = ["model=gpt_small", "train.batch_size=8", "train.seq_len=256", "train.steps=3", "train.eval_every=0",
           "train.checkpoint_every=0", "tracking=none", "train.progress=false"]
@@ -20,15 +22,39 @@ def test_the_plan_states_the_estimate():
     assert line.startswith("memory: ") and "GB per rank at its peak" in line and "available RAM" in line
 
 
-def test_the_plan_states_a_floor_on_time():
-    cfg = make_cfg("model=gpt_small", "train.steps=1000")
+def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
+    cache = tmp_path / "cache"
+    cfg = make_cfg("model=gpt_small", "train.steps=1000", "train.checkpoint_every=300", f"cache_dir={cache}")
     n = partition_plan(cfg)["n_parameters"]
     tokens = cfg.train.batch_size * cfg.train.seq_len
     assert step_flops(cfg, n) == tokens * (6 * n + 12 * cfg.model.n_layers * cfg.model.d_model * cfg.train.seq_len)
-    line = time_line(cfg)
-    assert re.match(r"time: [\d.,]+ TFLOP per step; matmuls here run at [\d,]+ GFLOP/s \(\d+ CPU thread", line), line
-    assert "so a step takes at least" in line and "1000 steps at least" in line
-    assert "not estimated here" in time_line(make_cfg("cluster=slurm"))
+    steps, saves = time_line(cfg).split("\n")
+    assert re.match(r"time: [\d.,]+ TFLOP per step; matmuls here run at [\d,]+ GFLOP/s \(\d+ CPU thread", steps), steps
+    assert "so a step takes at least" in steps and "1000 steps at least" in steps
+    # saves at 300, 600, 900 and the last step; nothing measured here yet: a 64 MB file, written then removed (a
+    # floor for a larger checkpoint: a write cache takes a small file faster than a whole save)
+    checkpoint = plan_of(cfg).stages["checkpoint"].writes
+    assert checkpoint > PROBE_BYTES
+    assert re.match(rf"  saves: 4 checkpoint\(s\) of {checkpoint / 2**20:.1f} MB, each at least [\d.,]+ m?s at [\d,]+ "
+                    rf"MB/s \(a 64.0 MB file written and fsynced now\): the steps wait for each", saves), saves
+    assert "the aggregate's" in saves and list(cache.iterdir()) == []
+    # a save measured here before, of at least half the size, times the next ones; a smaller one does not
+    record(cache, "checkpoint", checkpoint // 3, 1.0)
+    record(cache, "checkpoint", checkpoint // 2, 2.0)
+    assert re.search(rf"each about 4.0 s at [\d,]+ MB/s \(checkpoint of {checkpoint / 2 / 2**20:.1f} MB measured here, "
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d\)", time_line(cfg)), time_line(cfg)
+    record(cache, "checkpoint", 10**9, 0.0)  # no time: nothing kept
+    assert rate_for(cache, "checkpoint", checkpoint).bytes_per_s == checkpoint // 2 / 2.0
+    (cache / RECORDS).write_text("{not json")  # a damaged record file: measured afresh, then written anew
+    assert rate_for(cache, "checkpoint", checkpoint).floor
+    record(cache, "checkpoint", checkpoint, 3.0)
+    assert rate_for(cache, "checkpoint", checkpoint).bytes_per_s == checkpoint / 3.0
+
+    assert "written in the background" in time_line(make_cfg("train.async_checkpoint=async", f"cache_dir={cache}"))
+    assert "not estimated here" in time_line(make_cfg("cluster=slurm", f"cache_dir={cache}"))
+    assert "\n" not in time_line(cfg, saving=False)  # train and aggregate cached: nothing to write
+    dry = make_cfg("dry_run=true", f"cache_dir={tmp_path / 'dry'}")
+    assert "measured when the run starts" in time_line(dry) and not (tmp_path / "dry").exists()
 
 
 def test_sharding_recomputation_and_more_ranks_lower_it():
@@ -40,14 +66,20 @@ def test_sharding_recomputation_and_more_ranks_lower_it():
     assert total("parallel=pipeline_pp2") < total() and total("precision=bf16") < total()
 
 
+MEASURED = ["single", "ddp2", "megatron_hp2", "pipeline_pp2"]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, Path]:
+    """The layouts trained as one sweep (the tokens and the export shared): layout -> its run folder."""
+    points = run_sweep([*COMMON, f"parallel={','.join(MEASURED)}"], tmp_path_factory.mktemp("estimate"))
+    return {overrides.removeprefix("parallel="): run_dir for overrides, run_dir in points.items()}
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("layout", ["single", "ddp2", "megatron_hp2", "pipeline_pp2"])
-def test_within_a_quarter_of_the_measured_peak(layout, workdir):
-    args = [*COMMON, f"parallel={layout}"]
-    result = run_cli(args, workdir)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    run_dir = run_folder(result)
-    measured = json.loads((run_dir / "stages/train/output/summary.json").read_text())["peak_memory_mb"]
-    cfg = make_cfg(*args)
+@pytest.mark.parametrize("layout", MEASURED)
+def test_within_a_quarter_of_the_measured_peak(layout, measured):
+    measured_mb = json.loads((measured[layout] / "stages/train/output/summary.json").read_text())["peak_memory_mb"]
+    cfg = make_cfg(*COMMON, f"parallel={layout}")
     estimated = estimate(cfg, partition_plan(cfg)).total / 2**20
-    assert 0.75 <= measured / estimated <= 1.25, (measured, estimated)
+    assert 0.75 <= measured_mb / estimated <= 1.25, (measured_mb, estimated)

@@ -1,0 +1,94 @@
+"""How fast this disk takes a checkpoint and an aggregate's files: what the plan times the saves by.
+
+The best figure is a save of the same size measured here: each save and each aggregate records its bytes and
+seconds in the store (RECORDS, the last KEPT). A small file written now cannot stand in for a large save: this VM's
+disk took 64 MB at 1.4 GB/s and a 1.5 GB checkpoint at 0.25 GB/s (a write cache in front of the disk). So a
+record counts for a save at most twice its size, and without one the plan measures a file of the save's own size,
+up to PROBE_BYTES, which for a larger save is a floor only."""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from storage.fsio import PROBE_PREFIX, atomic_write_json, read_json
+
+RECORDS = ".disk_speed.json"  # in the store's root
+KEPT = 32
+PROBE_BYTES = 64 * 2**20  # at most: about 0.2 s on a disk that writes 300 MB/s, paid once per command
+MIN_PROBE_BYTES = 2**20
+_BLOCK = 2**20
+
+
+@dataclass(frozen=True)
+class Rate:
+    bytes_per_s: float
+    source: str      # where the figure comes from, for the plan's line
+    floor: bool      # measured on less than the save: the time is a lower bound
+
+
+def aggregate_kind(onnx: bool) -> str:
+    """An aggregate's records by whether it made the ONNX model (its check is computation the rate includes)."""
+    return "aggregate" if onnx else "aggregate without onnx"
+
+
+def record(store: Path, what: str, nbytes: int, seconds: float) -> None:
+    """Keep what a save ("checkpoint") or an aggregate wrote and took. An estimate's input, never worth a failed
+    stage: a store that cannot take it (read-only, full) is left as it is, a damaged record file started anew."""
+    if seconds <= 0 or nbytes <= 0:
+        return
+    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+    kept = [*_records(store), {"what": what, "bytes": int(nbytes), "seconds": float(seconds), "when": when}]
+    try:
+        atomic_write_json(Path(store) / RECORDS, kept[-KEPT:])  # two at once: the later list wins, one record lost
+    except OSError:
+        pass
+
+
+def rate_for(store: Path, what: str, nbytes: int) -> Rate:
+    """This disk's rate for writing `nbytes` as `what`: the newest record of at least half that size, else a file
+    of that size (up to PROBE_BYTES) written and fsynced in `store` now. Raises OSError when it cannot write."""
+    fitting = [r for r in _records(store) if r.get("what") == what and r.get("bytes", 0) * 2 >= nbytes]
+    if fitting:
+        r = fitting[-1]
+        return Rate(r["bytes"] / r["seconds"], f"{what} of {size_text(r['bytes'])} measured here, {r['when']}", False)
+    rate, probe = write_rate(Path(store), nbytes)
+    return Rate(rate, f"a {size_text(probe)} file written and fsynced now", probe < nbytes)
+
+
+def write_rate(folder: Path, nbytes: int) -> tuple[float, int]:
+    """(bytes/s, bytes written): a new file of `nbytes` (clamped to MIN_PROBE_BYTES..PROBE_BYTES) written in
+    `folder` and fsynced, as DCP's writer fsyncs each file of a save, then removed; random bytes, so a compressing
+    filesystem cannot cheat."""
+    size = max(MIN_PROBE_BYTES, min(nbytes, PROBE_BYTES))
+    block = memoryview(os.urandom(_BLOCK))
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=f"{PROBE_PREFIX}disk-speed.")  # one a crash left is ignored
+    try:
+        t0 = time.perf_counter()
+        written = 0
+        while written < size:
+            written += os.write(fd, block[: min(_BLOCK, size - written)])
+        os.fsync(fd)
+        return size / max(time.perf_counter() - t0, 1e-9), size
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+def _records(store: Path) -> list[dict]:
+    try:
+        kept = read_json(Path(store) / RECORDS)
+    except (OSError, ValueError):  # none yet, or damaged
+        return []
+    return [r for r in kept if isinstance(r, dict)] if isinstance(kept, list) else []
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
+
+
+def size_text(nbytes: float) -> str:
+    return f"{nbytes / 2**30:,.2f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MB"
