@@ -156,7 +156,7 @@ def measure_size(size: str, work: Path) -> dict:
            "aggregate_bytes": sum(p.stat().st_size for p in agg_dir.rglob("*") if p.is_file()),
            "peaks": {stage_of(k): v for k, v in sampled["peaks"].items()}, "seconds": stage_times(result.stdout),
            "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["eval"] * 2**20,
-           "safetensors_peak": aggregate["peak_rss_mb"]["safetensors"] * 2**20,
+           "safetensors_peak": aggregate["peak_rss_mb"]["weights"] * 2**20,
            **verify_speed(cache_root), "plan_saves": re.search(r"^  saves: .*$", result.stdout, re.M).group(0).strip()}
     row["weights_bytes"] = row["n_parameters"] * 4
     optimizer = sum(p.stat().st_size for p in agg_dir.glob("optimizer*.safetensors"))
@@ -244,19 +244,19 @@ def main() -> None:
             est = row.get(stage)
             print(f"  {stage:<10} {sec:7.1f} s  peak {peak / GB:6.2f} GB = {peak / base:5.2f}x the "
                   f"{'checkpoint' if base == c else 'weights'}" + (f"  (plan: {est / GB:.2f} GB)" if est else ""))
-        print(f"  aggregate's safetensors step (the DCP shards streamed into files, read back): peak "
-              f"{row['safetensors_peak'] / GB:.2f} GB; with the eval and hf/ (before the ONNX check): "
+        print(f"  aggregate's weights step (the DCP shards streamed into files, read back): peak "
+              f"{row['safetensors_peak'] / GB:.2f} GB; with the eval (before the ONNX check): "
               f"{row['aggregate_streaming_peak'] / GB:.2f} GB = {row['aggregate_streaming_peak'] / c:.2f}x the checkpoint")
         print(f"  checkpoint {c / row['seconds']['checkpoint'] / 1e6:,.0f} MB/s; aggregate "
               f"{c / row['seconds']['aggregate'] / 1e6:,.0f} MB/s of checkpoint (phases: "
               + ", ".join(f"{k} {v:.1f} s" for k, v in row["aggregate_phases"].items()) + ")")
         written, agg_s = row["aggregate_bytes"], row["seconds"]["aggregate"]
-        phase = sum(f["bytes"] for f in row["aggregate_files"].values())
+        weights = sum(f["bytes"] for k, f in row["aggregate_files"].items() if k != "optimizer")
         print(f"  aggregate wrote {written / GB:.2f} GB = {written / row['aggregate_needed']:.2f}x what it must "
               f"(weights once + optimizer state + ONNX: {row['aggregate_needed'] / GB:.2f} GB); "
               f"{written / agg_s / 1e6:,.0f} MB/s over the stage = {written / agg_s / disk['write']:.2f}x the disk's "
-              f"write speed; its safetensors step {phase / row['aggregate_phases']['safetensors'] / 1e6:,.0f} MB/s "
-              f"= {phase / row['aggregate_phases']['safetensors'] / disk['write']:.2f}x")
+              f"write speed; its weights step (beside the optimizer state's writer) "
+              f"{weights / row['aggregate_phases']['weights'] / 1e6:,.0f} MB/s")
         print(f"  the plan said: {row['plan_saves']}")
         print(f"  cache verification of the checkpoint entry: full hash {row['full_s']:.2f} s "
               f"({c / row['full_s'] / 1e6:,.0f} MB/s), hit of the untouched entry {row['hit_s'] * 1e3:.1f} ms "

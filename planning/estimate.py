@@ -238,7 +238,8 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
       aggregate  ONNX Runtime's copy of the weights for the ONNX model's check (aggregate.onnx), else the larger of
                  two writers' (the weights', the optimizer state's) read groups, each with the tensors made of it
                  (Hugging Face's layout) and one being read back, and one piece of the piece-by-piece evaluation
-                 (one block's weights, the eval batches' hidden states, one batch's logits);
+                 (one block's weights, the eval batches' hidden states, one batch's logits); the checks (the ONNX
+                 model's, the evaluation) run beside the optimizer state's writer, whose read group they add to;
     plus STAGE_RUNTIME each. onnx: whether the aggregate makes the ONNX model (default: aggregate.onnx)."""
     params = plan["parameters"]
     weights = sum(_bytes_of(p["shape"]) for p in params.values() if not p["tied_to"])
@@ -253,8 +254,9 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
     chunk, head = piece_budgets(m.d_model, vocab_rows(m))
     hidden = min(t.eval_batches, max(1, chunk // (t.batch_size * t.seq_len))) * t.batch_size * t.seq_len
     pieces = 2 * block + hidden * m.d_model * 4 * 2 + min(head, t.batch_size * t.seq_len) * vocab_rows(m) * 8
-    streaming = max(2 * (READ_GROUP + 2 * largest), pieces)
-    onnx = int(ORT_COPY * weights) if (cfg.aggregate.onnx if onnx is None else onnx) else 0
+    writer = READ_GROUP + 2 * largest  # the optimizer state's writer, which goes on beside the checks of the weights
+    streaming = max(2 * writer, pieces + writer)
+    onnx = int(ORT_COPY * weights) + writer if (cfg.aggregate.onnx if onnx is None else onnx) else 0
     from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES
 
     checked = weights if weights <= CHECK_WEIGHTS_BYTES else weights - max(m.n_layers - 2, 0) * block
@@ -265,6 +267,6 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
         "checkpoint": StageCost(STAGE_RUNTIME, "files hashed and linked, streamed", checkpoint),
         "aggregate": StageCost(STAGE_RUNTIME + max(onnx, streaming),
                                "ONNX Runtime's copy of the weights" if onnx > streaming else
-                               "two writers' read groups or one block of the piece-by-piece evaluation",
+                               "two writers' read groups, or one block of the piece-by-piece evaluation beside one",
                                checkpoint + (weights if onnx else 0)),
     }

@@ -10,9 +10,12 @@ Everything streams, so a model of any size aggregates on a node that could never
 3. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
    off, the weights written in one at a time (external data above aggregate.onnx_external_data_mb), checked in ONNX
    Runtime against the plain model's outputs (made piece by piece).
-No step holds the model. Peak memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips
-it), else one piece, or each writer's read group and the largest tensor; the manifest records the process's peak
-after each step (peak_rss_mb), so the streaming steps' own peak is the one after step 2. The file table of everything
+Steps 2 and 3 start as soon as the weights are written: the optimizer state (twice their bytes with AdamW) is
+still being written beside them, so the disk keeps writing while they compute. No step holds the model. Peak
+memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips it), else one piece, or each
+writer's read group and the largest tensor, plus the optimizer state's writer beside steps 2 and 3; the manifest
+records the process's peak after each phase (peak_rss_mb: weights, eval, onnx, optimizer state), so the streaming
+steps' own peak is the one after the eval. The file table of everything
 written is the cache entry's (_entry.json), checked on every reuse.
 """
 from __future__ import annotations
@@ -64,8 +67,69 @@ def aggregate(ctx: StageContext) -> None:
         peak_rss_mb[phase] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         clock = time.perf_counter()
 
+    checked: dict = {}  # what the checks of the weights found, while the optimizer state was still being written
+
+    def check_weights(files: dict) -> None:
+        """2. and 3., on the weights' files as soon as they are written (the optimizer state's writing goes on)."""
+        if broken:
+            raise RuntimeError(f"the checkpoint of step {manifest['step']} holds non-finite weights ({len(broken)} "
+                               f"tensor(s), e.g. {broken[0]}): training diverged; nothing was aggregated")
+        if "hf_note" in files:
+            ctx.log.warning("no hf/ folder: %s", files["hf_note"])
+        elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
+            link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / consolidate.HF)
+        lap("weights")
+        weights = consolidate.weights(ctx.out)
+        checked["loss"] = evaluate(weights)
+        lap("eval")
+        if a.onnx:
+            checked["onnx"] = inference_model(weights)
+            lap("onnx")
+
+    def evaluate(weights) -> float:
+        """The plain model, a piece at a time, scores the train stage's final eval loss."""
+        precision = Precision(cfg.precision.name, "cpu")
+        loss = eval_loss_by_piece(pieces(weights), spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
+                                  cfg.train.eval_batches, precision.autocast,
+                                  *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)))
+        trained = read_json(ctx.inputs["train"] / "summary.json")["final_eval_loss"]
+        rtol = MIXED_EVAL_RTOL.get(precision.name, get_engine(cfg.engine.name).eval_rtol)
+        if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too
+            raise RuntimeError(f"the aggregated model's eval loss {loss!r} differs from the train stage's final eval "
+                               f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
+                               f"precision={precision.name})")
+        checked["trained"] = trained
+        return loss
+
+    def inference_model(weights) -> dict:
+        """An ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the
+        weights written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs, made
+        piece by piece."""
+        graph = onnx.load(ctx.inputs["export"] / "model.onnx")
+        schema = IOSchema.from_json(read_json(ctx.inputs["export"] / "io_schema.json"))
+        made = save_inference(graph, schema, weights.__getitem__,
+                              lambda args: forward_by_piece(pieces(weights), list(args)),
+                              lambda b, t: spec.example_inputs(cfg.model, b, t), cfg.export,
+                              cfg.model.max_seq_len, ctx.out / "model.onnx", int(a.onnx_external_data_mb * MB))
+        atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
+        return made
+
+    def make(weights, layers: list[int], first: bool, last: bool) -> torch.nn.Module:
+        """A part of the plain model (pipeline split's contract), with its weights from the files."""
+        module = materialise(spec.split(build_on_meta(spec, cfg.model), layers, first, last), torch.device("cpu"))
+        load_full(module, weights, aliases)
+        return module
+
+    def pieces(weights) -> list:
+        """The plain model in parts: the embedding, each block, the head (forward_by_piece)."""
+        n = cfg.model.n_layers
+        return [lambda: make(weights, [], True, False),
+                *[lambda i=i: make(weights, [i], False, False) for i in range(n)],
+                lambda: make(weights, [], False, True)]
+
     # 1. the checkpoint's state, streamed into safetensors shards (each verified as it is written): the weights once,
-    # as the Hugging Face folder hf/ where the model has that form, and the optimizer state, by a thread each
+    # as the Hugging Face folder hf/ where the model has that form, and the optimizer state, by a thread each; the
+    # weights checked (2, 3) as soon as they are written, while the optimizer state's writing goes on
     index = read_json(ctx.inputs["tokenize"] / "tokens" / "index.json")
     broken: list[str] = []
     files = consolidate.write_from_checkpoint(ctx.out, CheckpointReader(source), order,
@@ -75,55 +139,11 @@ def aggregate(ctx: StageContext) -> None:
                                               model_cfg=cfg.model,
                                               token_ids={k: index[t] for k, t in (("eos_token_id", "eos"),
                                                                                   ("pad_token_id", "pad"))
-                                                         if index[t] < cfg.model.vocab_size})
-    if broken:
-        raise RuntimeError(f"the checkpoint of step {manifest['step']} holds non-finite weights ({len(broken)} "
-                           f"tensor(s), e.g. {broken[0]}): training diverged; nothing was aggregated")
+                                                         if index[t] < cfg.model.vocab_size},
+                                              with_weights=check_weights)
+    lap("optimizer state")  # what its writing took beyond the checks
     hf_note = files.pop("hf_note", None)
-    if hf_note:
-        ctx.log.warning("no hf/ folder: %s", hf_note)
-    elif (ctx.inputs["tokenize"] / "tokenizer").is_dir():  # and the tokenizer the data was made with
-        link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / consolidate.HF)
-    lap("safetensors")
-    weights = consolidate.weights(ctx.out)
-
-    def make(layers: list[int], first: bool, last: bool) -> torch.nn.Module:
-        """A part of the plain model (pipeline split's contract), with its weights from the files."""
-        module = materialise(spec.split(build_on_meta(spec, cfg.model), layers, first, last), torch.device("cpu"))
-        load_full(module, weights, aliases)
-        return module
-
-    def pieces() -> list:
-        """The plain model in parts: the embedding, each block, the head (forward_by_piece)."""
-        n = cfg.model.n_layers
-        return [lambda: make([], True, False), *[lambda i=i: make([i], False, False) for i in range(n)],
-                lambda: make([], False, True)]
-
-    # 2. the plain model, a piece at a time, scores the train stage's final eval loss
-    precision = Precision(cfg.precision.name, "cpu")
-    loss = eval_loss_by_piece(pieces(), spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
-                              cfg.train.eval_batches, precision.autocast,
-                              *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)))
-    lap("eval")
-    trained = read_json(ctx.inputs["train"] / "summary.json")["final_eval_loss"]
-    rtol = MIXED_EVAL_RTOL.get(precision.name, get_engine(cfg.engine.name).eval_rtol)
-    if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too
-        raise RuntimeError(f"the aggregated model's eval loss {loss!r} differs from the train stage's final eval "
-                           f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
-                           f"precision={precision.name})")
-
-    # 3. an ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the weights
-    # written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs, made piece by piece
-    onnx_record = None
-    if a.onnx:
-        graph = onnx.load(ctx.inputs["export"] / "model.onnx")
-        schema = IOSchema.from_json(read_json(ctx.inputs["export"] / "io_schema.json"))
-        onnx_record = save_inference(graph, schema, weights.__getitem__,
-                                     lambda args: forward_by_piece(pieces(), list(args)),
-                                     lambda b, t: spec.example_inputs(cfg.model, b, t), cfg.export,
-                                     cfg.model.max_seq_len, ctx.out / "model.onnx", int(a.onnx_external_data_mb * MB))
-        atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
-        lap("onnx")
+    loss, trained, onnx_record = checked["loss"], checked["trained"], checked.get("onnx")
 
     onnx_diff = onnx_record["check"]["max_abs_diff"] if onnx_record else None
     record = {"source_step": manifest["step"], "source_trainer": manifest["trainer"],

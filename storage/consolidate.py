@@ -49,13 +49,17 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
                           max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                           inspect: Optional[Callable[[str, torch.Tensor], None]] = None,
                           read_bytes: int = shards.READ_BYTES, model_cfg=None,
-                          token_ids: Optional[dict] = None) -> dict:
+                          token_ids: Optional[dict] = None,
+                          with_weights: Optional[Callable[[dict], None]] = None) -> dict:
     """The checkpoint's weights (hf/ + vocab_padding when model_cfg has a Hugging Face form, else model.safetensors)
     and optimizer state as safetensors shards, streamed (read_bytes at a time). The weights and the optimizer state
     are written at once, by a thread each: the reads, the writes and the checks of one overlap the other's.
-    order: parameter names in model order (a layer's tensors end up together). inspect(name, tensor) sees every
-    weight. token_ids: hf/config.json's eos and pad (hf.write_folder). Returns each set's {files, tensors, bytes}
-    (and the Hugging Face form's reason when there is none: "hf_note")."""
+    with_weights(record so far): called in this thread as soon as the weights are written, while the optimizer state
+    (twice their bytes with AdamW) is still being written, so that checks of the weights (the aggregate's eval and
+    ONNX model) overlap that write (the weights written alone first, then the optimizer state beside the checks, was
+    no faster on 2 cores: the writers are CPU-bound, the weights' alone at 150 MB/s). order: parameter names in model order (a layer's tensors end up together).
+    inspect(name, tensor) sees every weight. token_ids: hf/config.json's eos and pad (hf.write_folder). Returns each
+    set's {files, tensors, bytes} (and the Hugging Face form's reason when there is none: "hf_note")."""
     shapes = source.tensors("model")
 
     def read_model(names: list[str]) -> dict[str, torch.Tensor]:
@@ -68,25 +72,28 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
     form = hf.folder_plan(model_cfg, shapes) if model_cfg is not None else "no model config given"
     moments, settings = source.tensors("optim"), source.objects("optim")
     with ThreadPoolExecutor(2, thread_name_prefix="aggregate") as pool:
-        jobs = {}
-        if isinstance(form, str):
-            entries = [Entry(n, *shapes[n]) for n in _ordered(shapes, order, lambda k: k)]
-            jobs[MODEL] = pool.submit(shards.write, folder, MODEL, entries, max_shard_bytes, metadata,
-                                      lambda group: read_model([e.name for e in group]), read_bytes)
-        else:
-            jobs[HF] = pool.submit(hf.write_folder, folder / HF, read_model, shapes, model_cfg, max_shard_bytes,
-                                   token_ids, read_bytes, metadata)
+        optimizer = None
         if moments or settings:  # SGD without momentum keeps no tensors, but its settings still make a file
             entries = [Entry(n, *moments[n]) for n in _ordered(moments, order, _param_of_optim_key)]
-            jobs[OPTIMIZER] = pool.submit(shards.write, folder, OPTIMIZER, entries, max_shard_bytes,
-                                          {"param_groups": json.dumps(_encode(settings))},
-                                          lambda group: source.read("optim", [e.name for e in group]), read_bytes)
-        record = {name: job.result() for name, job in jobs.items()}
+            optimizer = pool.submit(shards.write, folder, OPTIMIZER, entries, max_shard_bytes,
+                                    {"param_groups": json.dumps(_encode(settings))},
+                                    lambda group: source.read("optim", [e.name for e in group]), read_bytes)
+        if isinstance(form, str):
+            entries = [Entry(n, *shapes[n]) for n in _ordered(shapes, order, lambda k: k)]
+            record = {MODEL: pool.submit(shards.write, folder, MODEL, entries, max_shard_bytes, metadata,
+                                         lambda group: read_model([e.name for e in group]), read_bytes).result(),
+                      "hf_note": form}
+        else:
+            record = {HF: pool.submit(hf.write_folder, folder / HF, read_model, shapes, model_cfg, max_shard_bytes,
+                                      token_ids, read_bytes, metadata).result()}
+            if (padding := _padding_entries(shapes, model_cfg.vocab_size, source)):
+                record[PADDING] = shards.write(folder, PADDING, padding, DEFAULT_SHARD_BYTES * 1000)
+        _give_back_freed_memory()
+        if with_weights is not None:
+            with_weights(record)
+        if optimizer is not None:
+            record[OPTIMIZER] = optimizer.result()
     _give_back_freed_memory()
-    if isinstance(form, str):
-        record["hf_note"] = form
-    elif (padding := _padding_entries(shapes, model_cfg.vocab_size, source)):
-        record[PADDING] = shards.write(folder, PADDING, padding, DEFAULT_SHARD_BYTES * 1000)
     return record
 
 
