@@ -88,11 +88,11 @@ def plan_figure(opts: dict, folder) -> str:
     from benchmarks.gpu import config
     from planning.estimate import stage_costs
     from planning.partition import build_plan
-    from storage.disk_speed import rate_for
+    from storage.disk_speed import rates_for
 
     cfg = config(opts["model"], opts["batch"], opts["seq"], "fp32", 1000)
     writes = stage_costs(cfg, build_plan(cfg.model, cfg.parallel))["checkpoint"].writes
-    rate = rate_for(Path(folder or tempfile.gettempdir()), "checkpoint", writes)
+    rate = rates_for(Path(folder or tempfile.gettempdir()), {"checkpoint": writes})["checkpoint"]
     return (f"{'at least ' if rate.floor else ''}{writes / rate.bytes_per_s:.2f} s ({writes / 2**30:.2f} GB at "
             f"{rate.bytes_per_s / 2**20:,.0f} MB/s: {rate.source})")
 

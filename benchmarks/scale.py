@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.cli import arguments  # noqa: E402
+from storage.fsio import tree_bytes  # noqa: E402
 
 # GPT family, vocabulary 8192: d_model, n_layers, n_heads, d_ff
 SIZES = {"50m": (512, 14, 8, 2048), "200m": (1024, 16, 16, 4096), "350m": (1536, 12, 16, 6144),
@@ -153,10 +154,10 @@ def measure_size(size: str, work: Path) -> dict:
     aggregate = json.loads((run_dir / "stages/aggregate/output/manifest.json").read_text())
     agg_dir = (run_dir / "stages/aggregate/output").resolve()
     row = {"size": size, **estimates(args), "checkpoint_bytes": sum(f["bytes"] for f in manifest["files"].values()),
-           "aggregate_bytes": sum(p.stat().st_size for p in agg_dir.rglob("*") if p.is_file()),
+           "aggregate_bytes": tree_bytes(agg_dir),
            "peaks": {stage_of(k): v for k, v in sampled["peaks"].items()}, "seconds": stage_times(result.stdout),
            "aggregate_phases": aggregate["seconds"], "aggregate_streaming_peak": aggregate["peak_rss_mb"]["eval"] * 2**20,
-           "safetensors_peak": aggregate["peak_rss_mb"]["weights"] * 2**20,
+           "weights_peak": aggregate["peak_rss_mb"]["weights"] * 2**20,
            **verify_speed(cache_root), "plan_saves": re.search(r"^  saves: .*$", result.stdout, re.M).group(0).strip()}
     row["weights_bytes"] = row["n_parameters"] * 4
     optimizer = sum(p.stat().st_size for p in agg_dir.glob("optimizer*.safetensors"))
@@ -245,7 +246,7 @@ def main() -> None:
             print(f"  {stage:<10} {sec:7.1f} s  peak {peak / GB:6.2f} GB = {peak / base:5.2f}x the "
                   f"{'checkpoint' if base == c else 'weights'}" + (f"  (plan: {est / GB:.2f} GB)" if est else ""))
         print(f"  aggregate's weights step (the DCP shards streamed into files, read back): peak "
-              f"{row['safetensors_peak'] / GB:.2f} GB; with the eval (before the ONNX check): "
+              f"{row['weights_peak'] / GB:.2f} GB; with the eval (before the ONNX check): "
               f"{row['aggregate_streaming_peak'] / GB:.2f} GB = {row['aggregate_streaming_peak'] / c:.2f}x the checkpoint")
         print(f"  checkpoint {c / row['seconds']['checkpoint'] / 1e6:,.0f} MB/s; aggregate "
               f"{c / row['seconds']['aggregate'] / 1e6:,.0f} MB/s of checkpoint (phases: "

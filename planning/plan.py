@@ -21,7 +21,7 @@ from plugins.data.corpus import corpus_layouts, memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
 from plugins.parallel import world_size
 from runtime.threads import rank_threads, usable_cores
-from storage.disk_speed import aggregate_kind, rate_for, size_text
+from storage.disk_speed import aggregate_kind, rates_for, size_text
 
 GB = 2**30
 
@@ -103,15 +103,15 @@ def saves_line(cfg) -> str:
     root = Path(cfg.cache_dir).resolve()
     try:
         root.mkdir(parents=True, exist_ok=True)  # where the run writes next (a dry run does not come here)
-        each = rate_for(root, "checkpoint", checkpoint)
-        whole = rate_for(root, aggregate_kind(cfg.aggregate.onnx), aggregate)
+        kind = aggregate_kind(cfg.aggregate.onnx)
+        rates = rates_for(root, {"checkpoint": checkpoint, kind: aggregate})
     except OSError as e:  # a full or read-only disk is refused elsewhere; the estimate is only left out
         return f"saves: {saves} checkpoint(s) of {size_text(checkpoint)} (this disk's speed not measured: {e})"
     how = ("written in the background (train.async_checkpoint=async): a step waits for the copy to host memory, "
            "and a save for the one before") if t.get("async_checkpoint") == "async" else \
         "the steps wait for each (train.async_checkpoint=async writes them in the background)"
-    return (f"saves: {saves} checkpoint(s) of {size_text(checkpoint)}, each {_timed(checkpoint, each)}: {how}; the "
-            f"aggregate's {size_text(aggregate)} {_timed(aggregate, whole)}")
+    return (f"saves: {saves} checkpoint(s) of {size_text(checkpoint)}, each {_timed(checkpoint, rates['checkpoint'])}: "
+            f"{how}; the aggregate's {size_text(aggregate)} {_timed(aggregate, rates[kind])}")
 
 
 def _timed(nbytes: int, rate) -> str:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from storage import checkpoint as ckpt
 from storage import disk_speed
 from storage import hf
-from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree
+from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree, tree_bytes
 
 ADOPTED = "adopted.json"  # in the scratch folder: the checkpoint an earlier attempt under another key left
 
@@ -76,7 +76,7 @@ class Checkpointer:
         """The save's bytes and time, for the plan's time of the saves (storage/disk_speed.py)."""
         if self.ctx.is_rank0:
             store = Path(self.ctx.cfg.cache_dir).expanduser().resolve()
-            disk_speed.record(store, "checkpoint", disk_speed.folder_bytes(path), seconds)
+            disk_speed.record(store, "checkpoint", tree_bytes(path), seconds)
 
     def last(self, step: int) -> Path:
         return ckpt.step_dir(self.folder, step)

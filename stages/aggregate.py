@@ -15,8 +15,8 @@ still being written beside them, so the disk keeps writing while they compute. N
 memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips it), else one piece, or each
 writer's read group and the largest tensor, plus the optimizer state's writer beside steps 2 and 3; the manifest
 records the process's peak after each phase (peak_rss_mb: weights, eval, onnx, optimizer state), so the streaming
-steps' own peak is the one after the eval. The file table of everything
-written is the cache entry's (_entry.json), checked on every reuse.
+steps' own peak is the one after the eval. The file table of everything written is the cache entry's
+(_entry.json), checked on every reuse.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from plugins.data import build_batcher
 from plugins.engines import get_engine
 from storage.dcp_reader import CheckpointReader
 from runtime.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
-from storage.fsio import atomic_write_json, link_tree, read_json
+from storage.fsio import atomic_write_json, link_tree, read_json, tree_bytes
 from plugins.models import get_model
 from plugins.models.registry import build_on_meta, materialise, vocab_rows
 from plugins.onnx.exporter import save_inference
@@ -80,14 +80,15 @@ def aggregate(ctx: StageContext) -> None:
             link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / consolidate.HF)
         lap("weights")
         weights = consolidate.weights(ctx.out)
-        checked["loss"] = evaluate(weights)
+        checked["loss"], checked["trained"] = evaluate(weights)
         lap("eval")
         if a.onnx:
             checked["onnx"] = inference_model(weights)
             lap("onnx")
 
-    def evaluate(weights) -> float:
-        """The plain model, a piece at a time, scores the train stage's final eval loss."""
+    def evaluate(weights) -> tuple[float, float]:
+        """The plain model, a piece at a time, scores the train stage's final eval loss: (its loss, the train
+        stage's)."""
         precision = Precision(cfg.precision.name, "cpu")
         loss = eval_loss_by_piece(pieces(weights), spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
                                   cfg.train.eval_batches, precision.autocast,
@@ -98,8 +99,7 @@ def aggregate(ctx: StageContext) -> None:
             raise RuntimeError(f"the aggregated model's eval loss {loss!r} differs from the train stage's final eval "
                                f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
                                f"precision={precision.name})")
-        checked["trained"] = trained
-        return loss
+        return loss, trained
 
     def inference_model(weights) -> dict:
         """An ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the
@@ -159,7 +159,7 @@ def aggregate(ctx: StageContext) -> None:
     ctx.tracker.log_artifact(ctx.out / "manifest.json")
     lap("manifest")
     disk_speed.record(Path(cfg.cache_dir).expanduser().resolve(), disk_speed.aggregate_kind(a.onnx),
-                      disk_speed.folder_bytes(ctx.out), sum(seconds.values()))  # the plan's time for the next
+                      tree_bytes(ctx.out), sum(seconds.values()))  # the plan's time for the next
     ctx.log.info("aggregated step %d: eval loss %.6f (train stage: %.6f), %s; %s", manifest["step"], loss, trained,
                  f"ONNX check {onnx_diff:.1e}" if onnx_record else "no ONNX model (aggregate.onnx=false)",
                  ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))

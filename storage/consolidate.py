@@ -56,10 +56,11 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
     are written at once, by a thread each: the reads, the writes and the checks of one overlap the other's.
     with_weights(record so far): called in this thread as soon as the weights are written, while the optimizer state
     (twice their bytes with AdamW) is still being written, so that checks of the weights (the aggregate's eval and
-    ONNX model) overlap that write (the weights written alone first, then the optimizer state beside the checks, was
-    no faster on 2 cores: the writers are CPU-bound, the weights' alone at 150 MB/s). order: parameter names in model order (a layer's tensors end up together).
-    inspect(name, tensor) sees every weight. token_ids: hf/config.json's eos and pad (hf.write_folder). Returns each
-    set's {files, tensors, bytes} (and the Hugging Face form's reason when there is none: "hf_note")."""
+    ONNX model) overlap that write. (The weights written alone first, then the optimizer state beside the checks,
+    was no faster on 2 cores: the writers are CPU-bound, the weights' alone at 150 MB/s.) order: parameter names in
+    model order (a layer's tensors end up together). inspect(name, tensor) sees every weight. token_ids:
+    hf/config.json's eos and pad (hf.write_folder). Returns each set's {files, tensors, bytes} (and the Hugging Face
+    form's reason when there is none: "hf_note")."""
     shapes = source.tensors("model")
 
     def read_model(names: list[str]) -> dict[str, torch.Tensor]:
@@ -93,7 +94,6 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
             with_weights(record)
         if optimizer is not None:
             record[OPTIMIZER] = optimizer.result()
-    _give_back_freed_memory()
     return record
 
 

@@ -48,15 +48,24 @@ def record(store: Path, what: str, nbytes: int, seconds: float) -> None:
         pass
 
 
-def rate_for(store: Path, what: str, nbytes: int) -> Rate:
-    """This disk's rate for writing `nbytes` as `what`: the newest record of at least half that size, else a file
-    of that size (up to PROBE_BYTES) written and fsynced in `store` now. Raises OSError when it cannot write."""
-    fitting = [r for r in _records(store) if r.get("what") == what and r.get("bytes", 0) * 2 >= nbytes]
-    if fitting:
-        r = fitting[-1]
-        return Rate(r["bytes"] / r["seconds"], f"{what} of {size_text(r['bytes'])} measured here, {r['when']}", False)
-    rate, probe = write_rate(Path(store), nbytes)
-    return Rate(rate, f"a {size_text(probe)} file written and fsynced now", probe < nbytes)
+def rates_for(store: Path, wanted: dict[str, int]) -> dict[str, Rate]:
+    """This disk's rate for writing each `what: bytes` of `wanted`: the newest record of that kind of at least half
+    that size, else one file, of the largest such size (up to PROBE_BYTES), written and fsynced in `store` now and
+    shared by all of them. Raises OSError when it cannot write."""
+    kept = _records(store)
+    rates: dict[str, Rate] = {}
+    for what, nbytes in wanted.items():
+        fitting = [r for r in kept if r.get("what") == what and r.get("bytes", 0) * 2 >= nbytes]
+        if fitting:
+            r = fitting[-1]
+            rates[what] = Rate(r["bytes"] / r["seconds"], f"{what} of {size_text(r['bytes'])} measured here, "
+                                                          f"{r['when']}", False)
+    unmeasured = {what: n for what, n in wanted.items() if what not in rates}
+    if unmeasured:
+        rate, probe = write_rate(Path(store), max(unmeasured.values()))
+        rates.update({what: Rate(rate, f"a {size_text(probe)} file written and fsynced now", probe < n)
+                      for what, n in unmeasured.items()})
+    return rates
 
 
 def write_rate(folder: Path, nbytes: int) -> tuple[float, int]:
@@ -84,10 +93,6 @@ def _records(store: Path) -> list[dict]:
     except (OSError, ValueError):  # none yet, or damaged
         return []
     return [r for r in kept if isinstance(r, dict)] if isinstance(kept, list) else []
-
-
-def folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())
 
 
 def size_text(nbytes: float) -> str:

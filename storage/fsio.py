@@ -85,6 +85,11 @@ def iter_files(root: Path, exclude: tuple[str, ...] = ()) -> Iterator[Path]:
             yield rel
 
 
+def tree_bytes(root: Path) -> int:
+    """The bytes of the regular files below root (0 when root is not a folder)."""
+    return sum((Path(root) / rel).stat().st_size for rel in iter_files(root)) if Path(root).is_dir() else 0
+
+
 def file_table(root: Path, exclude: tuple[str, ...] = ()) -> dict[str, dict]:
     """{relative path: {bytes, sha256}} of every file below root."""
     return {rel.as_posix(): {"bytes": (root / rel).stat().st_size, "sha256": sha256_file(root / rel)}
@@ -203,5 +208,4 @@ def why_not_a_file(path) -> str:
 
 def kept_aside(path: Path) -> str:
     """A sentence on data set aside: where it is, its size, that it stays until removed."""
-    size = sum((Path(path) / rel).stat().st_size for rel in iter_files(path)) if Path(path).is_dir() else 0
-    return f"{path} ({size / 2**20:,.1f} MB, kept for inspection: remove it when done)"
+    return f"{path} ({tree_bytes(path) / 2**20:,.1f} MB, kept for inspection: remove it when done)"

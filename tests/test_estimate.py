@@ -10,7 +10,7 @@ import pytest
 
 from planning.plan import memory_line, partition_plan, plan_of, time_line
 from planning.estimate import estimate, step_flops
-from storage.disk_speed import PROBE_BYTES, RECORDS, rate_for, record
+from storage.disk_speed import PROBE_BYTES, RECORDS, rates_for, record
 from tests.conftest import make_cfg, run_sweep
 
 COMMON = ["model=gpt_small", "train.batch_size=8", "train.seq_len=256", "train.steps=3", "train.eval_every=0",
@@ -38,17 +38,19 @@ def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     assert re.match(rf"  saves: 4 checkpoint\(s\) of {checkpoint / 2**20:.1f} MB, each at least [\d.,]+ m?s at [\d,]+ "
                     rf"MB/s \(a 64.0 MB file written and fsynced now\): the steps wait for each", saves), saves
     assert "the aggregate's" in saves and list(cache.iterdir()) == []
+    rates = re.findall(r"at ([\d,]+) MB/s \(a 64.0 MB file", saves)
+    assert len(rates) == 2 and rates[0] == rates[1]  # one file measured the disk for both
     # a save measured here before, of at least half the size, times the next ones; a smaller one does not
     record(cache, "checkpoint", checkpoint // 3, 1.0)
     record(cache, "checkpoint", checkpoint // 2, 2.0)
     assert re.search(rf"each about 4.0 s at [\d,]+ MB/s \(checkpoint of {checkpoint / 2 / 2**20:.1f} MB measured here, "
                      r"\d{4}-\d\d-\d\d \d\d:\d\d\)", time_line(cfg)), time_line(cfg)
     record(cache, "checkpoint", 10**9, 0.0)  # no time: nothing kept
-    assert rate_for(cache, "checkpoint", checkpoint).bytes_per_s == checkpoint // 2 / 2.0
+    assert rates_for(cache, {"checkpoint": checkpoint})["checkpoint"].bytes_per_s == checkpoint // 2 / 2.0
     (cache / RECORDS).write_text("{not json")  # a damaged record file: measured afresh, then written anew
-    assert rate_for(cache, "checkpoint", checkpoint).floor
+    assert rates_for(cache, {"checkpoint": checkpoint})["checkpoint"].floor
     record(cache, "checkpoint", checkpoint, 3.0)
-    assert rate_for(cache, "checkpoint", checkpoint).bytes_per_s == checkpoint / 3.0
+    assert rates_for(cache, {"checkpoint": checkpoint})["checkpoint"].bytes_per_s == checkpoint / 3.0
 
     assert "written in the background" in time_line(make_cfg("train.async_checkpoint=async", f"cache_dir={cache}"))
     assert "not estimated here" in time_line(make_cfg("cluster=slurm", f"cache_dir={cache}"))
