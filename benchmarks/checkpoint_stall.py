@@ -5,13 +5,14 @@ same batches, the same disk.
 
 Printed per mode: the steps' wall time, the stall per save (the time over the run without saves, divided by the
 saves), how long the save call held the step (async: the copy, and the wait for the save before when the steps since
-took less than its write), the checkpoint's bytes, the peak memory (RSS on a CPU, allocated CUDA memory on a GPU;
-staging is host memory there) and the plan's estimate of it; then the time the plan gives a save before any was
+took less than its write), of which the wait, the checkpoint's bytes, the peak memory (allocated CUDA memory on a GPU;
+RSS, where async's staging is) and the plan's estimate of it; then the time the plan gives a save before any was
 measured on this disk (a file written now), against the sync save call. Goal: the async stall
 <= 0.2x the sync one, where the steps between two saves take longer than one write (on a GPU: raise `every`).
+modes= picks among none (no saves: the base, always needed), disabled and async.
 
     python benchmarks/checkpoint_stall.py [model=gpt2_124m] [batch=4] [seq=128] [steps=12] [every=3] [device=cpu]
-                                          [threads=1]
+                                          [threads=1] [modes=none,disabled,async]
 
 threads: torch's threads for the steps. One leaves the 2-core VM a core for the writer, as a GPU node leaves its
 cores to it (its steps run on the GPU); with every core computing, the background write takes its CPU time (memory
@@ -32,14 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.cli import arguments  # noqa: E402
 
-MODES = ("none", "disabled", "async")
+MODES = ("none", "disabled", "async")  # train.async_checkpoint's values; "none": no saves
 
 
 def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     """This process: the steps, saving every `every` steps as `mode` says; its figures."""
     import torch
 
-    from benchmarks.gpu import StageSide, config
+    from benchmarks.gpu import StageSide, config, peak_mb
     from planning.estimate import estimate
     from planning.partition import build_plan
     from plugins.data import build_batcher
@@ -54,17 +55,18 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     side = StageSide(cfg, device, [batcher.train_batch(i) for i in range(4)])
     parts = list(zip(side.layout.parts, side.optimizers))
     side.run(1)  # optimizer state exists before the first save, as in training
-    pending, saves, in_saves, t0 = None, 0, 0.0, time.perf_counter()
+    pending, saves, in_saves, waited, t0 = None, 0, 0.0, 0.0, time.perf_counter()
     for step in range(2, opts["steps"] + 2):
         side.run(1)
         if mode != "none" and step % opts["every"] == 0:
             path, called = ckpt.step_dir(folder, step), time.perf_counter()
             if pending is not None:
                 pending.finish()  # the one before: published by now unless the steps since took less than its write
-            if mode == "async":
-                pending = ckpt.save_async(path, parts, {"step": step})
-            else:
+                waited += time.perf_counter() - called
+            if mode == "disabled":
                 ckpt.save(path, parts, {"step": step})
+            else:
+                pending = ckpt.save_async(path, parts, {"step": step})
             saves, in_saves = saves + 1, in_saves + time.perf_counter() - called
     if pending is not None:
         pending.finish()
@@ -74,11 +76,10 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     seconds = time.perf_counter() - t0
     written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) // max(saves, 1)
     plan = estimate(cfg, build_plan(cfg.model, cfg.parallel))
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else \
-        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"mode": mode, "seconds": seconds, "saves": saves, "save_call_s": in_saves / max(saves, 1),
-            "bytes_per_save": written, "peak_gb": peak / 2**30, "estimate_gb": plan.total / 2**30,
-            "staging_gb": plan.staging / 2**30}
+            "waited_s": waited / max(saves, 1), "bytes_per_save": written, "cuda_gb": peak_mb(side, device) / 2**10,
+            "rss_gb": rss / 2**30, "estimate_gb": plan.total / 2**30, "staging_gb": plan.staging / 2**30}
 
 
 def plan_figure(opts: dict, folder) -> str:
@@ -108,8 +109,9 @@ def main(argv: list[str]) -> int:
             "device": args.get("device", "cpu"), "threads": int(args.get("threads", 1))}
     print(f"{opts['model']}, batch {opts['batch']} x {opts['seq']}, {opts['steps']} steps, a save every "
           f"{opts['every']}, on {opts['device']} ({opts['threads']} torch thread(s)); each mode in a process of its own")
+    modes = args.get("modes", ",".join(MODES)).split(",")
     results = {}
-    for mode in MODES:
+    for mode in modes:
         with tempfile.TemporaryDirectory(dir=args.get("dir")) as folder:
             done = subprocess.run([sys.executable, __file__, f"mode={mode}", f"opts={json.dumps(opts)}",
                                    f"folder={folder}"], capture_output=True, text=True, cwd=ROOT)
@@ -117,19 +119,19 @@ def main(argv: list[str]) -> int:
             print(done.stderr[-3000:], file=sys.stderr)
             return 1
         results[mode] = json.loads(done.stdout.splitlines()[-1])
-    base = results["none"]["seconds"]
-    peak = "peak CUDA" if opts["device"] == "cuda" else "peak RSS"
-    print(f"{'train.async_checkpoint':<22} {'steps s':>8} {'stall/save s':>12} {'save call s':>11} {'GB/save':>8} "
-          f"{peak:>9} {'estimate':>9} {'staging':>8}")
-    for mode in MODES:
+    base = results["none"]["seconds"]  # modes= must name none
+    print(f"{'train.async_checkpoint':<22} {'steps s':>8} {'stall/save s':>12} {'save call s':>11} {'waited s':>8} "
+          f"{'GB/save':>8} {'peak CUDA':>9} {'peak RSS':>9} {'estimate':>9} {'staging':>8}")
+    for mode in modes:
         r = results[mode]
         stall = (r["seconds"] - base) / r["saves"] if r["saves"] else 0.0
         r["stall"] = stall
         print(f"{'(no saves)' if mode == 'none' else mode:<22} {r['seconds']:>8.2f} {stall:>12.2f} "
-              f"{r['save_call_s']:>11.2f} {r['bytes_per_save'] / 2**30:>8.2f} {r['peak_gb']:>8.2f}G "
+              f"{r['save_call_s']:>11.2f} {r['waited_s']:>8.2f} {r['bytes_per_save'] / 2**30:>8.2f} "
+              f"{r['cuda_gb']:>8.2f}G {r['rss_gb']:>8.2f}G "
               f"{r['estimate_gb']:>8.2f}G {r['staging_gb']:>7.2f}G")
     print(f"the plan's time for a save before any was measured here: {plan_figure(opts, args.get('dir'))}")
-    if results["disabled"]["stall"] > 0:
+    if {"async", "disabled"} <= results.keys() and results["disabled"]["stall"] > 0:
         print(f"async stall / sync stall: {results['async']['stall'] / results['disabled']['stall']:.2f} "
               f"(goal <= 0.2)")
     return 0

@@ -139,13 +139,24 @@ def timed(side, steps: int, device: torch.device) -> tuple[float, float]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+    if isinstance(side, StageSide):
+        side.probe.peak_mb = 0.0
     t0 = time.perf_counter()
     side.run(steps)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else 0.0
-    return seconds, peak
+    return seconds, peak_mb(side, device)
+
+
+def peak_mb(side, device: torch.device) -> float:
+    """Allocated CUDA memory at its highest since the last reset (0 on the CPU). The stage's MemoryProbe starts the
+    allocator's peak afresh at each phase of a step (its figures are per phase), so the allocator alone would give
+    the last phase's peak: the probe's own largest sample counts too."""
+    if device.type != "cuda":
+        return 0.0
+    seen = torch.cuda.max_memory_allocated(device) / 2**20
+    return max(seen, side.probe.peak_mb) if isinstance(side, StageSide) else seen
 
 
 def bench_mode(mode: str, args: dict, device: torch.device) -> dict:

@@ -142,3 +142,36 @@ def test_each_local_rank_gets_a_gpu_of_its_own(tmp_path):
     run_dir = run_folder(done)
     rows = (run_dir / "stages/train/output/metrics.jsonl").read_text().splitlines()
     assert relative([json.loads(r)["loss"] for r in rows], single) <= 1e-3
+
+
+def on_host(state: dict) -> dict:
+    return {part: {k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+            for part, entries in state.items()}
+
+
+def test_async_saves_from_the_gpu_hold_their_steps_state(tmp_path):
+    """train.async_checkpoint=async on a GPU: the state is copied to host memory before the save returns, so the
+    steps queued after it do not reach its files, and the next save holds its own step's state."""
+    from storage import checkpoint as ckpt
+    cfg = make_cfg("model=gpt_tiny", "data=synthetic", "train.batch_size=4", "train.seq_len=64",
+                   "train.log_every=1000")
+    batches = [build_batcher(cfg).train_batch(i) for i in range(2)]
+    side = StageSide(cfg, pick_device(), batches)
+    parts = list(zip(side.layout.parts, side.optimizers))
+    saved = []
+    for step in (1, 4):
+        side.run(1)
+        state = on_host(ckpt.training_state(parts))
+        pending = ckpt.save_async(ckpt.step_dir(tmp_path, step), parts, {"step": step, "trainer": {}})
+        side.run(2)  # queued on the GPU while the files are written
+        saved.append((state, pending.finish()))
+    assert not torch.equal(saved[0][0]["model"]["wte.weight"], saved[1][0]["model"]["wte.weight"])
+    for state, path in saved:
+        fresh = StageSide(cfg, pick_device(), batches)
+        fresh_parts = list(zip(fresh.layout.parts, fresh.optimizers))
+        ckpt.load(path, fresh_parts)
+        got = on_host(ckpt.training_state(fresh_parts))
+        for part in ("model", "optim"):
+            assert state[part].keys() == got[part].keys()
+            assert all(torch.equal(v, got[part][k]) if isinstance(v, torch.Tensor) else v == got[part][k]
+                       for k, v in state[part].items())

@@ -42,14 +42,25 @@ def test_save_and_load_are_exact(tmp_path):
     assert states_equal(want["model"], got["model"]) and states_equal(want["optim"], got["optim"])
 
 
+def copied(state: dict) -> dict:
+    return {part: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+            for part, entries in state.items()}
+
+
+def loads_as(path, spec_state: dict) -> bool:
+    _, _, fresh, fresh_opt = trained(steps=0, seed=1)
+    ckpt.load(path, [(fresh, fresh_opt)])
+    got = ckpt.training_state([(fresh, fresh_opt)])
+    return states_equal(spec_state["model"], got["model"]) and states_equal(spec_state["optim"], got["optim"])
+
+
 def test_an_async_save_holds_the_state_of_its_step_and_the_bytes_of_a_sync_one(tmp_path):
     """train.async_checkpoint=async: the state is copied before training goes on, so steps taken while the files are
     written do not reach them; once finished the checkpoint is published as a sync save publishes it, with the same
-    shards (DCP's .metadata names the folder it was written to)."""
+    shards (DCP's .metadata names the folder it was written to). The next async save holds its own step's state,
+    and the first checkpoint still holds the first's."""
     cfg, spec, model, opt = trained()
-    at_save = ckpt.training_state([(model, opt)])
-    at_save = {part: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
-               for part, entries in at_save.items()}
+    at_save = copied(ckpt.training_state([(model, opt)]))
     sync = ckpt.save(tmp_path / "sync" / "step_0000002", [(model, opt)], {"step": 2, "trainer": {}})
     pending = ckpt.save_async(ckpt.step_dir(tmp_path / "async", 2), [(model, opt)], {"step": 2, "trainer": {}})
     for s in range(3):  # training goes on while the checkpoint is written
@@ -62,10 +73,12 @@ def test_an_async_save_holds_the_state_of_its_step_and_the_bytes_of_a_sync_one(t
     assert ckpt.verify(path) == [] and ckpt.read_manifest(path)["step"] == 2
     shards = [name for name in ckpt.read_manifest(sync)["files"] if name.endswith(".distcp")]
     assert shards and all((path / name).read_bytes() == (sync / name).read_bytes() for name in shards)
-    _, _, fresh, fresh_opt = trained(steps=0, seed=1)
-    ckpt.load(path, [(fresh, fresh_opt)])
-    got = ckpt.training_state([(fresh, fresh_opt)])
-    assert states_equal(at_save["model"], got["model"]) and states_equal(at_save["optim"], got["optim"])
+    assert loads_as(path, at_save)
+    at_next = copied(ckpt.training_state([(model, opt)]))
+    assert not states_equal(at_next["model"], at_save["model"])
+    following = ckpt.save_async(ckpt.step_dir(tmp_path / "async", 5), [(model, opt)],
+                                {"step": 5, "trainer": {}}).finish()
+    assert loads_as(following, at_next) and loads_as(path, at_save)
 
 
 def test_saves_that_come_faster_than_the_disk_writes_them_are_named_with_the_interval_that_fits():
