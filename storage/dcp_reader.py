@@ -18,10 +18,25 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from storage.checkpoint import quiet_single_process
 
 
+class _KnownMetadata(FileSystemReader):
+    """DCP's file reader, given the checkpoint's metadata instead of reading it: dcp.load reads (unpickles) the
+    whole .metadata file on every call, 37 ms at 0.2B (entries for every tensor of every rank), which was half the
+    time of reading a 0.2B model's optimizer state 64 MB at a time. A reader per call: the writer threads read at
+    once."""
+
+    def __init__(self, path: Path, metadata):
+        super().__init__(str(path))
+        self._metadata = metadata
+
+    def read_metadata(self, *args, **kwargs):
+        return self._metadata
+
+
 class CheckpointReader:
     def __init__(self, path: Path):
         self.path = Path(path)
-        self._entries = FileSystemReader(str(self.path)).read_metadata().state_dict_metadata
+        self._metadata = FileSystemReader(str(self.path)).read_metadata()
+        self._entries = self._metadata.state_dict_metadata
 
     def tensors(self, section: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """{name: (shape, dtype)} of the tensors of a section ("model" or "optim"), names without the section."""
@@ -48,4 +63,4 @@ class CheckpointReader:
 
     def _load(self, state: dict) -> None:
         with quiet_single_process():
-            dcp.load(state, checkpoint_id=str(self.path))
+            dcp.load(state, storage_reader=_KnownMetadata(self.path, self._metadata))

@@ -106,9 +106,10 @@ def test_the_plan_states_every_stage_and_refuses_what_cannot_fit_before_anything
     assert re.search(r"disk: checkpoints 5\.8\d GB each, the aggregate's files", line)
 
 
-def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path):
+def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path, monkeypatch):
     """Aggregation's writer holds one read group (and the tensor being read back), never the state: with a 64 KB
-    group, the peak of live bytes stays far below the checkpoint's, and the files hold the checkpoint bit for bit."""
+    group, the peak of live bytes stays far below the checkpoint's, and the files hold the checkpoint bit for bit.
+    A tensor whose bytes read back differ from those written stops the writer, naming it."""
     report = run_debug(tmp_path, "train.steps=2", "train.eval_every=0", "train.checkpoint_every=0")
     source = CheckpointReader(cache_entry(tmp_path, report, "checkpoint"))
     state = sum(math.prod(shape) * 4 for section in ("model", "optim") for shape, _ in source.tensors(section).values())
@@ -119,6 +120,17 @@ def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path):
     written = Reader(tmp_path / "out", consolidate.MODEL)
     want = source.read("model", list(written))
     assert all(same_bits(written[k], want[k]) for k in written) and len(written) == len(source.tensors("model"))
+
+    honest, victim = Reader.__getitem__, sorted(written)[-1]
+
+    def one_byte_off(self, name):
+        tensor = honest(self, name)
+        if name == victim:
+            tensor.view(-1).view(torch.uint8)[0] ^= 1
+        return tensor
+    monkeypatch.setattr(Reader, "__getitem__", one_byte_off)
+    with pytest.raises(RuntimeError, match=f"{re.escape(victim)} read back differs from what was written"):
+        consolidate.write_from_checkpoint(tmp_path / "again", source, [], {}, max_shard_bytes=10**9)
 
 
 def test_small_thresholds_shard_the_files_and_put_the_onnx_weights_outside(tmp_path):
