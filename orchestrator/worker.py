@@ -134,7 +134,7 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
         if world > 1 and stage.collective:
             dist.barrier()
         if rank == 0:
-            Cache(Path(spec["cache_root"])).publish(stage.name, spec["key"], spec["entry_meta"])
+            Cache(Path(spec["cache_root"])).publish(stage.name, spec["key"], spec["entry_meta"], known=ctx.hashes)
             if closes_run:
                 tracker.end("FINISHED")
     except Preempted as e:

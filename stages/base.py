@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from storage.fsio import KnownHashes
+
 
 @dataclass(frozen=True)
 class Resources:
@@ -51,6 +53,8 @@ class StageContext:
     tracker: Tracker = field(default_factory=Tracker)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("stage"))
     interactive: bool = False       # stdout ends at a terminal: live progress bars are welcome
+    # sha256 of files in `out` the stage made for its own checks: the cache entry's file table reuses them
+    hashes: KnownHashes = field(default_factory=KnownHashes)
 
     @property
     def is_rank0(self) -> bool:

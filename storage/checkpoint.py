@@ -252,13 +252,14 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def verify(path: Path, checksums: bool = True) -> list[str]:
-    """Problems with the checkpoint at path (empty list: complete and intact)."""
+def verify(path: Path, checksums: bool = True, digest=None) -> list[str]:
+    """Problems with the checkpoint at path (empty list: complete and intact). digest: how a file is hashed
+    (fsio.verify_file_table's; e.g. a stage's KnownHashes.sha256, so that its cache entry reuses the hashes)."""
     try:
         manifest = read_manifest(path)
     except (FileNotFoundError, ValueError) as e:
         return [str(e)]
-    return verify_file_table(Path(path), manifest["files"], checksums=checksums)
+    return verify_file_table(Path(path), manifest["files"], checksums=checksums, digest=digest)
 
 
 def complete_checkpoints(root: Path) -> list[tuple[int, Path]]:

@@ -1,6 +1,7 @@
 """Planning: order, content keys (what enters them and what does not), cache hits, atomic publishing."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,6 +132,8 @@ def test_published_entry_is_a_hit_and_verifiable(tmp_path):
     first = _export(plan(cfg, all_stages(), cache))
     out, scratch = cache.begin(first.name, first.key)
     (out / "model.onnx").write_bytes(b"graph")
+    for i in range(5):  # files hashed several at once (fsio.digests): each hash lands on its own file
+        (out / f"weights-{i}.bin").write_bytes(bytes([i]) * (1000 + i))
     assert not cache.is_complete(first.name, first.key)  # being written: never a hit
     entry = cache.publish(first.name, first.key, {"material": first.material})
     assert cache.is_complete(first.name, first.key)
@@ -140,9 +143,36 @@ def test_published_entry_is_a_hit_and_verifiable(tmp_path):
     assert _export(plan(cfg, all_stages(), cache)).cached
     (entry / "model.onnx").write_bytes(b"grapH")  # same size: only the hash sees it
     assert verify_file_table(entry, record["files"]) == ["model.onnx: sha256 differs from the manifest"]
+    assert record["files"]["weights-3.bin"] == {"bytes": 1003, "sha256": hashlib.sha256(b"\x03" * 1003).hexdigest()}
+    (entry / "weights-1.bin").unlink()
+    (entry / "weights-2.bin").write_bytes(b"\x02" * 1000)
+    (entry / "weights-4.bin").write_bytes(b"\x05" * 1004)
+    assert verify_file_table(entry, record["files"]) == [
+        "model.onnx: sha256 differs from the manifest", "weights-1.bin: missing",
+        "weights-2.bin: 1000 bytes, manifest says 1002", "weights-4.bin: sha256 differs from the manifest"]
     damaged = _export(plan(cfg, all_stages(), cache))
     assert not damaged.cached and damaged.damage[0] == "model.onnx: sha256 differs from the manifest"
     assert not entry.exists() and len(list((tmp_path / "export" / ".damaged").iterdir())) == 1
+
+
+def test_an_entry_s_table_takes_the_hashes_its_stage_made_while_the_files_are_unchanged(tmp_path, monkeypatch):
+    """The checkpoint stage hashes the checkpoint once, to check it against its manifest (StageContext.hashes):
+    publishing reuses those hashes, and hashes what the stage did not, or changed since."""
+    from storage import fsio
+
+    cache = Cache(tmp_path)
+    out, _ = cache.begin("checkpoint", "k")
+    for name in ("__0_0.distcp", "__1_0.distcp", "manifest.json"):
+        (out / name).write_bytes(name.encode() * 100)
+    known = fsio.KnownHashes()
+    assert [known.sha256(out / n) for n in ("__0_0.distcp", "__1_0.distcp")] == \
+        [fsio.sha256_file(out / n) for n in ("__0_0.distcp", "__1_0.distcp")]
+    (out / "__1_0.distcp").write_bytes(b"changed after its hash")
+    hashed, real = [], fsio.sha256_file
+    monkeypatch.setattr(fsio, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real(p, *a))
+    entry = cache.publish("checkpoint", "k", {}, known=known)
+    assert sorted(hashed) == ["__1_0.distcp", "manifest.json"]
+    assert verify_file_table(entry, cache.record("checkpoint", "k")["files"]) == []
 
 
 def test_a_new_attempt_clears_output_but_keeps_scratch(tmp_path):

@@ -21,13 +21,14 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Optional
 
 from filelock import FileLock
 
 from common.problem import Problem
 from storage.disk_speed import RECORDS
-from storage.fsio import (PROBE_PREFIX, atomic_write_json, file_table, kept_aside, publish_dir, read_json,
-                          remove_tree, stamp, verify_file_table)
+from storage.fsio import (PROBE_PREFIX, KnownHashes, atomic_write_json, file_table, kept_aside, publish_dir,
+                          read_json, remove_tree, stamp, verify_file_table)
 
 ENTRY_FILE = "_entry.json"
 OWN_FOLDERS = (".locks", ".verified")  # beside one folder per stage
@@ -141,12 +142,13 @@ class Cache:
         scratch.mkdir(parents=True, exist_ok=True)
         return out, scratch
 
-    def publish(self, stage: str, key: str, meta: dict) -> Path:
-        """Seal the attempt's output as the entry of (stage, key): manifest, fsync, rename, drop the workspace."""
+    def publish(self, stage: str, key: str, meta: dict, known: Optional[KnownHashes] = None) -> Path:
+        """Seal the attempt's output as the entry of (stage, key): manifest, fsync, rename, drop the workspace.
+        known: hashes the stage made of its own files (StageContext.hashes), taken where their stamps still hold."""
         out = self.out(stage, key)
         atomic_write_json(out / ENTRY_FILE, {**meta, "stage": stage, "key": key, "published": time.time(),
                                               "host": os.uname().nodename,
-                                              "files": file_table(out, exclude=(ENTRY_FILE,))})
+                                              "files": file_table(out, exclude=(ENTRY_FILE,), known=known)})
         publish_dir(out, self.entry(stage, key))
         remove_tree(self.work(stage, key))
         return self.entry(stage, key)

@@ -21,7 +21,7 @@ from plugins.data.packing import packed_stream
 from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
-from storage.fsio import why_not_a_file
+from storage.fsio import digests, why_not_a_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
 _TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet", ".arrow")
@@ -96,10 +96,11 @@ def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
 
 def _fingerprint_files(files: list[tuple[str, Path]], max_bytes: int) -> str:
     """The content of the files read under data.max_bytes (a changed file, same size and time included), each
-    hashed again only when its stamp changed (storage/file_hashes.py)."""
+    hashed again only when its stamp changed (storage/file_hashes.py), several at once (fsio.digests)."""
     h = hashlib.sha256(f"{max_bytes}".encode())
-    for name, path in files[:layout(files, max_bytes, 0.5).files]:
-        h.update(f"{name}\0{file_hashes.sha256(path)}\n".encode())
+    read = files[:layout(files, max_bytes, 0.5).files]
+    for (name, _), digest in zip(read, digests([path for _, path in read], file_hashes.sha256)):
+        h.update(f"{name}\0{digest}\n".encode())
     return h.hexdigest()[:16]
 
 
