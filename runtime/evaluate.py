@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -37,43 +38,55 @@ def piece_budgets(d_model: int, vocab_rows: int) -> tuple[int, int]:
     return HIDDEN_BYTES // (4 * d_model), max(1, LOGITS_BYTES // (8 * vocab_rows))
 
 
+@dataclass
+class Stream:
+    """Inputs a piece-by-piece forward carries through the parts: under their own autocast, and with a `head`
+    (i, last part, its input i) that applies the last part itself (a few tokens at a time) instead of keeping its
+    outputs. documents: each input's (Batch.documents), or None."""
+    inputs: list[torch.Tensor]
+    autocast: Callable = contextlib.nullcontext
+    head: Optional[Callable[[int, nn.Module, torch.Tensor], None]] = None
+    documents: Optional[list] = None
+
+
 @torch.no_grad()
-def forward_by_piece(pieces: Iterable[Callable[[], nn.Module]], inputs: list[torch.Tensor],
-                     autocast=contextlib.nullcontext,
-                     head: Optional[Callable[[int, nn.Module, torch.Tensor], None]] = None,
-                     documents: Optional[list] = None) -> list[torch.Tensor]:
-    """A model's outputs for a list of inputs, computed one part at a time: `pieces` make its parts in order (the
-    embedding, each block, the head), each with its weights, and each is dropped before the next is made. The same
-    operations in the same order as the whole model's forward, so the same numbers, with one part's weights and the
-    inputs' hidden states in memory. head(i, last part, its input i): the last part is applied by the caller (the
-    logits of a few tokens at a time) instead of kept. documents: each input's (Batch.documents), or None."""
+def forward_streams(pieces: Iterable[Callable[[], nn.Module]], streams: list[Stream]) -> list[list[torch.Tensor]]:
+    """A model's outputs for several streams of inputs, computed one part at a time: `pieces` make its parts in
+    order (the embedding, each block, the head), each with its weights, and each is dropped before the next is made,
+    once for all the streams. The same operations in the same order as the whole model's forward, so the same
+    numbers, with one part's weights and the inputs' hidden states in memory."""
     makers = list(pieces)
-    hidden = list(inputs)
-    documents = documents or [None] * len(hidden)
+    hidden = [list(s.inputs) for s in streams]
     for i, make in enumerate(makers):
         piece = make().eval()
-        with autocast():
-            if head is not None and i == len(makers) - 1:
-                for j, h in enumerate(hidden):
-                    head(j, piece, h)
-                hidden = []
-            else:
-                hidden = [piece(h) if d is None else piece(h, documents=d) for h, d in zip(hidden, documents)]
+        for k, s in enumerate(streams):
+            with s.autocast():
+                if s.head is not None and i == len(makers) - 1:
+                    for j, h in enumerate(hidden[k]):
+                        s.head(j, piece, h)
+                    hidden[k] = []
+                else:
+                    documents = s.documents or [None] * len(hidden[k])
+                    hidden[k] = [piece(h) if d is None else piece(h, documents=d)
+                                 for h, d in zip(hidden[k], documents)]
         del piece
     return hidden
 
 
 def eval_loss_by_piece(pieces: Iterable[Callable[[], nn.Module]], loss_fn, batcher, n_batches: int,
                        autocast=contextlib.nullcontext, tokens_per_chunk: int = 2**16,
-                       tokens_per_head: int = 2**12) -> float:
-    """eval_loss's number for a model too big to hold (forward_by_piece), the batches' hidden states in chunks of
+                       tokens_per_head: int = 2**12, beside: Optional[list[torch.Tensor]] = None
+                       ) -> tuple[float, list[torch.Tensor]]:
+    """eval_loss's number for a model too big to hold (forward_streams), the batches' hidden states in chunks of
     at most tokens_per_chunk tokens (at least one batch; over several chunks the parts are made again for each), and
     the head's logits for at most tokens_per_head tokens at a time (the head is position-wise: its logits do not
-    depend on how the tokens are grouped, and the summed loss adds up over groups)."""
+    depend on how the tokens are grouped, and the summed loss adds up over groups). beside: inputs whose outputs
+    (in fp32, without autocast) are made in the first chunk's pass: the aggregate's ONNX check's reference, made
+    while the parts are made for the eval anyway. Returns (the loss, those outputs)."""
     batches = [batcher.eval_batch(i) for i in range(n_batches)]
     makers = list(pieces)
-    total, count = 0.0, 0
-    for chunk in _chunks(batches, tokens_per_chunk):
+    total, count, outputs = 0.0, 0, []
+    for n, chunk in enumerate(_chunks(batches, tokens_per_chunk)):
         def loss(j: int, head: nn.Module, h: torch.Tensor, chunk=chunk) -> None:
             nonlocal total, count
             flat, labels = h.reshape(1, -1, h.shape[-1]), chunk[j].labels.reshape(1, -1)
@@ -81,9 +94,13 @@ def eval_loss_by_piece(pieces: Iterable[Callable[[], nn.Module]], loss_fn, batch
                 total += loss_fn(head(flat[:, t:t + tokens_per_head]), labels[:, t:t + tokens_per_head]).item()
             count += chunk[j].n_labels
 
-        forward_by_piece(makers, [b.inputs for b in chunk], autocast, head=loss,
-                         documents=[b.documents for b in chunk])
-    return total / max(count, 1)
+        streams = [Stream([b.inputs for b in chunk], autocast, loss, [b.documents for b in chunk])]
+        if beside and n == 0:
+            streams.append(Stream(list(beside)))
+        done = forward_streams(makers, streams)
+        if beside and n == 0:
+            outputs = done[1]
+    return total / max(count, 1), outputs
 
 
 def _chunks(batches: list, tokens: int) -> list[list]:

@@ -9,7 +9,7 @@ Everything streams, so a model of any size aggregates on a node that could never
    scores the train stage's final eval loss;
 3. the export stage's graph (the same model, its parameters as inputs) becomes the ONNX inference model: dropout
    off, the weights written in one at a time (external data above aggregate.onnx_external_data_mb), checked in ONNX
-   Runtime against the plain model's outputs (made piece by piece).
+   Runtime against the plain model's outputs (made piece by piece, in step 2's pass over the parts).
 Steps 2 and 3 start as soon as the weights are written: the optimizer state (twice their bytes with AdamW) is
 still being written beside them, so the disk keeps writing while they compute. No step holds the model. Peak
 memory: ONNX Runtime's copy of the weights in step 3 (aggregate.onnx=false skips it), else one piece, or each
@@ -33,11 +33,11 @@ from storage import disk_speed
 from plugins.data import build_batcher
 from plugins.engines import get_engine
 from storage.dcp_reader import CheckpointReader
-from runtime.evaluate import eval_loss_by_piece, forward_by_piece, piece_budgets
+from runtime.evaluate import eval_loss_by_piece, piece_budgets
 from storage.fsio import atomic_write_json, link_tree, read_json, tree_bytes
 from plugins.models import get_model
 from plugins.models.registry import build_on_meta, materialise, vocab_rows
-from plugins.onnx.exporter import save_inference
+from plugins.onnx.exporter import check_shape, save_inference
 from plugins.onnx.io_schema import IOSchema
 from runtime.precision import Precision
 from storage.weights import load_full, tied_aliases
@@ -80,37 +80,38 @@ def aggregate(ctx: StageContext) -> None:
             link_tree(ctx.inputs["tokenize"] / "tokenizer", ctx.out / consolidate.HF)
         lap("weights")
         weights = consolidate.weights(ctx.out)
-        checked["loss"], checked["trained"] = evaluate(weights)
+        # the ONNX check's inputs, and their outputs made in the eval's pass over the model's parts
+        args = spec.example_inputs(cfg.model, *check_shape(cfg.export, cfg.model.max_seq_len)) if a.onnx else ()
+        checked["loss"], checked["trained"], reference = evaluate(weights, list(args))
         lap("eval")
         if a.onnx:
-            checked["onnx"] = inference_model(weights)
+            checked["onnx"] = inference_model(weights, args, reference)
             lap("onnx")
 
-    def evaluate(weights) -> tuple[float, float]:
+    def evaluate(weights, beside: list) -> tuple[float, float, list]:
         """The plain model, a piece at a time, scores the train stage's final eval loss: (its loss, the train
-        stage's)."""
+        stage's, its fp32 outputs for `beside`, made in the same pass)."""
         precision = Precision(cfg.precision.name, "cpu")
-        loss = eval_loss_by_piece(pieces(weights), spec.loss, build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
-                                  cfg.train.eval_batches, precision.autocast,
-                                  *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)))
+        loss, outputs = eval_loss_by_piece(pieces(weights), spec.loss,
+                                           build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
+                                           cfg.train.eval_batches, precision.autocast,
+                                           *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)), beside=beside)
         trained = read_json(ctx.inputs["train"] / "summary.json")["final_eval_loss"]
         rtol = MIXED_EVAL_RTOL.get(precision.name, get_engine(cfg.engine.name).eval_rtol)
         if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too
             raise RuntimeError(f"the aggregated model's eval loss {loss!r} differs from the train stage's final eval "
                                f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
                                f"precision={precision.name})")
-        return loss, trained
+        return loss, trained, outputs
 
-    def inference_model(weights) -> dict:
+    def inference_model(weights, args: tuple, reference: list) -> dict:
         """An ONNX model for inference: the export stage's graph (the same model, parameters as inputs) with the
-        weights written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs, made
-        piece by piece."""
+        weights written in, checked in an ONNX runtime (exporter.run_graph) against the plain model's outputs for
+        `args` (the reference, made piece by piece)."""
         graph = onnx.load(ctx.inputs["export"] / "model.onnx")
         schema = IOSchema.from_json(read_json(ctx.inputs["export"] / "io_schema.json"))
-        made = save_inference(graph, schema, weights.__getitem__,
-                              lambda args: forward_by_piece(pieces(weights), list(args)),
-                              lambda b, t: spec.example_inputs(cfg.model, b, t), cfg.export,
-                              cfg.model.max_seq_len, ctx.out / "model.onnx", int(a.onnx_external_data_mb * MB))
+        made = save_inference(graph, schema, weights.__getitem__, args, reference, cfg.export,
+                              ctx.out / "model.onnx", int(a.onnx_external_data_mb * MB))
         atomic_write_json(ctx.out / "io_schema.json", schema.to_json())
         return made
 
@@ -121,7 +122,7 @@ def aggregate(ctx: StageContext) -> None:
         return module
 
     def pieces(weights) -> list:
-        """The plain model in parts: the embedding, each block, the head (forward_by_piece)."""
+        """The plain model in parts: the embedding, each block, the head (runtime.evaluate.forward_streams)."""
         n = cfg.model.n_layers
         return [lambda: make(weights, [], True, False),
                 *[lambda i=i: make(weights, [i], False, False) for i in range(n)],

@@ -162,7 +162,7 @@ def export_checked(module: nn.Module, make_inputs, input_names: Sequence[str], o
                                   output_names, dynamic_axes, opset, params_as_inputs=params_as_inputs,
                                   verbose=verbose)
     export_s = time.perf_counter() - t0
-    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, max_seq)
+    batch, seq = check_shape(export_cfg, max_seq)
     t0 = time.perf_counter()
     diff = max_abs_diff(graph, schema, module, make_inputs(batch, seq))
     if not diff <= export_cfg.verify_atol:
@@ -183,14 +183,19 @@ def export_model(module: nn.Module, spec, model_cfg, export_cfg, opset: int, par
                           params_as_inputs, verbose)
 
 
-def save_inference(graph: onnx.ModelProto, schema: IOSchema, weight: Callable[[str], torch.Tensor],
-                   reference: Callable[[tuple], list[torch.Tensor]], make_inputs, export_cfg, max_seq: int, path: Path,
-                   external_above_bytes: int) -> dict:
+def check_shape(export_cfg, max_seq: int) -> tuple[int, int]:
+    """(batch, sequence) of the inputs an exported graph is checked on: other than the traced ones, which proves the
+    dynamic axes as well as the numbers."""
+    return export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, max_seq)
+
+
+def save_inference(graph: onnx.ModelProto, schema: IOSchema, weight: Callable[[str], torch.Tensor], args: tuple,
+                   reference: list[torch.Tensor], export_cfg, path: Path, external_above_bytes: int) -> dict:
     """A training graph (parameters as inputs, from export_model) turned into a self-contained inference model at
     path, at any size: dropout in inference mode, the weights written in one at a time from weight(name) (inside, or
     as external data above external_above_bytes: plugins/onnx/weights.py), then run in ONNX Runtime from its file on
-    other shapes than the traced ones and checked against reference(args), the torch model's outputs. Nothing here
-    holds the model: reference computes its outputs as it likes (one piece at a time)."""
+    `args` (of check_shape's shape) and checked against `reference`, the torch model's outputs for them. Nothing here
+    holds the model: the caller makes the reference as it likes (one piece at a time)."""
     import time
 
     t0 = time.perf_counter()
@@ -199,11 +204,10 @@ def save_inference(graph: onnx.ModelProto, schema: IOSchema, weight: Callable[[s
     stored = embed(graph, params, weight, path, external_above_bytes)
     save_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    batch, seq = export_cfg.sample_batch + 1, min(2 * export_cfg.sample_seq + 3, max_seq)
-    args = make_inputs(batch, seq)
+    batch, seq = tuple(args[0].shape[:2])
     flat_args, _ = flatten(tuple(args), "input")
     got = run_graph(Path(path), dict(zip(schema.input_names, flat_args)))
-    want, _ = flatten(reference(args), "out")
+    want, _ = flatten(reference, "out")
     diff = _max_diff(got, want)
     if not diff <= export_cfg.verify_atol:
         raise RuntimeError(f"ONNX check failed: max |outputs({check_runtime()}) - outputs(torch)| = {diff:.3g} exceeds "
