@@ -32,9 +32,14 @@ def install() -> None:
 
 
 def _on_signal(signum, frame) -> None:
-    global _received, _count
-    _received, _count = signal.Signals(signum), _count + 1
+    note(signal.Signals(signum))
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
+
+
+def note(sig: signal.Signals) -> None:
+    """Count `sig` as received: also where a stage in this process (cluster=debug's train) acted on it itself."""
+    global _received, _count
+    _received, _count = sig, _count + 1
 
 
 def requested() -> bool:

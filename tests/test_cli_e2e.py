@@ -172,12 +172,15 @@ def _metrics(workdir: Path) -> dict:
 SIGNAL_BOUND_S = 30
 
 
-@pytest.mark.parametrize("sig,code,during", [(signal.SIGINT, 130, "training"), (signal.SIGTERM, 143, "evaluation")],
-                         ids=["ctrl-c", "sigterm"])
-def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_path, sig, code, during):
+@pytest.mark.parametrize("sig,code,during,where", [(signal.SIGINT, 130, "training", "parallel=ddp2"),
+                                                   (signal.SIGTERM, 143, "evaluation", "parallel=ddp2"),
+                                                   (signal.SIGTERM, 143, "training", "cluster=debug")],
+                         ids=["ctrl-c", "sigterm", "sigterm-in-process"])
+def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_path, sig, code, during, where):
     """SIGINT to the orchestrator's process group, as a terminal's Ctrl-C sends it, during training steps, or SIGTERM,
     as `timeout`, SLURM, Kubernetes and `kill -- -PGID` send it, during a long evaluation (at step 10, after the
-    5 steps awaited): one path for both, acted on within seconds (SLURM's and Kubernetes' grace is 30 s). That the
+    5 steps awaited): one path for both, acted on within seconds (SLURM's and Kubernetes' grace is 30 s); and
+    SIGTERM with the stages in the orchestrator's own process (cluster=debug), which saves as the ranks do. That the
     same command then continues, to the loss of a run never stopped, test_sweep_and_slurm_config's signal test checks
     on that path (a point stopped by SIGTERM, continued)."""
     # the evaluation's run writes its checkpoints in the background (train.async_checkpoint=async): step 5's is
@@ -185,8 +188,7 @@ def test_a_stop_signal_saves_a_checkpoint_and_the_same_command_continues(tmp_pat
     steps = (["train.steps=80", "train.eval_every=0", "train.checkpoint_every=0"] if during == "training" else
              ["train.steps=20", "train.eval_every=10", "train.eval_batches=6000", "train.checkpoint_every=5",
               "train.async_checkpoint=async"])
-    args = ["parallel=ddp2", *steps, "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
-            "tracking=mlflow"]
+    args = [where, *steps, "train.batch_size=8", "train.seq_len=64", "train.log_every=5", "tracking=mlflow"]
     history = tmp_path / "runs" / "cache" / "train"
     logged = [0]  # steps in metrics.jsonl when the signal went
 

@@ -33,6 +33,7 @@ from typing import Optional
 import psutil
 
 from orchestrator import interrupt
+from runtime import preemption
 from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, Outcome
 
@@ -52,13 +53,26 @@ class DebugExecutor:
         """Nothing to start ahead: the stages run in this process."""
 
     def run(self, launch: Launch) -> Outcome:
+        """The train stage watches Ctrl-C and SIGTERM as a local rank does: a checkpoint at the step it is on, then
+        the run stops as a local one does (the stage interrupted, the same command continues). Other stages stop at
+        once, through this process's own handlers."""
         from orchestrator.worker import execute
 
         t0 = time.perf_counter()
+        watched = (signal.SIGINT, signal.SIGTERM)
+        before = {sig: signal.getsignal(sig) for sig in watched}
+        if launch.spec["stage"] == "train":
+            preemption.watch(watched)
         try:
             execute(launch.spec, rank=0, world=1)
+        except preemption.Preempted as e:
+            interrupt.note(signal.Signals[e.reason] if e.reason in signal.Signals.__members__ else signal.SIGINT)
+            return Outcome(False, time.perf_counter() - t0, f"interrupted ({interrupt.said()})", interrupted=True)
         except Exception:
             return Outcome(False, time.perf_counter() - t0, traceback.format_exc())
+        finally:
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
         return Outcome(True, time.perf_counter() - t0)
 
 
