@@ -45,7 +45,7 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
     from storage import consolidate
     from plugins.data import build_batcher
     from storage.dcp_reader import CheckpointReader
-    from storage.fsio import read_json, remove_tree, verify_file_table
+    from storage.fsio import read_json, remove_tree, tree_bytes, verify_file_table
     from plugins.models import get_model
     from runtime.optim import build_optimizer
     from plugins.parallel.layout import build_layout
@@ -84,8 +84,6 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
     results: dict[str, list[float]] = {k: [] for k in ("ours", "dcp", "torch.save", "load ours", "torch.load")}
     written: dict[str, int] = {}
 
-    def size(folder: Path) -> int:
-        return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
     for r in range(repeats):
         ours, raw, plain = workdir / f"ours{r}", workdir / f"raw{r}", workdir / f"plain{r}"
         plain.mkdir(exist_ok=True)
@@ -100,7 +98,7 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
         results["load ours"].append(timed(lambda: ckpt.load(ours, parts, lay.aliases)))
         results["torch.load"].append(timed(lambda: torch.load(plain / f"rank{rank}.pt", weights_only=True)))
         barrier()
-        written.update({"ours": size(ours), "dcp": size(raw), "torch.save": size(plain)})
+        written.update({"ours": tree_bytes(ours), "dcp": tree_bytes(raw), "torch.save": tree_bytes(plain)})
         written.update({"load ours": written["ours"], "torch.load": written["torch.save"]})
         if rank == 0:
             for p in (raw, plain) + ((ours,) if r < repeats - 1 else ()):
@@ -112,7 +110,7 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
         t0 = time.perf_counter()  # what the aggregate stage does first: the DCP shards streamed into safetensors
         consolidate.write_from_checkpoint(out, CheckpointReader(workdir / f"ours{repeats - 1}"), [], {})
         aggregate_s = time.perf_counter() - t0
-        aggregated = size(out)
+        aggregated = tree_bytes(out)
         med = {k: statistics.median(v) for k, v in results.items()}
         print(f"{model} in layout {layout} ({lay.coords.world_size} rank(s)), median of {repeats}; MB are bytes on disk "
               f"(DCP keeps one copy of what dp replicas share, torch.save writes every rank's)")

@@ -45,6 +45,7 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     from planning.partition import build_plan
     from plugins.data import build_batcher
     from storage import checkpoint as ckpt
+    from storage.fsio import tree_bytes
 
     torch.set_num_threads(opts["threads"])
     device = torch.device(opts["device"])
@@ -74,7 +75,7 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    written = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) // max(saves, 1)
+    written = tree_bytes(folder) // max(saves, 1)
     plan = estimate(cfg, build_plan(cfg.model, cfg.parallel))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"mode": mode, "seconds": seconds, "saves": saves, "save_call_s": in_saves / max(saves, 1),
