@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import threading
 import time
 import warnings
@@ -28,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
+from storage.dcp_writer import HashingWriter
 from storage.weights import load_full
 from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir, read_json, remove_tree,
                           verify_file_table)
@@ -105,13 +107,14 @@ def save(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]]
     path = Path(path)
     partial = _begin(path)
     state = training_state(parts, aliases)
+    writer = HashingWriter(partial)
     try:
         with quiet_single_process():
-            dcp.save(state, checkpoint_id=str(partial))
+            dcp.save(state, storage_writer=writer)
     except (OSError, RuntimeError, CheckpointException) as e:  # DCP's own exception is a BaseException
         remove_tree(partial)  # never leave a half-written folder (or a full disk) behind
         raise _explained(e, path, state_bytes(state)) from e
-    _publish(partial, path, meta)
+    _publish(partial, path, meta, writer)
     return path
 
 
@@ -122,10 +125,10 @@ class PendingSave:
     beside training too. It counts only once published: until then the folder is `.step_N.partial`, which a crash
     leaves and a restart sweeps away."""
 
-    def __init__(self, path: Path, partial: Path, meta: dict, future, needed: int,
+    def __init__(self, path: Path, partial: Path, meta: dict, writer: HashingWriter, future, needed: int,
                  group: Optional[dist.ProcessGroup]):
         self.path, self.partial, self.meta, self.future, self.needed = path, partial, meta, future, needed
-        self.group, self.error = group, None
+        self.writer, self.group, self.error = writer, group, None
         self.began, self.seconds = time.monotonic(), 0.0  # the write and its publication, once published
         # a daemon: a process that dies with a write in flight must not wait for its peers at exit
         self.publisher = threading.Thread(target=self._publish, name=f"publish {path.name}", daemon=True)
@@ -134,10 +137,12 @@ class PendingSave:
     def _publish(self) -> None:
         try:
             self.future.result()
-            _publish(self.partial, self.path, self.meta, self.group)
+            _publish(self.partial, self.path, self.meta, self.writer, self.group)
             self.seconds = time.monotonic() - self.began
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             self.error = e
+        finally:
+            _handoff.end()
 
     def finish(self) -> Path:
         """Wait until the checkpoint is published (every rank calls this). Returns its path."""
@@ -148,6 +153,36 @@ class PendingSave:
         return self.path
 
 
+class _QuickHandoff:
+    """While a background save is written, Python hands its lock from a thread that runs Python to one waiting for
+    it after 1 ms instead of 5 (sys.setswitchinterval; the process's setting, put back when the last write in
+    flight is published). The writer lets go of the lock for every write and checksum and waits to take it back:
+    beside a thread that runs Python (a training loop launching a GPU's kernels), a write of gpt2_124m's shapes
+    took 5.5x its time alone at 5 ms and 1.75x at 1 ms; the loop ran at 0.97x and 0.93x its speed meanwhile, so it
+    lost about as much work in either case (benchmarks/writer_contention.py, docs/model-size.md)."""
+
+    INTERVAL_S = 0.001
+
+    def __init__(self):
+        self.lock, self.writes, self.before = threading.Lock(), 0, None
+
+    def begin(self) -> None:
+        with self.lock:
+            if self.writes == 0:
+                self.before = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.before, self.INTERVAL_S))
+            self.writes += 1
+
+    def end(self) -> None:
+        with self.lock:
+            self.writes -= 1
+            if self.writes == 0:
+                sys.setswitchinterval(self.before)
+
+
+_handoff = _QuickHandoff()
+
+
 def save_async(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]] = None,
                group: Optional[dist.ProcessGroup] = None) -> PendingSave:
     """Start writing a checkpoint at `path` and return once the state is copied to host memory (every rank calls
@@ -155,14 +190,16 @@ def save_async(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str,
     path = Path(path)
     partial = _begin(path)
     state = training_state(parts, aliases)
-    needed = state_bytes(state)
+    needed, writer = state_bytes(state), HashingWriter(partial)
+    _handoff.begin()  # until published (PendingSave._publish)
     try:
-        with quiet_single_process():
-            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=group)
+        with quiet_single_process():  # the writer stages too: a copy of the state in host memory
+            future = dcp.async_save(state, storage_writer=writer, process_group=group)
     except (OSError, RuntimeError, CheckpointException) as e:
+        _handoff.end()
         remove_tree(partial)
         raise _explained(e, path, needed) from e
-    return PendingSave(path, partial, meta, future, needed, group)
+    return PendingSave(path, partial, meta, writer, future, needed, group)
 
 
 def _begin(path: Path) -> Path:
@@ -176,14 +213,40 @@ def _begin(path: Path) -> Path:
     return partial
 
 
-def _publish(partial: Path, path: Path, meta: dict, group: Optional[dist.ProcessGroup] = None) -> None:
-    """Once every rank's files are written: rank 0 records them in the manifest and renames the folder into place."""
-    _barrier(group)
+def _publish(partial: Path, path: Path, meta: dict, writer: HashingWriter,
+             group: Optional[dist.ProcessGroup] = None) -> None:
+    """Once every rank's files are written: rank 0 records them in the manifest, with the checksums each rank took
+    as it wrote them, and renames the folder into place."""
+    written = _gathered(partial, writer.written, group)
     if _is_rank0():
-        manifest = {"format": FORMAT, **meta, "files": file_table(partial, exclude=(MANIFEST,))}
+        manifest = {"format": FORMAT, **meta, "files": file_table(partial, exclude=(MANIFEST,), known=written)}
         atomic_write_json(partial / MANIFEST, manifest)
         publish_dir(partial, path)
     _barrier(group)
+
+
+class _Written:
+    """Every rank's {file: (bytes, sha256)} as its writer hashed them, for file_table: a file is hashed again only
+    where none was taken, or its size on disk differs (then the table records what is there, and a later check
+    of the checkpoint finds what the writer meant)."""
+
+    def __init__(self, root: Path, tables: list[dict[str, tuple[int, str]]]):
+        self.root, self.files = root, {rel: entry for table in tables for rel, entry in table.items()}
+
+    def get(self, path: Path) -> Optional[str]:
+        entry = self.files.get(Path(path).relative_to(self.root).as_posix())
+        return entry[1] if entry is not None and entry[0] == Path(path).stat().st_size else None
+
+
+def _gathered(root: Path, written: dict[str, tuple[int, str]],
+              group: Optional[dist.ProcessGroup]) -> Optional[_Written]:
+    """On rank 0, every rank's files as its writer hashed them (once all are written); None elsewhere. On
+    several nodes each rank hashes only its own files; rank 0 reads none of theirs."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return _Written(root, [written])
+    tables = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
+    dist.gather_object(written, tables, dst=0, group=group)
+    return _Written(root, tables) if tables is not None else None
 
 
 def state_bytes(state: dict) -> int:

@@ -1,9 +1,13 @@
 """Checkpoints: complete only with a verified manifest; resume exactness; the consolidated format."""
 from __future__ import annotations
 
+import sys
+
+import pytest
 import torch
 
 from storage import checkpoint as ckpt
+from storage import fsio
 from storage import consolidate
 from plugins.models import get_model
 from runtime.checkpointer import pacing_advice
@@ -30,9 +34,12 @@ def states_equal(a: dict, b: dict) -> bool:
         torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
-def test_save_and_load_are_exact(tmp_path):
+def test_save_and_load_are_exact(tmp_path, monkeypatch):
+    """The manifest's checksums are the writer's, taken as it wrote (the save reads no file back); they hold."""
     cfg, spec, model, opt = trained()
-    path = ckpt.save(ckpt.step_dir(tmp_path, 2), [(model, opt)], {"step": 2, "trainer": {}})
+    with monkeypatch.context() as m:
+        m.setattr(fsio, "sha256_file", lambda path: pytest.fail(f"the save read {path} back to hash it"))
+        path = ckpt.save(ckpt.step_dir(tmp_path, 2), [(model, opt)], {"step": 2, "trainer": {}})
     assert ckpt.verify(path) == []
     manifest = ckpt.read_manifest(path)
     assert manifest["step"] == 2 and manifest["files"] and all(f["sha256"] for f in manifest["files"].values())
@@ -60,6 +67,7 @@ def test_an_async_save_holds_the_state_of_its_step_and_the_bytes_of_a_sync_one(t
     shards (DCP's .metadata names the folder it was written to). The next async save holds its own step's state,
     and the first checkpoint still holds the first's."""
     cfg, spec, model, opt = trained()
+    switch_interval = sys.getswitchinterval()
     at_save = copied(ckpt.training_state([(model, opt)]))
     sync = ckpt.save(tmp_path / "sync" / "step_0000002", [(model, opt)], {"step": 2, "trainer": {}})
     pending = ckpt.save_async(ckpt.step_dir(tmp_path / "async", 2), [(model, opt)], {"step": 2, "trainer": {}})
@@ -79,6 +87,7 @@ def test_an_async_save_holds_the_state_of_its_step_and_the_bytes_of_a_sync_one(t
     following = ckpt.save_async(ckpt.step_dir(tmp_path / "async", 5), [(model, opt)],
                                 {"step": 5, "trainer": {}}).finish()
     assert loads_as(following, at_next) and loads_as(path, at_save)
+    assert sys.getswitchinterval() == switch_interval  # lowered only while a write was in flight
 
 
 def test_saves_that_come_faster_than_the_disk_writes_them_are_named_with_the_interval_that_fits():

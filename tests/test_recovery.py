@@ -269,13 +269,13 @@ def test_full_disk_during_a_checkpoint_is_named_and_leaves_no_partial_folder(tmp
     real_save, real_usage = dcp.save, shutil.disk_usage
     calls = {"n": 0}
 
-    def full_disk(state, checkpoint_id):
+    def full_disk(state, storage_writer):
         calls["n"] += 1
         if calls["n"] == 2:
-            Path(checkpoint_id).mkdir(parents=True, exist_ok=True)
-            (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"half")
+            storage_writer.root.mkdir(parents=True, exist_ok=True)
+            (storage_writer.root / "__0_0.distcp").write_bytes(b"half")
             raise _dcp_failure(kind)
-        return real_save(state, checkpoint_id=checkpoint_id)
+        return real_save(state, storage_writer=storage_writer)
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(dcp, "save", full_disk)
