@@ -70,10 +70,10 @@ def one_mode(mode: str, opts: dict, folder: Path) -> dict:
         side.run(opts["every"])
         plain += now() - began
         began, path = now(), ckpt.step_dir(folder, round_)
-        if mode == "disabled":
-            ckpt.save(path, parts, {"step": round_})
+        if mode == "disabled":  # the stage's aliases: a tied weight saved once, under the name it copies
+            ckpt.save(path, parts, {"step": round_}, side.layout.aliases)
         else:
-            pending = ckpt.save_async(path, parts, {"step": round_})
+            pending = ckpt.save_async(path, parts, {"step": round_}, side.layout.aliases)
         in_calls += time.perf_counter() - began
         side.run(opts["every"])
         if mode == "async":

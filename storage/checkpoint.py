@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import threading
 import time
 import warnings
@@ -29,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 
-from storage.dcp_writer import HashingWriter
+from storage.dcp_writer import HashingWriter, gather_hashes, quick_handoff
 from storage.weights import load_full
 from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir, read_json, remove_tree,
                           verify_file_table)
@@ -142,7 +141,7 @@ class PendingSave:
         except BaseException as e:  # DCP's CheckpointException is a BaseException
             self.error = e
         finally:
-            _handoff.end()
+            quick_handoff.end()
 
     def finish(self) -> Path:
         """Wait until the checkpoint is published (every rank calls this). Returns its path."""
@@ -153,36 +152,6 @@ class PendingSave:
         return self.path
 
 
-class _QuickHandoff:
-    """While a background save is written, Python hands its lock from a thread that runs Python to one waiting for
-    it after 1 ms instead of 5 (sys.setswitchinterval; the process's setting, put back when the last write in
-    flight is published). The writer lets go of the lock for every write and checksum and waits to take it back:
-    beside a thread that runs Python (a training loop launching a GPU's kernels), a write of gpt2_124m's shapes
-    took 5.5x its time alone at 5 ms and 1.75x at 1 ms; the loop ran at 0.97x and 0.93x its speed meanwhile, so it
-    lost about as much work in either case (benchmarks/writer_contention.py, docs/model-size.md)."""
-
-    INTERVAL_S = 0.001
-
-    def __init__(self):
-        self.lock, self.writes, self.before = threading.Lock(), 0, None
-
-    def begin(self) -> None:
-        with self.lock:
-            if self.writes == 0:
-                self.before = sys.getswitchinterval()
-                sys.setswitchinterval(min(self.before, self.INTERVAL_S))
-            self.writes += 1
-
-    def end(self) -> None:
-        with self.lock:
-            self.writes -= 1
-            if self.writes == 0:
-                sys.setswitchinterval(self.before)
-
-
-_handoff = _QuickHandoff()
-
-
 def save_async(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str, str]] = None,
                group: Optional[dist.ProcessGroup] = None) -> PendingSave:
     """Start writing a checkpoint at `path` and return once the state is copied to host memory (every rank calls
@@ -191,12 +160,12 @@ def save_async(path: Path, parts: Parts, meta: dict, aliases: Optional[dict[str,
     partial = _begin(path)
     state = training_state(parts, aliases)
     needed, writer = state_bytes(state), HashingWriter(partial)
-    _handoff.begin()  # until published (PendingSave._publish)
+    quick_handoff.begin()  # until published (PendingSave._publish)
     try:
         with quiet_single_process():  # the writer stages too: a copy of the state in host memory
             future = dcp.async_save(state, storage_writer=writer, process_group=group)
     except (OSError, RuntimeError, CheckpointException) as e:
-        _handoff.end()
+        quick_handoff.end()
         remove_tree(partial)
         raise _explained(e, path, needed) from e
     return PendingSave(path, partial, meta, writer, future, needed, group)
@@ -217,36 +186,12 @@ def _publish(partial: Path, path: Path, meta: dict, writer: HashingWriter,
              group: Optional[dist.ProcessGroup] = None) -> None:
     """Once every rank's files are written: rank 0 records them in the manifest, with the checksums each rank took
     as it wrote them, and renames the folder into place."""
-    written = _gathered(partial, writer.written, group)
+    written = gather_hashes(writer, group)
     if _is_rank0():
         manifest = {"format": FORMAT, **meta, "files": file_table(partial, exclude=(MANIFEST,), known=written)}
         atomic_write_json(partial / MANIFEST, manifest)
         publish_dir(partial, path)
     _barrier(group)
-
-
-class _Written:
-    """Every rank's {file: (bytes, sha256)} as its writer hashed them, for file_table: a file is hashed again only
-    where none was taken, or its size on disk differs (then the table records what is there, and a later check
-    of the checkpoint finds what the writer meant)."""
-
-    def __init__(self, root: Path, tables: list[dict[str, tuple[int, str]]]):
-        self.root, self.files = root, {rel: entry for table in tables for rel, entry in table.items()}
-
-    def get(self, path: Path) -> Optional[str]:
-        entry = self.files.get(Path(path).relative_to(self.root).as_posix())
-        return entry[1] if entry is not None and entry[0] == Path(path).stat().st_size else None
-
-
-def _gathered(root: Path, written: dict[str, tuple[int, str]],
-              group: Optional[dist.ProcessGroup]) -> Optional[_Written]:
-    """On rank 0, every rank's files as its writer hashed them (once all are written); None elsewhere. On
-    several nodes each rank hashes only its own files; rank 0 reads none of theirs."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return _Written(root, [written])
-    tables = [None] * dist.get_world_size(group) if dist.get_rank() == 0 else None
-    dist.gather_object(written, tables, dst=0, group=group)
-    return _Written(root, tables) if tables is not None else None
 
 
 def state_bytes(state: dict) -> int:

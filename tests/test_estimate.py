@@ -68,6 +68,20 @@ def test_sharding_recomputation_and_more_ranks_lower_it():
     assert total("parallel=pipeline_pp2") < total() and total("precision=bf16") < total()
 
 
+def test_a_tied_head_counts_once_where_it_shares_the_embedding_and_again_where_it_is_a_copy():
+    """One process holds gpt_small's embedding and head as one tensor: the model's parameters, once each. Two
+    pipeline stages each hold one: the last stage's head is a copy of the first's embedding."""
+    from planning.estimate import _held_by_rank
+    from plugins.models import get_model
+
+    cfg = make_cfg("model=gpt_small")
+    unique = sum(p.numel() for p in get_model("gpt").build(cfg.model).parameters())
+    head = cfg.model.d_model * partition_plan(cfg)["parameters"]["lm_head.weight"]["shard_shape"][0]
+    assert _held_by_rank(partition_plan(cfg)) == {0: unique}
+    assert sum(_held_by_rank(partition_plan(make_cfg("model=gpt_small", "parallel=pipeline_pp2"))).values()) \
+        == unique + head
+
+
 MEASURED = ["single", "ddp2", "megatron_hp2", "pipeline_pp2"]
 
 
