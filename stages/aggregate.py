@@ -141,7 +141,7 @@ def aggregate(ctx: StageContext) -> None:
                                               token_ids={k: index[t] for k, t in (("eos_token_id", "eos"),
                                                                                   ("pad_token_id", "pad"))
                                                          if index[t] < cfg.model.vocab_size},
-                                              with_weights=check_weights)
+                                              with_weights=check_weights, known=ctx.hashes)
     lap("optimizer state")  # what its writing took beyond the checks
     hf_note = files.pop("hf_note", None)
     loss, trained, onnx_record = checked["loss"], checked["trained"], checked.get("onnx")

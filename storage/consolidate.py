@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_optim
 from storage import hf
 from storage import safetensors_shards as shards
 from storage.dcp_reader import CheckpointReader
+from storage.fsio import KnownHashes
 from storage.weights import load_full
 from storage.safetensors_shards import Entry, Reader
 
@@ -50,7 +51,8 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
                           inspect: Optional[Callable[[str, torch.Tensor], None]] = None,
                           read_bytes: int = shards.READ_BYTES, model_cfg=None,
                           token_ids: Optional[dict] = None,
-                          with_weights: Optional[Callable[[dict], None]] = None) -> dict:
+                          with_weights: Optional[Callable[[dict], None]] = None,
+                          known: Optional[KnownHashes] = None) -> dict:
     """The checkpoint's weights (hf/ + vocab_padding when model_cfg has a Hugging Face form, else model.safetensors)
     and optimizer state as safetensors shards, streamed (read_bytes at a time). The weights and the optimizer state
     are written at once, by a thread each: the reads, the writes and the checks of one overlap the other's.
@@ -59,8 +61,9 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
     ONNX model) overlap that write. (The weights written alone first, then the optimizer state beside the checks,
     was no faster on 2 cores: the writers are CPU-bound, the weights' alone at 150 MB/s.) order: parameter names in
     model order (a layer's tensors end up together). inspect(name, tensor) sees every weight. token_ids:
-    hf/config.json's eos and pad (hf.write_folder). Returns each set's {files, tensors, bytes} (and the Hugging Face
-    form's reason when there is none: "hf_note")."""
+    hf/config.json's eos and pad (hf.write_folder). known: given each safetensors file's sha256, taken as it was
+    written. Returns each set's {files, tensors, bytes} (and the Hugging Face form's reason when there is none:
+    "hf_note")."""
     shapes = source.tensors("model")
 
     def read_model(names: list[str]) -> dict[str, torch.Tensor]:
@@ -78,17 +81,18 @@ def write_from_checkpoint(folder: Path, source: CheckpointReader, order: list[st
             entries = [Entry(n, *moments[n]) for n in _ordered(moments, order, _param_of_optim_key)]
             optimizer = pool.submit(shards.write, folder, OPTIMIZER, entries, max_shard_bytes,
                                     {"param_groups": json.dumps(_encode(settings))},
-                                    lambda group: source.read("optim", [e.name for e in group]), read_bytes)
+                                    lambda group: source.read("optim", [e.name for e in group]), read_bytes, known)
         if isinstance(form, str):
             entries = [Entry(n, *shapes[n]) for n in _ordered(shapes, order, lambda k: k)]
             record = {MODEL: pool.submit(shards.write, folder, MODEL, entries, max_shard_bytes, metadata,
-                                         lambda group: read_model([e.name for e in group]), read_bytes).result(),
+                                         lambda group: read_model([e.name for e in group]), read_bytes,
+                                         known).result(),
                       "hf_note": form}
         else:
             record = {HF: pool.submit(hf.write_folder, folder / HF, read_model, shapes, model_cfg, max_shard_bytes,
-                                      token_ids, read_bytes, metadata).result()}
+                                      token_ids, read_bytes, metadata, known).result()}
             if (padding := _padding_entries(shapes, model_cfg.vocab_size, source)):
-                record[PADDING] = shards.write(folder, PADDING, padding, DEFAULT_SHARD_BYTES * 1000)
+                record[PADDING] = shards.write(folder, PADDING, padding, DEFAULT_SHARD_BYTES * 1000, known=known)
         _give_back_freed_memory()
         if with_weights is not None:
             with_weights(record)

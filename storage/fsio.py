@@ -124,6 +124,10 @@ class KnownHashes:
             self._seen[str(Path(path).absolute())] = (before, digest)
         return digest
 
+    def add(self, path: Path, digest: str) -> None:
+        """The sha256 of a file just written, taken from its bytes on their way to it (its stamp taken now)."""
+        self._seen[str(Path(path).absolute())] = (stamp(path), digest)
+
     def get(self, path: Path) -> Optional[str]:
         known = self._seen.get(str(Path(path).absolute()))
         return known[1] if known is not None and known[0] == stamp(path) else None

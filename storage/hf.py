@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Mapping, Optional, Union
 import torch
 
 from storage import safetensors_shards as shards
-from storage.fsio import atomic_write_json
+from storage.fsio import KnownHashes, atomic_write_json
 from storage.safetensors_shards import Reader
 
 PREFIX = "hf:"
@@ -263,14 +263,15 @@ def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[
 def write_folder(folder: Path, read: Callable[[list[str]], dict[str, torch.Tensor]],
                  shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]], model_cfg,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES, token_ids: Optional[dict] = None,
-                 read_bytes: int = shards.READ_BYTES, metadata: Optional[dict] = None) -> Union[str, dict]:
+                 read_bytes: int = shards.READ_BYTES, metadata: Optional[dict] = None,
+                 known: Optional[KnownHashes] = None) -> Union[str, dict]:
     """Write a folder `transformers.AutoModelForCausalLM.from_pretrained` loads from our full weights: read(names)
     makes some of ours (the checkpoint's, a few at a time), shapes: {our name: (shape, dtype)}. The Hugging Face
     tensors are planned from the shapes (on the meta device), then streamed into shards of at most max_shard_bytes,
     each read back and checked (safetensors_shards.write). token_ids: the data's {"eos_token_id", "pad_token_id"}
     (generation stops at the <eos> the model learned). Returns the files written, or why the model cannot be
     expressed (then nothing is written). metadata: more of the files' header metadata (transformers reads
-    "format")."""
+    "format"). known: given each shard's sha256 as written (safetensors_shards.write)."""
     planned = folder_plan(model_cfg, shapes)
     if isinstance(planned, str):
         return planned
@@ -287,7 +288,7 @@ def write_folder(folder: Path, read: Callable[[list[str]], dict[str, torch.Tenso
 
     folder = Path(folder)
     record = shards.write(folder, "model", entries, max_shard_bytes, {**(metadata or {}), "format": "pt"}, read=made,
-                          read_bytes=read_bytes)
+                          read_bytes=read_bytes, known=known)
     config.update(token_ids or {})
     atomic_write_json(folder / "config.json", {**config, "torch_dtype": "float32"})
     return record

@@ -15,6 +15,7 @@ copies out one tensor per call.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Optional
 import torch
 from safetensors import safe_open
 
-from storage.fsio import atomic_write_json
+from storage.fsio import KnownHashes, atomic_write_json
 
 INDEX = ".safetensors.index.json"
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -70,19 +71,21 @@ def group(entries: list[Entry], max_bytes: int) -> list[list[Entry]]:
 
 def write(folder: Path, stem: str, entries: list[Entry], max_shard_bytes: int, metadata: Optional[dict] = None,
           read: Optional[Callable[[list[Entry]], dict[str, torch.Tensor]]] = None,
-          read_bytes: int = READ_BYTES) -> dict:
+          read_bytes: int = READ_BYTES, known: Optional[KnownHashes] = None) -> dict:
     """Write the entries as one file or several plus an index. Tensors are made a few at a time (read: how a group of
     at most read_bytes is made in one go; default each entry's make()) and streamed into the file under a header
     written first, so memory holds a group, never a shard. Each group is read back from the file and compared byte
     for byte with what was written (no checksum pass over either side: at 0.2B the two CRC-32 passes were as
-    long as the write itself). Returns {files, tensors, bytes}."""
+    long as the write itself). known: given the sha256 of each file, taken from its bytes as they were written (the
+    stage's cache entry then reads none of them back to hash it). Returns {files, tensors, bytes}."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     shards = group(entries, max_shard_bytes)
     names = file_names(stem, len(shards))
     meta = {k: str(v) for k, v in (metadata or {}).items()}
     for shard, name in zip(shards, names):
-        _write_shard(folder / name, shard, meta, read or (lambda g: {e.name: e.make() for e in g}), read_bytes)
+        _write_shard(folder / name, shard, meta, read or (lambda g: {e.name: e.make() for e in g}), read_bytes,
+                     known)
     weight_map = {e.name: name for shard, name in zip(shards, names) for e in shard}
     total = sum(e.nbytes for e in entries)
     if len(shards) > 1:
@@ -91,7 +94,8 @@ def write(folder: Path, stem: str, entries: list[Entry], max_shard_bytes: int, m
     return {"files": names, "tensors": len(weight_map), "bytes": total}
 
 
-def _write_shard(path: Path, entries: list[Entry], metadata: dict, read, read_bytes: int) -> None:
+def _write_shard(path: Path, entries: list[Entry], metadata: dict, read, read_bytes: int,
+                 known: Optional[KnownHashes]) -> None:
     header: dict = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for e in entries:
@@ -99,8 +103,11 @@ def _write_shard(path: Path, entries: list[Entry], metadata: dict, read, read_by
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    digest = hashlib.sha256()
     with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
+        head = struct.pack("<Q", len(raw)) + raw
+        f.write(head)
+        digest.update(head)
         f.flush()
         back = Reader(path.parent, path.name.removesuffix(".safetensors"))  # where the header on disk puts each
         for batch in group(entries, read_bytes):
@@ -109,13 +116,17 @@ def _write_shard(path: Path, entries: list[Entry], metadata: dict, read, read_by
                 t = tensors[e.name]
                 if tuple(t.shape) != tuple(e.shape) or t.dtype != e.dtype:
                     raise RuntimeError(f"{e.name}: made {tuple(t.shape)} {t.dtype}, planned {e.shape} {e.dtype}")
-                f.write(memoryview(_bytes(t).numpy()))
+                data = memoryview(_bytes(t).numpy())
+                digest.update(data)  # in file order: the header, then each tensor as laid out
+                f.write(data)
             f.flush()
             for e in batch:  # read back while the batch is in memory: a byte comparison, no checksum of either side
                 if not torch.equal(_bytes(back[e.name]), _bytes(tensors.pop(e.name))):
                     raise RuntimeError(f"{path.name}: {e.name} read back differs from what was written")
             del tensors
         os.fsync(f.fileno())
+    if known is not None:
+        known.add(path, digest.hexdigest())
     with safe_open(str(path), framework="numpy") as f:  # the library parses the header (no tensor is read)
         if set(f.keys()) != {e.name for e in entries}:
             raise RuntimeError(f"{path.name}: safetensors reads "

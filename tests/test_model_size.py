@@ -16,6 +16,7 @@ import torch
 import orchestrator
 from storage import consolidate
 from storage.dcp_reader import CheckpointReader
+from storage.fsio import KnownHashes, sha256_file
 from storage.safetensors_shards import Reader, same_bits
 from tests.conftest import ROOT, cache_entry, cli_env, run_debug
 from tests.layout_memory_rank import peak_allocated
@@ -114,9 +115,13 @@ def test_the_writer_streams_a_checkpoint_in_read_groups_not_the_model(tmp_path, 
     source = CheckpointReader(cache_entry(tmp_path, report, "checkpoint"))
     state = sum(math.prod(shape) * 4 for section in ("model", "optim") for shape, _ in source.tensors(section).values())
     largest = max(math.prod(shape) * 4 for shape, _ in source.tensors("model").values())
+    known = KnownHashes()  # each file's sha256 from its bytes as written: the cache entry reads none back
     peak, _ = peak_allocated(lambda: consolidate.write_from_checkpoint(tmp_path / "out", source, [], {},
-                                                                       max_shard_bytes=10**9, read_bytes=64 * 2**10))
+                                                                       max_shard_bytes=10**9, read_bytes=64 * 2**10,
+                                                                       known=known))
     assert peak <= 64 * 2**10 + 3 * largest + BOOKKEEPING < state / 4, (peak, state, largest)
+    files = sorted((tmp_path / "out").glob("*.safetensors"))
+    assert len(files) == 2 and all(known.get(f) == sha256_file(f) for f in files)
     written = Reader(tmp_path / "out", consolidate.MODEL)
     want = source.read("model", list(written))
     assert all(same_bits(written[k], want[k]) for k in written) and len(written) == len(source.tensors("model"))
