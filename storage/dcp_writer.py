@@ -60,7 +60,7 @@ class _HashingFileSystem(FileSystem):
 
     def __init__(self):
         super().__init__()
-        self.written: dict[str, tuple[int, str]] = {}
+        self.written: dict[Path, tuple[int, str]] = {}
         self._lock = threading.Lock()  # DCP's writer threads close their files at once
 
     @contextmanager
