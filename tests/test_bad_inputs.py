@@ -164,7 +164,18 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat"], "data.chat_template",
      "carries no chat template"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/one.txt"],
-     "data.loss_on", "does not mark them"),
+     "data.chat_template", "holds nothing of message 2's content (the assistant's)"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jnja"],
+     "data.chat_template", "did you mean"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/odd.jinja"],
+     "data.chat_template", "what the assistant said cannot be told apart"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
+     "data.messages_field", "has no field 'messages'"),
+    (["data=text", "data.paths=[{tmp}/typed.jsonl]", "data.format=prompt_completion"], "data.paths",
+     "line 3: the field 'completion' (data.completion_field) holds a number, not text: 42"),
+    (["data=text", "data.paths=[{tmp}/mixed.jsonl]", "data.format=prompt_completion",
+      "data.chat_template={tmp}/chatml.jinja"], "data.paths", "line 2: data.completion_field ('completion') is a list "
+     "of messages and data.prompt_field ('prompt') is a string"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/broken.jinja"],
      "data.chat_template", "cannot be read as Jinja"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
@@ -213,6 +224,13 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "one.txt").write_text("a line of text\n" * 2000)
     (tmp / "a_file").write_text("not a folder")
     (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    (tmp / "chatml.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+                                      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp / "odd.jinja").write_text("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}<final>"
+                                   "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    (tmp / "typed.jsonl").write_text('{"prompt": "Q", "completion": "A"}\n' * 2 + '{"prompt": "Q", "completion": 42}\n')
+    (tmp / "mixed.jsonl").write_text('{"prompt": "Q", "completion": "A"}\n'
+                                     '{"prompt": "Q", "completion": [{"role": "assistant", "content": "A"}]}\n')
     (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed
     (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever

@@ -2,6 +2,8 @@
 ids, and the same assistant mask (return_assistant_tokens_mask) from a template with `generation` tags."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from plugins.data.chat import encode_chat, template_of
@@ -58,7 +60,7 @@ STRICT = CHATML.replace("{% for message in messages %}", "{% for message in mess
 @pytest.mark.parametrize("bad,words", [
     ({"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
      "role 'human' is neither one of system, user, assistant, tool nor named by the chat template"),
-    ({"messages": [{"role": "user", "text": "hi"}]}, "is not a list of {role, content} messages"),
+    ({"messages": [{"role": "user", "text": "hi"}]}, "message 1 has no 'content' (its fields: role, text)"),
     ({"messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"},
                    {"role": "assistant", "content": "ok"}]}, "the system message must come first"),
 ], ids=["unknown-role", "not-messages", "fails-to-render"])
@@ -79,3 +81,73 @@ def test_a_bad_chat_record_is_refused_naming_its_file_and_line(tmp_path, hf_toke
     with pytest.raises(ValueError) as e:
         tokenized(cfg)
     assert f"{tmp_path}/chats.jsonl: line 5" in str(e.value) and words in str(e.value)
+
+
+# -- the templates models ship, without generation tags (tests/data/chat_templates) -----------------------------
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+SPECIAL = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "qwen2.5": ("<|endoftext|>", "<|im_end|>"),
+           "mistral": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"), "phi3": ("<s>", "<|endoftext|>")}
+TURNS = ["<|start_header_id|>", "<|end_header_id|>", "<|im_start|>", "<start_of_turn>", "<end_of_turn>", "<|user|>",
+         "<|assistant|>", "<|system|>", "<|end|>"]
+SYSTEM = {"role": "system", "content": "You are terse."}
+CONVERSATIONS = {
+    "one-turn": [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "4."}],
+    "two-turns": CHATS[1],
+    "ends-with-user": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
+                       {"role": "user", "content": "Bye"}],
+    "spaces-and-unicode": [{"role": "user", "content": "  Über café?\n"},
+                           {"role": "assistant", "content": "\nJa — naïve 🙂 \n\n"}],
+}
+
+
+@pytest.fixture(scope="module")
+def family_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = sorted({t for pair in SPECIAL.values() for t in pair} | set(TURNS))
+    texts = [m["content"] for chat in CONVERSATIONS.values() for m in chat] * 20
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def _supports_system(family: str) -> bool:
+    return family in ("llama3", "qwen2.5", "phi3")
+
+
+@pytest.mark.parametrize("family", sorted(SPECIAL))
+def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenizer, family):
+    """Llama 3, Qwen 2.5, Mistral, Gemma and Phi-3 as they ship: what the assistant said is found by rendering the
+    conversation prefix by prefix; the ids and masks equal apply_chat_template's with generation tags added to a copy
+    of the template (return_assistant_tokens_mask)."""
+    import transformers
+
+    bos, eos = SPECIAL[family]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
+    plain, tagged = (TEMPLATES / f"{family}.jinja").read_text(), (TEMPLATES / f"{family}.tagged.jinja").read_text()
+    chats = dict(CONVERSATIONS)
+    if _supports_system(family):
+        chats["system"] = [SYSTEM] + CONVERSATIONS["two-turns"]
+    for name, chat in chats.items():
+        theirs = hf.apply_chat_template(chat, chat_template=tagged, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        ids, trained = encode_chat(family_tokenizer, plain, chat, bos_token=bos, eos_token=eos)
+        assert ids.tolist() == list(theirs["input_ids"]), (family, name)
+        assert trained.astype(int).tolist() == list(theirs["assistant_masks"]), (family, name)
+        said = hf.decode([i for i, t in zip(ids, trained) if t])
+        assert all(m["content"].strip() in said for m in chat if m["role"] == "assistant"), (family, name, said)
+        assert not any(m["content"] in said for m in chat if m["role"] != "assistant"), (family, name, said)
+
+
+def test_a_template_whose_renderings_do_not_extend_each_other_is_refused():
+    from plugins.data.chat import NotExtending, assistant_spans
+
+    # the last assistant turn rendered otherwise than the earlier ones (as templates that drop earlier reasoning do)
+    odd = ("{% for m in messages %}{% if loop.last and m['role'] == 'assistant' %}<final>{% endif %}"
+           "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    with pytest.raises(NotExtending, match="what the assistant said cannot be told apart"):
+        assistant_spans(odd, CONVERSATIONS["one-turn"])

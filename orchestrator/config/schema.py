@@ -41,6 +41,7 @@ COMPILED = ("triton.enabled", (True,))
 BPE = ("data.tokenizer", ("bpe",))
 PROMPT_COMPLETION = ("data.format", ("prompt_completion",))
 CHAT = ("data.format", ("chat",))
+CHAT_OR_PROMPT = ("data.format", ("chat", "prompt_completion"))
 LAYOUT_TUNING = ("tune.name", ("layout",))
 
 
@@ -225,6 +226,10 @@ class DataConfig:
                               read_when=("data.packing", (False,)))
     paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "
                                "glob patterns of UTF-8 text; JSON Lines and Parquet files hold one document per record")
+    split: str = key("train", "a Hugging Face datasets folder in data.paths (DatasetDict.save_to_disk's, or a Hub "
+                              "snapshot: a dataset card beside data/{split}-*.parquet): the split read, as "
+                              "load_from_disk / load_dataset name them (the held-out part is still "
+                              "data.val_fraction of it)")
     format: str = key("text", "what a record is: text (one field, every token trained), prompt_completion (a "
                               "prompt and its completion) or chat (a list of {role, content} messages, rendered "
                               "with the chat template); records from JSON Lines or Parquet; what the model learns: "
@@ -237,13 +242,19 @@ class DataConfig:
                                 read_when=PROMPT_COMPLETION)
     messages_field: str = key("messages", "data.format=chat: the field that holds a record's messages",
                               read_when=CHAT)
-    chat_template: str = key("", "data.format=chat: the Jinja template (its text, or a file's path) that renders the "
-                                 "messages, as transformers' apply_chat_template; default: the data.tokenizer=hf: "
-                                 "folder's own (tokenizer_config.json's chat_template)",
-                             read_when=CHAT)
+    chat_template: str = key("", "records rendered as chats (data.format=chat, and prompt/completion records whose "
+                                 "prompt and completion are lists of messages): the Jinja template, as transformers' "
+                                 "apply_chat_template; a value with Jinja markup ({{ or {%) is the template's text, "
+                                 "anything else a file's path. Default: the data.tokenizer=hf: folder's own "
+                                 "(chat_template.jinja or tokenizer_config.json's chat_template)",
+                             read_when=CHAT_OR_PROMPT)
+    chat_template_name: str = key("", "the data.tokenizer=hf: folder's named chat template (tokenizer_config.json's "
+                                      "list form, additional_chat_templates/NAME.jinja); default: its default one",
+                                  read_when=CHAT_OR_PROMPT)
     loss_on: str = key("completion", "records: the tokens whose labels enter the loss: completion (a completion and "
-                                     "the <eos> after it, or what the template marks as the assistant's with "
-                                     "{% generation %}; the others' labels are -100, TRL's completion_only_loss and "
+                                     "the <eos> after it, or the assistant's turns: what {% generation %} tags mark, "
+                                     "else what each assistant message adds to the template's rendering after the "
+                                     "generation prompt; the others' labels are -100, TRL's completion_only_loss and "
                                      "assistant_only_loss) or all", choices=("completion", "all"),
                        read_when=("data.format", ("prompt_completion", "chat")))
     tokenizer: str = key("bytes", "bytes (one token per byte, lossless), bpe (a byte-level BPE of data.vocab_size "

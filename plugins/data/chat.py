@@ -1,10 +1,12 @@
 """Chat records rendered as Hugging Face's `apply_chat_template` renders them, with the tokens the model must learn.
 
-A chat record is a list of `{role, content}` messages. A tokenizer folder's `tokenizer_config.json` carries its
-model's `chat_template` (Jinja); rendering it the way `transformers` does (the same sandboxed environment and
-globals, `trim_blocks` and `lstrip_blocks`, its `{% generation %}` tag around what the assistant says) gives the
-text the model was trained to read, and the character spans of the assistant's turns. The tokens those spans cover
-are the ones whose labels enter the loss (assistant-only loss, TRL's `assistant_only_loss`); the others get -100.
+A chat record is a list of `{role, content}` messages. A tokenizer folder carries its model's chat template (Jinja,
+in chat_template.jinja or tokenizer_config.json); rendering it the way `transformers` does (the same sandboxed
+environment and globals, `trim_blocks` and `lstrip_blocks`, its `{% generation %}` tag around what the assistant
+says) gives the text the model was trained to read, and the character spans of the assistant's turns. The tokens
+those spans cover are the ones whose labels enter the loss (assistant-only loss, TRL's `assistant_only_loss`); the
+others get -100. The templates models ship have no generation tags: there the assistant's spans are found by
+rendering the conversation prefix by prefix (prefix_spans), which gives what tags in the natural places would.
 
 The tokenize stage reads chat records with it (data.format=chat, plugins/data/corpus.py).
 """
@@ -23,16 +25,36 @@ TEMPLATE_FILE = "tokenizer_config.json"
 STANDARD_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (OpenAI's and HF's roles)
 
 
-def template_of(folder: Path) -> Optional[str]:
-    """The chat template a Hugging Face tokenizer folder carries (None: it has none)."""
-    for name, key in ((TEMPLATE_FILE, "chat_template"), ("chat_template.json", "chat_template")):
-        path = Path(folder) / name
+def templates_of(folder: Path) -> dict[str, str]:
+    """The chat templates a Hugging Face tokenizer folder carries, by name ('default': the one apply_chat_template
+    uses), read where transformers reads them: chat_template.jinja, chat_template.json, tokenizer_config.json (a
+    text, or the list form [{name, template}]), and additional_chat_templates/NAME.jinja."""
+    folder = Path(folder)
+    found: dict[str, str] = {}
+    for name in ("chat_template.json", TEMPLATE_FILE):
+        path = folder / name
         if path.is_file():
-            template = json.loads(path.read_text()).get(key)
+            template = json.loads(path.read_text()).get("chat_template")
             if isinstance(template, str):
-                return template
-    jinja = Path(folder) / "chat_template.jinja"
-    return jinja.read_text() if jinja.is_file() else None
+                found.setdefault("default", template)
+            elif isinstance(template, list):
+                for entry in template:
+                    if isinstance(entry, dict) and isinstance(entry.get("name"), str) \
+                            and isinstance(entry.get("template"), str):
+                        found.setdefault(entry["name"], entry["template"])
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        found["default"] = jinja.read_text()  # what transformers writes now, and reads first
+    extra = folder / "additional_chat_templates"
+    if extra.is_dir():
+        for path in sorted(extra.glob("*.jinja")):
+            found.setdefault(path.stem, path.read_text())
+    return found
+
+
+def template_of(folder: Path, name: str = "") -> Optional[str]:
+    """The chat template a Hugging Face tokenizer folder carries (None: it has none), or its template `name`."""
+    return templates_of(folder).get(name or "default")
 
 
 @functools.lru_cache(maxsize=8)
@@ -89,13 +111,20 @@ def render(template: str, messages: list[dict], add_generation_prompt: bool = Fa
         generation.blocks = generation.spans = None
 
 
-def trained_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> np.ndarray:
+def trained_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]],
+                   whole_tokens: bool = False) -> np.ndarray:
     """Which tokens (given each token's character offsets in the rendered text) the spans cover: a token is trained
-    from the one holding a span's first character to the one holding its last, as transformers' assistant mask."""
+    from the one holding a span's first character to the one holding its last, as transformers' assistant mask.
+    whole_tokens: a span's end is first moved back to the end of the last token wholly inside it (a span found by
+    comparing renderings may end inside the next turn's opening token, e.g. the '<|' that '<|user|>' and
+    '<|endoftext|>' share)."""
     mask = np.zeros(len(offsets), dtype=bool)
     starts = np.array([s for s, e in offsets])
     ends = np.array([e for s, e in offsets])
     for first, last in spans:
+        if whole_tokens:
+            inside = ends[(ends <= last) & (ends > first)]
+            last = int(inside.max()) if len(inside) else first
         if last <= first:
             continue
         holding = np.nonzero((starts <= first) & (first < ends))[0]
@@ -106,12 +135,96 @@ def trained_tokens(offsets: list[tuple[int, int]], spans: list[tuple[int, int]])
     return mask
 
 
+_GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
+
+
+def has_generation_tags(template: str) -> bool:
+    """Whether the template marks the assistant's text itself ({% generation %} ... {% endgeneration %})."""
+    return bool(_GENERATION_TAG.search(template))
+
+
+class NotExtending(ValueError):
+    """The template's renderings of a conversation's prefixes do not extend each other: what the assistant said
+    cannot be told from them (the record is refused, naming it)."""
+
+
+# the message that follows an assistant's turn when its end is looked for: any turn's opening ends the one before
+_PROBE = {"role": "user", "content": "?"}
+
+
+def prefix_spans(template: str, messages: list[dict], text: str, **variables) -> list[tuple[int, int]]:
+    """The character spans of the assistant's turns in `text` (the rendered conversation), for a template without
+    generation tags: the k-th message is the assistant's from where the rendering of messages[:k] with the generation
+    prompt ends (what inference gives the model) to where the rendering of messages[:k+1] stops agreeing with the
+    same conversation followed by one more (user) turn: its closing text (<|im_end|>, <|eot_id|>, </s>, a newline),
+    not the text a template writes only at a conversation's end. Each rendering must be a prefix of the next."""
+    spans = []
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            prompt, _ = render(template, messages[:k], add_generation_prompt=True, **variables)
+            upto, _ = render(template, messages[:k + 1], **variables)
+            probe, _ = render(template, messages[:k + 1] + [_PROBE], **variables)
+        except Exception as e:  # raise_exception (roles must alternate, ...), a template reading messages[0]
+            raise NotExtending(f"the template cannot render the conversation up to message {k + 1} (the "
+                               f"assistant's), which finding what the assistant said needs: {type(e).__name__}: "
+                               f"{e}") from None
+        end = _common_prefix(upto, probe)
+        if not (text.startswith(prompt) and upto.startswith(prompt) and text[:end] == upto[:end]):
+            raise NotExtending(f"the template's rendering of the messages before message {k + 1} (the "
+                               "assistant's), with the generation prompt, is not the start of the whole "
+                               "conversation's rendering, so what the assistant said cannot be told apart")
+        said = message["content"].strip()
+        if said and said not in text:
+            raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s content (the "
+                               "assistant's), so there is nothing of it to learn")
+        if said and said not in text[len(prompt):end]:
+            raise NotExtending(f"the template renders message {k + 1} (the assistant's) otherwise when it ends the "
+                               "conversation than when a turn follows it, so what the assistant said cannot be told "
+                               "apart")
+        spans.append((len(prompt), end))
+    return spans
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def completion_span(template: str, prompt: list[dict], completion: list[dict],
+                    **variables) -> tuple[str, tuple[int, int]]:
+    """(the rendered prompt + completion, the completion's character span): TRL's conversational prompt-completion
+    records, the prompt rendered with the generation prompt and the completion as what follows it."""
+    text, _ = render(template, prompt + completion, **variables)
+    head, _ = render(template, prompt, add_generation_prompt=True, **variables)
+    if not text.startswith(head):
+        raise NotExtending("the template's rendering of the prompt with the generation prompt is not the start of "
+                           "the prompt and completion's rendering, so the completion cannot be told apart")
+    return text, (len(head), len(text))
+
+
+def assistant_spans(template: str, messages: list[dict], **variables) -> tuple[str, list[tuple[int, int]], bool]:
+    """(the rendered chat, the assistant's character spans, whether they came from comparing renderings): the
+    template's generation tags where it has them (transformers' return_assistant_tokens_mask), else its renderings
+    of the conversation's prefixes (prefix_spans)."""
+    text, tagged = render(template, messages, **variables)
+    if has_generation_tags(template):
+        return text, tagged, False
+    return text, prefix_spans(template, messages, text, **variables), True
+
+
 def encode_chat(tokenizer, template: str, messages: list[dict], **variables) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, which of them the model must learn) of a chat record, with a `tokenizers.Tokenizer`: the
     rendered text encoded without added special tokens (the template writes them), as apply_chat_template does."""
-    text, spans = render(template, messages, **variables)
+    text, spans, by_prefix = assistant_spans(template, messages, **variables)
+    return encode_spans(tokenizer, text, spans, by_prefix)
+
+
+def encode_spans(tokenizer, text: str, spans: list[tuple[int, int]],
+                 whole_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
     encoding = tokenizer.encode(text, add_special_tokens=False)
-    return np.asarray(encoding.ids, dtype=np.int64), trained_tokens(encoding.offsets, spans)
+    return np.asarray(encoding.ids, dtype=np.int64), trained_tokens(encoding.offsets, spans, whole_tokens)
 
 
 @functools.lru_cache(maxsize=8)

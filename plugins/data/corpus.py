@@ -20,10 +20,9 @@ import numpy as np
 
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
-from plugins.data.chat import STANDARD_ROLES, encode_chat, roles
 from plugins.data.packing import longest_record, packed_stream
-from plugins.data.reading import (Layout, documents, in_val, layout, partition, record_fields, records,
-                                  utf8)
+from plugins.data.reading import Layout, in_val, layout, partition
+from plugins.data.records import Chat, chat_ids, masks_loss, piece_documents
 from plugins.data.registry import Corpus, get_source, split_documents
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -107,7 +106,7 @@ def bpe_sample(cfg, lay: Optional[Layout]) -> Iterator[bytes]:
         return
     stride = max(1, -(-lay.read_bytes // d.bpe_sample_bytes))
     chosen = lay.pieces[::stride]
-    yield from _bounded((text for piece in chosen for split, texts, _ in _piece_documents(d, piece)
+    yield from _bounded((text for piece in chosen for split, texts, _ in piece_documents(d, piece)
                          for text in texts if split == "train"), d.bpe_sample_bytes)
 
 
@@ -140,45 +139,6 @@ def _source_documents(cfg) -> Iterator[tuple[str, bytes]]:
             yield ("val" if in_val(name, cfg.data.val_fraction) else "train"), text
 
 
-def _piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
-    """(split, its texts, closes its document) of a piece: one text, a record's prompt and completion
-    (data.format=prompt_completion; a record whose completion is empty has no texts: nothing in it would be learned,
-    it is counted and left out), or a chat record's messages (Chat)."""
-    if d.format == "text":
-        for split, text, closes in documents(piece, d.text_field, d.val_fraction):
-            yield split, (text,), closes
-        return
-    for split, record, where in records(piece, record_fields(d), d.val_fraction):
-        if d.format == "chat":
-            yield split, Chat(record["messages_field"], where), True
-            continue
-        learned = utf8(record["completion_field"])
-        yield split, Record((utf8(record["prompt_field"]), learned), where) if learned else (), True
-
-
-class Record(tuple):
-    """A record's texts (its prompt and its completion), knowing where it is (for a message)."""
-
-    def __new__(cls, texts, where):
-        record = super().__new__(cls, texts)
-        record.where = where
-        return record
-
-
-class Chat(Record):
-    """A chat record's messages, as a document's texts (their contents: what a BPE learns from); the tokenize stage
-    renders it with the chat template and learns the assistant's tokens (plugins/data/chat.py)."""
-
-    def __new__(cls, messages, where):
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                     and isinstance(m.get("content"), str) for m in messages):
-            raise ValueError(f"{where}: a record's data.messages_field is not a list of {{role, content}} messages "
-                             f"of text: {str(messages)[:200]}")
-        chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages), where)
-        chat.messages = messages
-        return chat
-
-
 def task_documents(cfg, lay: Optional[Layout], task: int,
                    tasks: int) -> Iterator[tuple[str, tuple[bytes, ...], bool, int]]:
     """(split, texts, closes its document, bytes read) of this task's share of the corpus: a document's texts are
@@ -189,7 +149,7 @@ def task_documents(cfg, lay: Optional[Layout], task: int,
         return
     for piece in partition(lay.pieces, tasks)[task]:
         size, first = piece.size, True
-        for split, texts, closes in _piece_documents(cfg.data, piece):
+        for split, texts, closes in piece_documents(cfg.data, piece):
             yield split, texts, closes, size if first else 0
             first = False
         if first:  # a piece without a document (blank lines, empty records) still counts as read
@@ -210,7 +170,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
         encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat) for text in texts]))
         for split, texts, closes in batch:
             if isinstance(texts, Chat):
-                ids, trained = _chat_ids(tok, texts)
+                ids, trained = chat_ids(tok, texts, masked)
                 if masked and not trained[:-1].any():
                     unlearned += 1  # the template marks nothing of it as the assistant's
                     continue
@@ -262,9 +222,9 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
         raise ValueError(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
                          "the answers" if cfg.data.format != "chat" else
-                         f"data.chat_template: it marks nothing of any record as the assistant's "
-                         f"({index['unlearned']:,} records): nothing would be learned; fix: a template that puts "
-                         "{% generation %} around the assistant's turns, or data.loss_on=all")
+                         f"data.messages_field={cfg.data.messages_field}: no record has an assistant message "
+                         f"({index['unlearned']:,} records): nothing would be learned; fix: records with the "
+                         "assistant's answers, or data.loss_on=all")
     for split in shards.SPLITS:
         if not index[split]["tokens"]:
             read = f"{lay.read_bytes:,} bytes of {lay.files} file(s)" if lay else "the source's documents"
@@ -317,30 +277,6 @@ def _in_memory(c: Corpus) -> Corpus:
 
     return Corpus(copied(c.train, np.int64), copied(c.val, np.int64), c.vocab_size, c.packed, c.pad,
                   copied(c.train_mask, bool), copied(c.val_mask, bool))
-
-
-def masks_loss(cfg) -> bool:
-    """Whether the records say which tokens the model learns (the shards then hold a mask beside the tokens)."""
-    return cfg.data.format in ("prompt_completion", "chat") and cfg.data.loss_on == "completion"
-
-
-def _chat_ids(tok: tokenizers.Tokenizer, chat: Chat) -> tuple[np.ndarray, np.ndarray]:
-    """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
-    assistant's: an appended <eos> too when the chat's last message is the assistant's (it learns to stop there)."""
-    unknown = next((m["role"] for m in chat.messages if m["role"] not in roles(tok.chat_template)), None)
-    if unknown is not None:
-        raise ValueError(f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} "
-                         f"nor named by the chat template (it would render as the template's fallback, or not at "
-                         f"all); fix: rename the role in the records, or data.chat_template= a template that "
-                         f"knows it")
-    try:
-        ids, trained = encode_chat(tok.with_offsets(), tok.chat_template, chat.messages, **(tok.special or {}))
-    except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
-        raise ValueError(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
-                         f"fix: data.chat_template= a template for these messages") from None
-    if tok.eos in ids:  # the template ends turns with <eos> itself (ChatML's <|im_end|>, Llama 3's <|eot_id|>):
-        return ids, trained  # its assistant mask holds the stop; one more would teach a second stop after the first
-    return np.append(ids, tok.eos), np.append(trained, chat.messages[-1]["role"] == "assistant")
 
 
 def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:

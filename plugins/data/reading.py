@@ -103,7 +103,17 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
 
 
 def _size(path: Path) -> int:
-    return path.stat().st_size
+    """A file's bytes of corpus: its size; an Arrow stream's, its record batches' (the schema and each batch's
+    metadata are no corpus: counted, they would read as bytes data.max_bytes left out)."""
+    if path.suffix != ".arrow":
+        return path.stat().st_size
+    import pyarrow as pa
+
+    try:
+        with pa.memory_map(str(path)) as source:
+            return sum(batch.nbytes for batch in pa.ipc.open_stream(source))
+    except (OSError, pa.ArrowInvalid):  # the checks say what is wrong with it
+        return path.stat().st_size
 
 
 def _grid(end: int, start: int = 0) -> list[tuple[int, int]]:
@@ -191,8 +201,8 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
         _, data = piece_bytes(piece)
         yield piece.split, data, piece.closes
         return
-    for split, record, _ in records(piece, {"text_field": text_field}, val_fraction):
-        text = utf8(record["text_field"])
+    for split, record, where in records(piece, {"text_field": text_field}, val_fraction):
+        text = text_value(record["text_field"], where, "text_field", text_field)
         if text:  # an empty record is no document
             yield split, text, True
 
@@ -240,9 +250,54 @@ def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterat
                    Where(piece.path, row=row))
 
 
-def utf8(value) -> bytes:
-    """A field's value as the text a document holds (None: none)."""
-    return str(value).encode("utf-8") if value is not None else b""
+def text_value(value, where, key: str, field: str) -> bytes:
+    """A field's text as the UTF-8 a document holds: a string; a binary value (a Parquet or Arrow binary column) that
+    is strict UTF-8; null is no text. Anything else (a number, a list, an object, bytes that are not UTF-8) is
+    refused naming the record, the field and what it holds: never turned into text, which would train on its
+    Python spelling ("[{'role': ...}]", "b'...'")."""
+    if value is None:
+        return b""
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \ud800 escapes allow
+            raise ValueError(f"{where}: the field {field!r} (data.{key}) holds a string that is not valid Unicode ({e.reason} at "
+                             f"character {e.start}); fix: repair the record") from None
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        data = bytes(value)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{where}: the field {field!r} (data.{key}) is binary and not UTF-8 text (byte {e.start}: "
+                             f"0x{data[e.start]:02x}); fix: store the text as a string column, or decode it to "
+                             "UTF-8") from None
+        return data
+    raise ValueError(f"{where}: the field {field!r} (data.{key}) holds {kind_of(value)}, not text: "
+                     f"{preview(value)}; fix: data.{key}= a field that holds text, or repair the record")
+
+
+def kind_of(value) -> str:
+    """What a JSON or Arrow value is, in words ('a list', 'a number', ...)."""
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a value of type {type(value).__name__}"
+
+
+def preview(value, limit: int = 120) -> str:
+    """A value as JSON, cut to `limit` characters, for a message."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=repr)
+    except ValueError:
+        text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _split(name: str, val_fraction: float) -> str:

@@ -2,9 +2,12 @@
 tokenizer we know whose ids the model's embedding holds, and the source's own checks (files, amounts)."""
 from __future__ import annotations
 
+import difflib
+from pathlib import Path
+
 from common.problem import Problem
 from plugins.data import tokenizer as tokenizers
-from plugins.data.chat import compiled
+from plugins.data.chat import NotExtending, assistant_spans, compiled, has_generation_tags, templates_of
 from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
@@ -21,7 +24,7 @@ def check(cfg) -> list[Problem]:
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text; data={d.name} has none",
                                    "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
-    if d.format == "chat":
+    if d.format in ("chat", "prompt_completion"):
         problems += _chat_problems(d)
     if d.get("mix"):
         return problems + _mix_problems(cfg, source)
@@ -113,20 +116,35 @@ def _mix_problems(cfg, source) -> list[Problem]:
 
 
 def _chat_problems(d) -> list[Problem]:
-    """A chat record needs a template to be rendered with, and one that says what the assistant said when only that
-    is learned (data.loss_on=completion): else every record would be refused by the tokenize stage."""
+    """The chat template records are rendered with (data.format=chat needs one; prompt/completion records only when
+    they are lists of messages, which the first records' check finds): data.chat_template's file exists, the
+    folder's named template exists, it compiles, and where only the assistant's tokens are learned its renderings of
+    a conversation's prefixes extend each other (or it has generation tags), else nothing could be told apart."""
     try:
         template = tokenizers.chat_template(d)
-    except OSError as e:
-        return [Problem("data.chat_template", d.chat_template, f"the template file cannot be read ({e.strerror})",
-                        "data.chat_template= a readable Jinja file, or the template's text")]
-    if not template:
+    except KeyError:
         folder = tokenizers.hf_folder(d.tokenizer)
-        where = f"the tokenizer folder {folder} has no chat_template" if folder else \
+        names = sorted(templates_of(folder)) if folder else []
+        return [Problem("data.chat_template_name", d.chat_template_name, f"the tokenizer folder {folder} has no chat "
+                        f"template of this name (it has: {', '.join(names) or 'none'})",
+                        f"data.chat_template_name= one of {', '.join(names)}" if names else
+                        "data.chat_template_name='' and data.chat_template= a Jinja template")]
+    except OSError as e:
+        given = Path(d.chat_template).expanduser()
+        near = difflib.get_close_matches(given.name, _names_in(given.parent), n=3, cutoff=0.6)
+        return [Problem("data.chat_template", d.chat_template, "a value without Jinja markup ({{ or {%) is a template "
+                        f"file's path, and this one cannot be read ({e.strerror})",
+                        (f"did you mean {', '.join(str(given.parent / n) for n in near)}? " if near else "")
+                        + "data.chat_template= an existing Jinja file, or the template's text")]
+    if not template:
+        if d.format != "chat":
+            return []
+        folder = tokenizers.hf_folder(d.tokenizer)
+        where = f"the tokenizer folder {folder} has no chat template" if folder else \
             f"data.tokenizer={d.tokenizer} carries no chat template"
         return [Problem("data.chat_template", d.chat_template, f"chat records are rendered with a chat template; "
                         f"{where}", "data.chat_template= a Jinja template (its text or a file), or "
-                        "data.tokenizer=hf:<a folder whose tokenizer_config.json has one>")]
+                        "data.tokenizer=hf:<a folder whose chat_template.jinja or tokenizer_config.json has one>")]
     try:
         compiled(template)
     except Exception as e:  # jinja2's TemplateSyntaxError (and what a sandboxed compile may raise)
@@ -134,9 +152,24 @@ def _chat_problems(d) -> list[Problem]:
                         f"the chat template cannot be read as Jinja: {type(e).__name__}: {e}",
                         "data.chat_template= a template that compiles (transformers' apply_chat_template would "
                         "refuse this one too)")]
-    if d.loss_on == "completion" and "generation" not in template:
-        return [Problem("data.loss_on", d.loss_on, "only the assistant's tokens are learned, and the chat template "
-                        "does not mark them ({% generation %} ... {% endgeneration %} around the assistant's turns, as "
-                        "transformers' return_assistant_tokens_mask needs)", "data.chat_template= a template with "
-                        "generation tags, or data.loss_on=all (every token learned)")]
+    if d.loss_on == "completion" and not has_generation_tags(template):
+        try:
+            assistant_spans(template, PROBE_CHAT, **tokenizers.template_variables(d))
+        except NotExtending as e:
+            return [Problem("data.chat_template", d.chat_template or tokenizers.hf_folder(d.tokenizer),
+                            f"only the assistant's tokens are learned (data.loss_on=completion), and on a one-turn "
+                            f"conversation {e}", "{% generation %} ... {% endgeneration %} around the assistant's "
+                            "turns in a copy of the template, or data.loss_on=all")]
+        except Exception:  # a template that cannot render this conversation: the first records' check says so
+            pass
     return []
+
+
+PROBE_CHAT = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hello."}]
+
+
+def _names_in(folder: Path) -> list[str]:
+    try:
+        return [p.name for p in folder.iterdir()]
+    except OSError:
+        return []

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from plugins.data import tokenizer as tokenizers
+from plugins.data.folders import FolderError, folder_files
 from plugins.data.packing import packed_stream
 from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields
+from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
 from storage.fsio import digests, why_not_a_file
@@ -133,6 +136,12 @@ def _doc_name(entry: Path, f: Path) -> str:
     return f.relative_to(entry).as_posix() if entry.is_dir() else f.name
 
 
+def _folder_files(folder: Path, d) -> list[Path]:
+    """A folder's files: a datasets folder's data.split as datasets reads it, else its text and records files."""
+    return folder_files(folder, d.get("split") or "train", _TEXT_SUFFIXES,
+                        lambda root, suffixes: _walk(root, suffixes, {"__pycache__"}))
+
+
 def _text_files(cfg) -> list[tuple[str, Path]]:
     files = []
     for entry in cfg.paths:
@@ -140,12 +149,24 @@ def _text_files(cfg) -> list[tuple[str, Path]]:
         if _is_glob(entry):
             files.extend((m.name, m) for m in _glob(entry))
         elif p.is_dir():
-            files.extend((_doc_name(p, f), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"}))
+            files.extend((_doc_name(p, f), f) for f in _folder_files(p, cfg))
         elif p.is_file():
             files.append((p.name, p))
         else:
             raise FileNotFoundError(f"data.paths entry {entry!r} does not exist")
-    return files
+    return unique_files(files)
+
+
+def unique_files(files: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+    """Each file once, where paths, globs or links name it twice (overlapping patterns, a folder and a file in it):
+    the first name it was given, by its real path."""
+    seen, kept = set(), []
+    for name, path in files:
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            kept.append((name, path))
+    return kept
 
 
 SNIFF_BYTES = 1 << 20  # how much of each file is checked for binary content and UTF-8 before launch
@@ -167,7 +188,12 @@ def _check_text(cfg) -> list[tuple]:
                 problems.append(("data.paths", entry, "the pattern matches no file", "a pattern that matches files"))
             continue
         if p.is_dir():
-            found = [(_doc_name(p, f), f) for f in _walk(p, _TEXT_SUFFIXES, {"__pycache__"})]
+            try:
+                found = [(_doc_name(p, f), f) for f in _folder_files(p, d)]
+            except FolderError as e:
+                problems.append(("data.split", d.split, str(e), "data.split= one of the splits it has"
+                                 if "data.split=" in str(e) else "save the dataset again (save_to_disk)"))
+                continue
             if not found:
                 problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
                                  "(folders are searched for those)", "a folder with text files, or the files"))
@@ -177,6 +203,7 @@ def _check_text(cfg) -> list[tuple]:
                              if not os.path.lexists(p) else "a regular text file, or a folder of them"))
         else:
             files.append((p.name, p))
+    files = unique_files(files)
     bad, field_key = [], None
     fields = record_fields(d)
     for name, path in files:
@@ -197,7 +224,32 @@ def _check_text(cfg) -> list[tuple]:
                          "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
                          "per line)" + (f"; data.format={d.format} reads .jsonl and .parquet files only"
                                         if d.format != "text" else "")))
-    return problems or _check_amount(files, cfg)
+    return problems or _first_records_problems(files, d) or _check_amount(files, cfg)
+
+
+def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
+    """The first records of each records file (its first piece: SNIFF_BYTES of JSON Lines, a Parquet row group, a
+    run of Arrow batches) read as the tokenize stage reads them: a mistake in their types, messages or template is
+    refused now, naming the file and record, not after the stages before tokenize ran."""
+    chosen = [(name, path) for name, path in files if path.suffix in RECORDS]
+    if not chosen:
+        return []
+    try:
+        template = tokenizers.chat_template(d)
+        variables = tokenizers.template_variables(d)
+    except (OSError, ValueError, KeyError):  # said by the data rules (data.chat_template[_name], data.tokenizer)
+        return []
+    for name, path in chosen:
+        pieces = layout([(name, path)], SNIFF_BYTES, d.val_fraction).pieces
+        found = first_records_problem(d, pieces[0], template, variables) if pieces else None
+        if found:
+            key, why = found
+            rule, _, fix = why.partition("; fix: ")
+            return [(key, d.get(key.split(".", 1)[1]) if key != "data.paths" else list(d.paths), rule,
+                     fix or ("repair the record, or remove the file from data.paths" if key == "data.paths" else
+                             "data.chat_template= a template for these records" if key == "data.chat_template" else
+                             "records with something to learn, or data.loss_on=all"))]
+    return []
 
 
 def _not_text(path: Path) -> str:

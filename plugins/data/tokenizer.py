@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from plugins.data.chat import template_of
+from plugins.data.chat import templates_of
 
 EOS = 256
 PAD = 257
@@ -198,12 +198,35 @@ def make(data_cfg, train_texts: Iterable[bytes] = ()) -> Tokenizer:
     return tok
 
 
+def template_variables(data_cfg) -> dict:
+    """The special tokens' texts a chat template reads (bos_token, eos_token, ...), as the tokenize stage passes them,
+    known before launch (a BPE's are the fixed <eos>)."""
+    folder = hf_folder(data_cfg.tokenizer)
+    if folder is not None:
+        return load_hf(folder).special or {}
+    return {"eos_token": EOS_TOKEN}
+
+
 def chat_template(data_cfg) -> Optional[str]:
-    """The template chat records are rendered with: data.chat_template (a Jinja file's path or the template's
-    text), else the data.tokenizer=hf: folder's own (None: neither)."""
+    """The template chat records are rendered with: data.chat_template (text with Jinja markup is the template,
+    anything else a file's path), else the data.tokenizer=hf: folder's own, data.chat_template_name picking one of
+    its named templates (None: neither). OSError: the path names no file; KeyError: the folder has no template of
+    that name."""
     given = data_cfg.get("chat_template") or ""
     if given:
-        path = Path(given).expanduser()
-        return path.read_text() if "{" not in given and path.is_file() else given
+        if is_template_text(given):
+            return given
+        return Path(given).expanduser().read_text()
     folder = hf_folder(data_cfg.tokenizer)
-    return template_of(folder) if folder is not None and folder.is_dir() else None
+    if folder is None or not folder.is_dir():
+        return None
+    name = data_cfg.get("chat_template_name") or ""
+    templates = templates_of(folder)
+    if name and name not in templates:
+        raise KeyError(name)
+    return templates.get(name or "default")
+
+
+def is_template_text(value: str) -> bool:
+    """data.chat_template is the template's text when it has Jinja markup; else it is a path."""
+    return "{{" in value or "{%" in value

@@ -1,0 +1,94 @@
+"""What a folder in data.paths holds: a Hugging Face `datasets` folder read as `datasets` reads it, else its files.
+
+- `Dataset.save_to_disk`: the Arrow files its state.json names (not the `cache-*.arrow` files `.map()` leaves
+  beside them, nor its JSON metadata).
+- `DatasetDict.save_to_disk`: the split data.split names (dataset_dict.json lists them), read as above.
+- A Hub snapshot (a dataset card, README.md, beside its data files): the files of data.split by the names
+  `load_dataset(folder)` gives splits (`train-00000-of-00001.parquet`, `data/test.jsonl`, ...; with no split in
+  any name, every file is the train split).
+- Any other folder: every file with a suffix of `suffixes`, in name order.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+from pathlib import Path
+
+# datasets.data_files' keywords of a split in a file's path (DEFAULT_PATTERNS_SPLIT_IN_FILENAME/_DIR_NAME)
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+_SEP = "[-._ 0-9]"
+DATA_SUFFIXES = (".parquet", ".jsonl", ".arrow")
+
+
+class FolderError(ValueError):
+    """A datasets folder that cannot give data.split (the message says why and what it has)."""
+
+
+def kind(folder: Path) -> str:
+    """dataset_dict | dataset | hub | plain."""
+    if (folder / "dataset_dict.json").is_file():
+        return "dataset_dict"
+    if (folder / "state.json").is_file():
+        return "dataset"
+    if _is_dataset_card(folder / "README.md"):
+        return "hub"
+    return "plain"
+
+
+def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], walk) -> list[Path]:
+    """The files a folder gives for data.split (walk(folder, suffixes): its files of those suffixes, in order)."""
+    what = kind(folder)
+    if what == "dataset_dict":
+        splits = _json(folder / "dataset_dict.json").get("splits") or []
+        if split not in splits:
+            raise FolderError(f"{folder} is a DatasetDict saved by save_to_disk whose splits are "
+                              f"{', '.join(map(json.dumps, splits)) or 'none'}; data.split={split} is none of them")
+        return folder_files(folder / split, split, suffixes, walk)
+    if what == "dataset":
+        files = [folder / entry["filename"] for entry in _json(folder / "state.json").get("_data_files") or []
+                 if isinstance(entry, dict) and isinstance(entry.get("filename"), str)]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing or not files:
+            raise FolderError(f"{folder} is a Dataset saved by save_to_disk whose state.json names "
+                              + (f"files that are missing: {', '.join(missing[:3])}" if missing else "no data file"))
+        return files
+    found = walk(folder, suffixes)
+    if what == "plain":
+        return found
+    data = [f for f in found if f.suffix in DATA_SUFFIXES]
+    by_split = {name: [f for f in data if _in_split(f.relative_to(folder).as_posix(), name)] for name in SPLIT_KEYWORDS}
+    if not any(by_split.values()):
+        by_split = {"train": data}  # load_dataset: no split in any name, every file is train
+    if not by_split.get(split):
+        have = [name for name, files in by_split.items() if files]
+        raise FolderError(f"{folder} is a dataset repository (README.md is a dataset card) whose data files give "
+                          f"the splits {', '.join(have) or 'none'}; data.split={split} is none of them")
+    return by_split[split]
+
+
+def _in_split(relative: str, split: str) -> bool:
+    for keyword in SPLIT_KEYWORDS[split]:
+        patterns = (f"{keyword}{_SEP}*", f"*{_SEP}{keyword}{_SEP}*", f"{keyword}/*", f"*/{keyword}/*")
+        name = relative.rsplit("/", 1)[-1]
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns[:2]) or \
+                any(fnmatch.fnmatchcase(relative, p) for p in patterns[2:]):
+            return True
+    return False
+
+
+def _is_dataset_card(path: Path) -> bool:
+    """A Hub dataset's README.md starts with its YAML metadata ('---')."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4).startswith(b"---")
+    except OSError:
+        return False
+
+
+def _json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise FolderError(f"{path} cannot be read as JSON ({e})") from None
+    return value if isinstance(value, dict) else {}

@@ -1,0 +1,187 @@
+"""A record as the tokenize stage reads it: its fields by their type (text, or lists of messages), a chat rendered
+with the chat template and the tokens the model learns in it, and the same reading of a file's first records before
+launch (first_records_problem), so that a format mistake is refused before any stage starts."""
+from __future__ import annotations
+
+import itertools
+from typing import Iterator, Optional
+
+import numpy as np
+
+from plugins.data import tokenizer as tokenizers
+from plugins.data.chat import (STANDARD_ROLES, NotExtending, assistant_spans, completion_span, encode_spans, render,
+                               roles)
+from plugins.data.reading import documents, kind_of, preview, record_fields, records, text_value
+
+
+def masks_loss(cfg) -> bool:
+    """Whether the records say which tokens the model learns (the shards then hold a mask beside the tokens)."""
+    return masks_loss_of(cfg.data)
+
+
+def masks_loss_of(d) -> bool:
+    return d.format in ("prompt_completion", "chat") and d.loss_on == "completion"
+
+
+def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
+    """(split, its texts, closes its document) of a piece: one text, a record's prompt and completion
+    (data.format=prompt_completion; a record whose completion is empty has no texts: nothing in it would be learned,
+    it is counted and left out), or a chat record's messages (Chat; a prompt and completion that are lists of
+    messages, TRL's conversational form: Conversation)."""
+    if d.format == "text":
+        for split, text, closes in documents(piece, d.text_field, d.val_fraction):
+            yield split, (text,), closes
+        return
+    for split, record, where in records(piece, record_fields(d), d.val_fraction):
+        if d.format == "chat":
+            yield split, Chat(record["messages_field"], where), True
+            continue
+        prompt, completion = record["prompt_field"], record["completion_field"]
+        if isinstance(prompt, list) or isinstance(completion, list):
+            yield split, Conversation(prompt, completion, where, d), True
+            continue
+        learned = text_value(completion, where, "completion_field", d.completion_field)
+        yield split, Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) \
+            if learned else (), True
+
+
+class Record(tuple):
+    """A record's texts (its prompt and its completion), knowing where it is (for a message)."""
+
+    def __new__(cls, texts, where):
+        record = super().__new__(cls, texts)
+        record.where = where
+        return record
+
+
+def messages_problem(messages, what: str) -> str:
+    """Why `messages` is not a list of {role, content} messages of text ('' when it is)."""
+    if not isinstance(messages, list):
+        return f"{what} is {_kind(messages)}, not a list of {{role, content}} messages: {preview(messages)}"
+    if not messages:
+        return f"{what} is an empty list of messages"
+    for i, m in enumerate(messages, 1):
+        if not isinstance(m, dict):
+            return f"{what}'s message {i} is {_kind(m)}, not a {{role, content}} object: {preview(m)}"
+        for field in ("role", "content"):
+            if field not in m:
+                return f"{what}'s message {i} has no {field!r} (its fields: {', '.join(m) or 'none'})"
+            if not isinstance(m[field], str):
+                return f"{what}'s message {i} has a {field!r} that is {_kind(m[field])}, not text: {preview(m[field])}"
+    return ""
+
+
+def _kind(value) -> str:
+    return "null" if value is None else kind_of(value)
+
+
+class Chat(Record):
+    """A chat record's messages, as a document's texts (their contents: what a BPE learns from); the tokenize stage
+    renders it with the chat template and learns the assistant's tokens (plugins/data/chat.py)."""
+
+    def __new__(cls, messages, where):
+        if why := messages_problem(messages, "the record's data.messages_field"):
+            raise ValueError(f"{where}: {why}; fix: records whose data.messages_field is a list of "
+                             "{\"role\": ..., \"content\": \"text\"} objects")
+        chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages), where)
+        chat.messages = messages
+        return chat
+
+
+class Conversation(Chat):
+    """A prompt/completion record in TRL's conversational form (both lists of messages): rendered with the chat
+    template, the prompt with the generation prompt and the completion as what follows it; the completion learned."""
+
+    def __new__(cls, prompt, completion, where, d):
+        if isinstance(prompt, list) != isinstance(completion, list):
+            (lists, key), (other, other_key) = sorted(((prompt, "prompt_field"), (completion, "completion_field")),
+                                                      key=lambda pair: not isinstance(pair[0], list))
+            raise ValueError(f"{where}: data.{key} ({d[key]!r}) is a list of messages and data.{other_key} "
+                             f"({d[other_key]!r}) is {_kind(other)}: a prompt/completion record is either two texts "
+                             "or two lists of {role, content} messages (TRL's conversational form); fix: repair the "
+                             "record")
+        for value, key in ((prompt, "prompt_field"), (completion, "completion_field")):
+            if why := messages_problem(value, f"data.{key} ({d[key]!r})"):
+                raise ValueError(f"{where}: {why}; a prompt/completion record is either two texts or two lists "
+                                 "of messages (TRL's conversational form); fix: repair the record")
+        chat = super().__new__(cls, prompt + completion, where)
+        chat.prompt, chat.completion = prompt, completion
+        return chat
+
+
+def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
+    assistant's (a Conversation: its completion's): an appended <eos> too when the chat's last message is the
+    assistant's (it learns to stop there)."""
+    unknown = next((m["role"] for m in chat.messages if m["role"] not in roles(tok.chat_template)), None)
+    if unknown is not None:
+        raise ValueError(f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} "
+                         f"nor named by the chat template (it would render as the template's fallback, or not at "
+                         f"all); fix: rename the role in the records, or data.chat_template= a template that "
+                         f"knows it")
+    ids, trained = encode_chat_record(tok, chat, masked)
+    if tok.eos in ids:  # the template ends turns with <eos> itself (ChatML's <|im_end|>, Llama 3's <|eot_id|>):
+        return ids, trained  # its assistant mask holds the stop; one more would teach a second stop after the first
+    return np.append(ids, tok.eos), np.append(trained, chat.messages[-1]["role"] == "assistant")
+
+
+def encode_chat_record(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The rendered record's ids and the assistant's (or the completion's) tokens, the record named on a failure
+    (masked=False: every token learned, nothing looked for)."""
+    text, spans, whole = chat_spans(tok.chat_template, chat, masked, **(tok.special or {}))
+    return encode_spans(tok.with_offsets(), text, spans, whole)
+
+
+def chat_spans(template: str, chat: Chat, masked: bool = True,
+               **variables) -> tuple[str, list[tuple[int, int]], bool]:
+    """(the rendered record, the character spans learned, whether their ends go back to whole tokens), the record
+    named on a failure."""
+    try:
+        if not masked:
+            text, _ = render(template, chat.messages, **variables)
+            return text, [(0, len(text))], False
+        if isinstance(chat, Conversation):
+            text, span = completion_span(template, chat.prompt, chat.completion, **variables)
+            return text, [span], False
+        return assistant_spans(template, chat.messages, **variables)
+    except NotExtending as e:
+        raise ValueError(f"{chat.where}: {e}; fix: data.chat_template= a template whose renderings of a "
+                         "conversation's beginning are the start of the whole (or with {% generation %} tags around "
+                         "the assistant's turns), or data.loss_on=all") from None
+    except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
+        raise ValueError(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
+                         f"fix: data.chat_template= a template for these messages") from None
+
+
+CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them
+
+
+def first_records_problem(d, piece, template: Optional[str], variables: dict) -> Optional[tuple[str, str]]:
+    """(key, why) when the first records of a file's first piece cannot be tokenized as data.format says (the
+    fields' types, the messages, their roles, the template's rendering), or none of them has a token to learn;
+    None when they can. The same reading as the tokenize stage's, so a format mistake is refused before launch."""
+    learned = seen = 0
+    try:
+        for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
+            seen += 1
+            if not isinstance(texts, Chat):
+                learned += bool(texts and texts[-1])
+                continue
+            if not template:
+                return "data.chat_template", (f"{texts.where}: the record is a conversation, which is rendered with "
+                                              "a chat template, and there is none")
+            unknown = next((m["role"] for m in texts.messages if m["role"] not in roles(template)), None)
+            if unknown is not None:
+                return "data.paths", (f"{texts.where}: a message's role {unknown!r} is neither one of "
+                                      f"{', '.join(STANDARD_ROLES)} nor named by the chat template")
+            text, spans, _ = chat_spans(template, texts, masks_loss_of(d), **variables)
+            learned += any(b > a for a, b in spans)
+    except ValueError as e:
+        return "data.paths", str(e)
+    except Exception as e:  # OSError, pyarrow's ArrowInvalid: a corrupt or truncated file
+        return "data.paths", f"{piece.path}: cannot be read ({type(e).__name__}: {e})"
+    if seen and not learned and masks_loss_of(d):
+        return "data.loss_on", (f"{piece.path}: none of its first {seen} record(s) has a token to learn ("
+                                + ("no assistant message with text" if d.format == "chat" else "every completion "
+                                   "empty") + ")")
+    return None

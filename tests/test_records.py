@@ -1,0 +1,175 @@
+"""Records read by their type (issue 49): text fields are strings or UTF-8 binary, never a value's Python spelling;
+prompt/completion records whose prompt and completion are lists of messages are TRL's conversational form; a
+tokenizer folder's named chat templates; a file named twice is read once."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from plugins.data.corpus import tokenized
+from plugins.data.rules import check
+from tests.conftest import make_cfg
+from tests.test_chat import CHATML, hf_tokenizer  # noqa: F401 (a fixture: a tokenizer folder with a ChatML template)
+
+BASE = ["data=text", "data.packing=false", "train.seq_len=64", "train.batch_size=2", "data.val_fraction=0.2"]
+
+
+def documents(corpus) -> list[tuple[list[int], list[int]]]:
+    masks = (corpus.train_mask or [None] * len(corpus.train)) + (corpus.val_mask or [None] * len(corpus.val))
+    return sorted((ids.tolist(), None if m is None else m.astype(int).tolist())
+                  for ids, m in zip(corpus.train + corpus.val, masks))
+
+
+def test_conversational_prompt_completion_gives_trls_ids_and_completion_mask(tmp_path, hf_tokenizer):
+    """TRL's SFT on {prompt: [messages], completion: [messages]}: the prompt rendered with the generation prompt,
+    the prompt and completion rendered together, the tokens after the prompt's learned. The ChatML template ends the
+    assistant's turn with the tokenizer's eos (<|im_end|>): nothing is appended."""
+    hf, folder = hf_tokenizer
+    rows = [{"prompt": [{"role": "user", "content": f"Add {a} and {a + 1}."}],
+             "completion": [{"role": "assistant", "content": f"{2 * a + 1}."}]} for a in range(40)]
+    rows[3]["prompt"].insert(0, {"role": "system", "content": "You answer briefly."})
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    expected = []
+    for r in rows:  # trl.SFTTrainer's tokenize for conversational prompt-completion records
+        prompt_ids = hf.apply_chat_template(r["prompt"], tokenize=True, add_generation_prompt=True,
+                                            return_dict=True)["input_ids"]
+        ids = list(hf.apply_chat_template(r["prompt"] + r["completion"], tokenize=True, return_dict=True)["input_ids"])
+        assert ids[:len(prompt_ids)] == list(prompt_ids)
+        expected.append((ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))))
+    cfg = make_cfg(*BASE, f"data.paths=[{tmp_path}/pc.jsonl]", "data.format=prompt_completion",
+                   f"data.tokenizer=hf:{folder}", runs_dir=tmp_path)
+    assert check(cfg) == []
+    assert documents(tokenized(cfg)) == sorted(expected)
+
+
+def test_a_binary_column_is_read_as_its_utf8_text_and_other_types_are_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"record {i}: naïve café " * 3 for i in range(30)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "strings.parquet")
+    pq.write_table(pa.table({"text": pa.array([t.encode() for t in texts], pa.binary())}), tmp_path / "binary.parquet")
+    pq.write_table(pa.table({"text": pa.array([t.encode() for t in texts[:5]] + [b"\xff\xfe bad"], pa.binary())}),
+                   tmp_path / "latin.parquet")
+    pq.write_table(pa.table({"text": [[1, 2]] * 3}), tmp_path / "lists.parquet")
+
+    def cfg(name):
+        return make_cfg(*BASE, f"data.paths=[{tmp_path}/{name}.parquet]", runs_dir=tmp_path)
+
+    assert documents(tokenized(cfg("binary"))) == documents(tokenized(cfg("strings")))
+    for name, words in (("latin", "row 5: the field 'text' (data.text_field) is binary and not UTF-8 text (byte 0: "
+                                  "0xff)"),
+                        ("lists", "row 0: the field 'text' (data.text_field) holds a list, not text: [1, 2]")):
+        problems = check(cfg(name))
+        assert [p.key for p in problems] == ["data.paths"] and words in problems[0].rule, problems
+
+
+def test_a_folders_named_chat_templates_are_read_as_transformers_reads_them(tmp_path, hf_tokenizer):
+    """chat_template.jinja (what transformers writes now) is the default; additional_chat_templates/NAME.jinja are
+    picked by data.chat_template_name; a name the folder lacks is refused listing the names it has."""
+    import shutil
+
+    from plugins.data.tokenizer import chat_template
+
+    _, saved = hf_tokenizer
+    folder = tmp_path / "tok"
+    shutil.copytree(saved, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    (folder / "chat_template.jinja").write_text(CHATML)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "plain.jinja").write_text(
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    args = ["data=text", "data.format=chat", f"data.tokenizer=hf:{folder}"]
+    assert chat_template(make_cfg(*args).data) == CHATML
+    assert chat_template(make_cfg(*args, "data.chat_template_name=plain").data).startswith("{% for m in messages %}")
+    (tmp_path / "chats.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                                   {"role": "assistant", "content": "Hello"}]}) + "\n")
+    problems = check(make_cfg(*args, f"data.paths=[{tmp_path}/chats.jsonl]", "data.chat_template_name=tools"))
+    problems = [p for p in problems if p.key.startswith("data.")]  # a corpus of one record is too small, too
+    assert [p.key for p in problems] == ["data.chat_template_name"]
+    assert "has no chat template of this name (it has: default, plain)" in problems[0].rule
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """Overlapping globs, a folder and a file inside it, a link to a file: each file is read once."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"part{i}.txt").write_text(f"document {i} " * 400 + "\n")
+    (tmp_path / "link.txt").symlink_to(corpus / "part0.txt")
+    once = documents(tokenized(make_cfg(*BASE, f"data.paths=[{corpus}]", runs_dir=tmp_path)))
+    twice = make_cfg(*BASE, f"data.paths=[{corpus}/*.txt,{corpus}/*0.txt,{corpus},{tmp_path}/link.txt]",
+                     runs_dir=tmp_path)
+    assert check(twice) == []
+    assert documents(tokenized(twice)) == once
+
+
+@pytest.mark.parametrize("record,words", [
+    ({"prompt": [{"role": "user", "content": "Q"}], "completion": "A"},
+     "data.prompt_field ('prompt') is a list of messages and data.completion_field ('completion') is a string"),
+    ({"prompt": [{"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": 7}]},
+     "data.completion_field ('completion')'s message 1 has a 'content' that is a number, not text: 7"),
+    ({"prompt": {"text": "Q"}, "completion": "A"},
+     "the field 'prompt' (data.prompt_field) holds an object, not text: {\"text\": \"Q\"}"),
+], ids=["list-and-text", "content-number", "object"])
+def test_a_record_of_the_wrong_types_is_refused_before_launch_naming_its_line(tmp_path, hf_tokenizer, record, words):
+    _, folder = hf_tokenizer
+    good = {"prompt": "Q: 1+1?", "completion": " 2."}
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [good] * 6 + [record] + [good] * 6))
+    problems = check(make_cfg(*BASE, f"data.paths=[{tmp_path}/r.jsonl]", "data.format=prompt_completion",
+                              f"data.tokenizer=hf:{folder}"))
+    assert [p.key for p in problems] == ["data.paths"], problems
+    assert f"{tmp_path}/r.jsonl: line 7: " in problems[0].rule and words in problems[0].rule, problems[0].rule
+
+
+# -- datasets folders, compared with what `datasets` itself reads ----------------------------------------------
+
+def _texts(corpus) -> list[str]:
+    """The records' texts (data.tokenizer=bytes, one record a document: its bytes, then <eos>)."""
+    return sorted(bytes(ids[:-1]).decode() for ids, _ in documents(corpus))
+
+
+@pytest.fixture(scope="module")
+def saved_datasets(tmp_path_factory):
+    import datasets
+
+    datasets.disable_progress_bars()
+    root = tmp_path_factory.mktemp("datasets")
+    rows = {split: [f"{split} record {i}: " + "words " * (5 + i % 7) for i in range(n)]
+            for split, n in (("train", 40), ("test", 12))}
+    whole = datasets.DatasetDict({s: datasets.Dataset.from_dict({"text": r}) for s, r in rows.items()})
+    whole.save_to_disk(str(root / "dict"))
+    one = datasets.Dataset.from_dict({"text": rows["train"]})
+    one.save_to_disk(str(root / "mapped"))
+    datasets.load_from_disk(str(root / "mapped")).map(lambda r: {"text": r["text"].upper()})  # leaves cache-*.arrow
+    hub = root / "hub"
+    (hub / "data").mkdir(parents=True)
+    (hub / "README.md").write_text("---\nlicense: mit\n---\n# A dataset\n")
+    for split, r in rows.items():
+        datasets.Dataset.from_dict({"text": r}).to_parquet(str(hub / "data" / f"{split}-00000-of-00001.parquet"))
+    return root
+
+
+@pytest.mark.parametrize("folder,split", [("dict", "train"), ("dict", "test"), ("mapped", "train"), ("hub", "train"),
+                                          ("hub", "test")])
+def test_a_datasets_folder_gives_the_rows_datasets_gives(tmp_path, saved_datasets, folder, split):
+    import datasets
+
+    path = saved_datasets / folder
+    assert folder != "mapped" or any(p.name.startswith("cache-") for p in path.iterdir())
+    theirs = (datasets.load_dataset(str(path), split=split) if folder == "hub"
+              else datasets.load_from_disk(str(path)))
+    theirs = theirs[split] if isinstance(theirs, datasets.DatasetDict) else theirs
+    cfg = make_cfg(*BASE, f"data.paths=[{path}]", f"data.split={split}", runs_dir=tmp_path)
+    assert check(cfg) == []
+    assert _texts(tokenized(cfg)) == sorted(theirs["text"])
+
+
+def test_a_split_a_datasets_folder_lacks_is_refused_naming_its_splits(saved_datasets):
+    problems = check(make_cfg(*BASE, f"data.paths=[{saved_datasets / 'dict'}]", "data.split=validation"))
+    assert [p.key for p in problems] == ["data.split"]
+    assert 'splits are "train", "test"; data.split=validation is none of them' in problems[0].rule
