@@ -31,11 +31,23 @@ from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import validate, warnings
 from planning.plan import memory_line, time_line
 from plugins.data.corpus import plan_lines
+from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores
 from storage.fsio import atomic_write_json, disk_space, read_json
 from stages import all_stages
 
 ATTEMPT_FILE = "attempt.json"
+
+
+def data_preview(cfg) -> list:
+    """The first record of each source as the model sees it (data.preview=N: N of them); a record that cannot be
+    shown is the tokenize stage's to name (the checks before launch read the same records)."""
+    text = cfg.data.format == "text"
+    try:
+        return preview(cfg, cfg.data.preview or 1, console.is_terminal,
+                       chars=PLAN_CHARS if cfg.data.preview or not text else PLAN_CHARS // 4)
+    except Exception as e:  # noqa: BLE001 (the plan goes on without it)
+        return [f"data: no preview of the first record ({type(e).__name__}: {e})"]
 
 
 def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
@@ -66,8 +78,12 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
     data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
     for line in [*choices, memory_line(cfg, orchestrator_bytes(cfg)),
-                 time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *data, *warnings(cfg)]:
+                 time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *data,
+                 *(data_preview(cfg) if tokenize else []), *warnings(cfg)]:
         console.print(line, soft_wrap=True)
+    if cfg.data.preview:
+        console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)
+        return Report(run_dir)
     for ps in plan:
         if ps.damage:
             console.print(f"warning: the cached {ps.name} output {cache.entry(ps.name, ps.key)} is damaged "
@@ -166,7 +182,7 @@ def _check_cache_writable(cfg: DictConfig, plan: list[PlannedStage], cache: Cach
     from storage.fsio import why_unwritable
 
     must_run = [ps.name for ps in plan if not ps.cached]
-    why = why_unwritable(cache.root) if must_run and not cfg.dry_run else ""
+    why = why_unwritable(cache.root) if must_run and not (cfg.dry_run or cfg.data.preview) else ""
     if why:
         outputs = "its output" if len(must_run) == 1 else "their outputs"
         raise ConfigError([Problem("cache_dir", cfg.cache_dir, f"{', '.join(must_run)} must run and write {outputs} "

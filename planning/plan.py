@@ -83,8 +83,9 @@ def time_line(cfg, saving: bool = True) -> str:
     A dry run does not measure (it only plans); saving=False (train and aggregate cached) leaves the disk out."""
     flops = step_flops(cfg, partition_plan(cfg)["n_parameters"])
     head = f"time: {flops / 1e12:,.3f} TFLOP per step"
-    if cfg.dry_run:
-        return f"{head}; this machine's matmul rate and disk speed are measured when the run starts (not in a dry run)"
+    if cfg.dry_run or cfg.data.get("preview"):
+        return (f"{head}; this machine's matmul rate and disk speed are measured when the run starts (not in a "
+                f"{'dry run' if cfg.dry_run else 'data preview'})")
     if cfg.cluster.name == "slurm":
         steps = f"{head}; the rate is not estimated here (the stages run on the cluster's nodes)"
     else:

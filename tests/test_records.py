@@ -173,3 +173,86 @@ def test_a_split_a_datasets_folder_lacks_is_refused_naming_its_splits(saved_data
     problems = check(make_cfg(*BASE, f"data.paths=[{saved_datasets / 'dict'}]", "data.split=validation"))
     assert [p.key for p in problems] == ["data.split"]
     assert 'splits are "train", "test"; data.split=validation is none of them' in problems[0].rule
+
+
+# -- tokens as at inference: <bos> where the tokenizer adds one, one <eos>, TRL's joint encoding ----------------
+
+@pytest.fixture(scope="module")
+def llama_like(tmp_path_factory):
+    """A tokenizer folder whose post-processor puts <s> before every text, as Llama's do (eos </s>)."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["Answer: the water is wet.", "Q: what colour is the sky? A: blue, mostly."] * 30
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    folder = tmp_path_factory.mktemp("llama_like")
+    hf.save_pretrained(folder)
+    return hf, folder
+
+
+PAIRS = [("Answer: ", "the water"), ("Q: what colour is the sky? A:", " blue, mostly.</s>"), ("Q: 2+2?", " 4.")]
+
+
+@pytest.mark.parametrize("encoding", ["separate", "joint"])
+def test_prompt_completion_ids_are_as_at_inference_with_one_eos(tmp_path, llama_like, encoding):
+    """<bos> as the tokenizer's post-processor adds it; a completion that ends with the eos text gets no second one.
+    joint: TRL's ids and completion_mask (its add_eos, then tokenizer(prompt) and tokenizer(prompt + completion));
+    separate: the prompt and completion encoded apart ('Answer: ' + 'the' is ' ' 't' 'he', not ' the')."""
+    hf, folder = llama_like
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in PAIRS * 4))
+    expected = []
+    for prompt, completion in PAIRS * 4:
+        if encoding == "joint":
+            completion = completion if completion.endswith(hf.eos_token) else completion + hf.eos_token
+            prompt_ids, ids = hf(prompt)["input_ids"], hf(prompt + completion)["input_ids"]
+        else:
+            prompt_ids = [hf.bos_token_id] + hf(prompt, add_special_tokens=False)["input_ids"]
+            ids = prompt_ids + hf(completion.removesuffix("</s>"), add_special_tokens=False)["input_ids"] + [
+                hf.eos_token_id]
+        expected.append((ids, [0] * len(prompt_ids) + [1] * (len(ids) - len(prompt_ids))))
+        assert ids[0] == hf.bos_token_id and ids.count(hf.eos_token_id) == 1
+    cfg = make_cfg(*BASE, f"data.paths=[{tmp_path}/pc.jsonl]", "data.format=prompt_completion",
+                   f"data.tokenizer=hf:{folder}", f"data.prompt_encoding={encoding}", runs_dir=tmp_path)
+    assert documents(tokenized(cfg)) == sorted(expected)
+    assert ("Ġthe" in hf.convert_ids_to_tokens(expected[0][0])) == (encoding == "joint")  # the boundary's token
+
+
+def test_text_documents_start_with_bos_once(tmp_path, llama_like):
+    """Records and text files: <bos> before each document's start (not before a file's later pieces), one <eos>."""
+    hf, folder = llama_like
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in
+                                                 ["the water is wet.", "blue, mostly.</s>"] * 5))
+    cfg = make_cfg(*BASE, f"data.paths=[{tmp_path}/docs.jsonl]", f"data.tokenizer=hf:{folder}", runs_dir=tmp_path)
+    for ids, _ in documents(tokenized(cfg)):
+        assert ids == hf((hf.decode(ids[1:-1]) + "</s>"))["input_ids"] and ids.count(hf.eos_token_id) == 1
+
+
+# -- what trains, shown before it trains ---------------------------------------------------------------------
+
+def test_the_plan_shows_a_chats_learned_part_and_data_preview_stops_before_anything_runs(tmp_path):
+    """Qwen 2.5's template as it ships (no generation tags), the bytes tokenizer: the first record shown with the
+    assistant's turn between the marks (a pipe, not a terminal), its counts; data.preview=2 shows two and starts
+    nothing (no stage folder, no cache entry)."""
+    from tests.conftest import run_cli
+    from tests.test_chat import TEMPLATES
+
+    chats = [[{"role": "user", "content": f"What is {a} + 1?"}, {"role": "assistant", "content": f"{a + 1}."}]
+             for a in range(60)]
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    args = ["data=chat", f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={TEMPLATES}/qwen2.5.jinja",
+            "train.seq_len=128", "train.eval_batches=1", "tracking=none"]
+    done = run_cli(args + ["data.preview=2"], cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert f"data: {tmp_path}/chats.jsonl: line 1 as the model sees it, 14 of 176 tokens learned (between ⟦ and ⟧):" \
+        in out, out
+    assert "<|im_start|>assistant\n    ⟦1.<|im_end|>\n    <eos>⟧" in out and "line 2 as the model sees it" in out
+    assert "line 3 as the model sees it" not in out and "data.preview=2: nothing was started" in out
+    assert not (tmp_path / "runs" / "cache").exists() or not any((tmp_path / "runs" / "cache").glob("tokenize*"))
+    assert "\x1b[" not in out and "measured now" not in out  # no terminal codes in a pipe; nothing measured

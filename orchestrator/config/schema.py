@@ -240,6 +240,14 @@ class DataConfig:
                             read_when=PROMPT_COMPLETION)
     completion_field: str = key("completion", "data.format=prompt_completion: the field that holds its completion",
                                 read_when=PROMPT_COMPLETION)
+    prompt_encoding: str = key("separate", "data.format=prompt_completion with text fields: separate (the prompt "
+                                           "and the completion encoded apart, so the prompt's tokens are those "
+                                           "inference reads and the completion starts at a token boundary) or "
+                                           "joint (encoded as one text, its first len(prompt's ids) tokens not "
+                                           "learned: TRL's exact ids and completion_mask; a token may then span the "
+                                           "boundary, e.g. 'Answer: ' + 'the' gives ' the' where inference reads "
+                                           "' ' and generates 'the')", choices=("separate", "joint"),
+                               read_when=PROMPT_COMPLETION)
     messages_field: str = key("messages", "data.format=chat: the field that holds a record's messages",
                               read_when=CHAT)
     chat_template: str = key("", "records rendered as chats (data.format=chat, and prompt/completion records whose "
@@ -275,6 +283,9 @@ class DataConfig:
                                          "'data.mix=[{paths: [/corpus/web], weight: 0.7}, {paths: [/corpus/code], "
                                          "weight: 0.3}]'; each is tokenized on its own (data.max_bytes each), with "
                                          "one tokenizer; data.paths stays empty")
+    preview: int = key(0, "print the first this many records of each source as the model will see them (tokens "
+                          "decoded, the part that enters the loss marked) after the plan, and stop: nothing runs "
+                          "(0: the plan shows the first one and the run goes on)", content=False, min=0)
     synthetic_tokens: int = key(1_000_000, "synthetic: length of the random token stream", min=2,
                                 read_when=("data.name", ("synthetic",)))
 

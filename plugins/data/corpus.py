@@ -22,7 +22,7 @@ from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.reading import Layout, in_val, layout, partition
-from plugins.data.records import Chat, chat_ids, masks_loss, piece_documents
+from plugins.data.records import Chat, Continued, chat_ids, document_ids, encode_inputs, masks_loss, piece_documents
 from plugins.data.registry import Corpus, get_source, split_documents
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -161,13 +161,15 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards."""
     t0 = time.perf_counter()
     masked, longest = masks_loss(cfg), longest_record(cfg)
+    joint = cfg.data.get("prompt_encoding") == "joint"
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
     held = read = unlearned = 0
 
     def flush():
         nonlocal batch, held, unlearned
-        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat) for text in texts]))
+        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat)
+                                   for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
             if isinstance(texts, Chat):
                 ids, trained = chat_ids(tok, texts, masked)
@@ -175,12 +177,8 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                     unlearned += 1  # the template marks nothing of it as the assistant's
                     continue
             else:
-                pieces = [next(encoded) for _ in texts]  # one, or the prompt's and the completion's ids
-                ids = np.concatenate(pieces + ([np.array([tok.eos])] if closes else []))
-                trained = None
-                if masked:  # the prompt's tokens are not learned; the completion's and its <eos> are
-                    trained = np.ones(len(ids), dtype=bool)
-                    trained[:len(pieces[0])] = False
+                pieces = [next(encoded) for _ in encode_inputs(texts, joint)]
+                ids, trained = document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)
             if longest is not None and len(ids) > longest:
                 raise ValueError(f"{texts.where}: a record of {len(ids):,} tokens is longer than a row "
                                  f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "

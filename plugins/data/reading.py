@@ -34,6 +34,7 @@ class Piece:
     split: Optional[str]     # text: the piece's split; records: None (each record's own name decides)
     closes: bool = True      # text: the piece ends its document in its split (an <eos> follows it)
     first_row: int = 0       # parquet, arrow: the piece's first row in the file
+    opens: bool = True       # text: the piece starts its document (a <bos> goes before it, where the tokenizer has one)
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,14 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
             pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
         elif lone:
             cut = int(read * (1 - val_fraction)) + 1  # lines starting at or before the cut byte are trained on
-            pieces += [Piece(name, str(path), "text", a, b, b - a, "train", b == min(cut, read))
+            pieces += [Piece(name, str(path), "text", a, b, b - a, "train", b == min(cut, read), opens=a == 0)
                        for a, b in _grid(min(cut, read))]
-            pieces += [Piece(name, str(path), "text", a, b, b - a, "val", b == read)
+            pieces += [Piece(name, str(path), "text", a, b, b - a, "val", b == read, opens=a == cut)
                        for a, b in _grid(read, start=cut)]
         else:
             split = "train" if name in train_names else "val"
-            pieces += [Piece(name, str(path), "text", a, b, b - a, split, b == read) for a, b in _grid(read)]
+            pieces += [Piece(name, str(path), "text", a, b, b - a, split, b == read, opens=a == 0)
+                       for a, b in _grid(read)]
     return Layout(pieces, len(chosen), sum(p.size for p in pieces), total, len(files))
 
 

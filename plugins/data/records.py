@@ -30,7 +30,7 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
     messages, TRL's conversational form: Conversation)."""
     if d.format == "text":
         for split, text, closes in documents(piece, d.text_field, d.val_fraction):
-            yield split, (text,), closes
+            yield split, (text,) if piece.kind != "text" or piece.opens else Continued((text,)), closes
         return
     for split, record, where in records(piece, record_fields(d), d.val_fraction):
         if d.format == "chat":
@@ -43,6 +43,35 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
         learned = text_value(completion, where, "completion_field", d.completion_field)
         yield split, Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) \
             if learned else (), True
+
+
+class Continued(tuple):
+    """A text piece that goes on a document begun in the piece before (no <bos> before it)."""
+
+
+def encode_inputs(texts, joint: bool) -> tuple[bytes, ...]:
+    """What is encoded of a document: its texts (a text, or a prompt and its completion apart); joint (TRL's way):
+    the prompt, and the prompt and completion as one text."""
+    return (texts[0], texts[0] + texts[1]) if joint and len(texts) == 2 else tuple(texts)
+
+
+def document_ids(tok: tokenizers.Tokenizer, pieces: list[np.ndarray], closes: bool, opens: bool, masked: bool,
+                 joint: bool) -> tuple[np.ndarray, Optional[np.ndarray]]:
+    """A document's ids as at inference and which are learned: the tokenizer's <bos> where its post-processor adds
+    one (Llama 3's <|begin_of_text|>) before a document's start, its texts' ids, and one <eos> where it closes (none
+    added when the text already ends with it). A prompt's tokens (and the <bos>) are not learned; the completion's
+    and its <eos> are. joint: pieces are the prompt's ids and the prompt and completion's together, the first
+    len(<bos> + prompt) tokens not learned, as TRL's completion_mask."""
+    head = np.asarray(tok.bos if opens else (), dtype=np.int64)
+    body = pieces[1] if joint and len(pieces) == 2 else np.concatenate(pieces)
+    prompt = len(pieces[0]) if len(pieces) == 2 else 0
+    tail = [tok.eos] if closes and not (len(body) and body[-1] == tok.eos) else []
+    ids = np.concatenate([head, body, np.asarray(tail, dtype=np.int64)])
+    if not masked:
+        return ids, None
+    trained = np.ones(len(ids), dtype=bool)
+    trained[:len(head) + prompt] = False
+    return ids, trained
 
 
 class Record(tuple):

@@ -45,6 +45,7 @@ class Tokenizer:
     backend: object = None     # a tokenizers.Tokenizer (bpe, hf); None: bytes, encoded with numpy
     chat_template: Optional[str] = None   # the Jinja a chat record is rendered with (plugins/data/chat.py)
     special: Optional[dict] = None        # the special tokens' text templates read (bos_token, eos_token, ...)
+    bos: tuple = ()                       # the ids its post-processor puts before a text (Llama 3: <|begin_of_text|>)
 
     def with_offsets(self):
         """A tokenizers.Tokenizer that gives each token's character offsets (the bytes one: its byte-level twin)."""
@@ -75,7 +76,7 @@ class Tokenizer:
              "model_max_length": 1_000_000, "clean_up_tokenization_spaces": False, **chat}, indent=2) + "\n")
         (folder / "orchestrator_tokenizer.json").write_text(json.dumps(
             {"kind": self.kind, "vocab_size": self.vocab_size, "eos": self.eos, "pad": self.pad,
-             "special": self.special, **chat}) + "\n")
+             "special": self.special, "bos": list(self.bos), **chat}) + "\n")
 
 
 def _bytes_backend():
@@ -131,7 +132,7 @@ def load_saved(folder: Path) -> Tokenizer:
     meta = json.loads((Path(folder) / "orchestrator_tokenizer.json").read_text())
     backend = None if meta["kind"] == "bytes" else HFTokenizer.from_file(str(Path(folder) / "tokenizer.json"))
     return Tokenizer(meta["kind"], meta["vocab_size"], meta["eos"], meta["pad"], backend, meta.get("chat_template"),
-                     meta.get("special"))
+                     meta.get("special"), tuple(meta.get("bos") or ()))
 
 
 def hf_folder(spec: str) -> Optional[Path]:
@@ -169,7 +170,16 @@ def load_hf(folder: Path) -> Tokenizer:
     ids = max(backend.get_vocab(with_added_tokens=True).values(), default=-1) + 1
     special = {name: token(name) for name in ("bos_token", "eos_token", "unk_token", "pad_token") if token(name)}
     return Tokenizer("hf", max(backend.get_vocab_size(), ids), eos, eos if pad is None else pad, backend,
-                     special=special)
+                     special=special, bos=added_before(backend))
+
+
+def added_before(backend) -> tuple:
+    """The ids a tokenizer's post-processor puts before a text (what `tokenizer(text)` adds at inference: Llama 3's
+    <|begin_of_text|>; GPT-2's: none)."""
+    plain = backend.encode("a", add_special_tokens=False).ids
+    full = backend.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(full) - len(plain) + 1) if full[i:i + len(plain)] == plain]
+    return tuple(full[:starts[0]]) if starts else ()
 
 
 def vocab_needed(data_cfg) -> Optional[int]:

@@ -1,0 +1,114 @@
+"""What trains, before it trains: each source's first records as the model will see them, its tokens decoded with
+the part that enters the loss marked, read by the same code as the tokenize stage (plugins/data/records.py).
+
+The plan prints the first record of each source (a short excerpt of a text document); `data.preview=N` prints N and
+stops. On a terminal the learned part is underlined in colour; in a file or a pipe it stands between LEARNED marks.
+"""
+from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import numpy as np
+from rich.text import Text
+
+from plugins.data import tokenizer as tokenizers
+from plugins.data.corpus import corpus_layouts
+from plugins.data.records import Chat, Continued, chat_ids, document_ids, encode_inputs, masks_loss_of, piece_documents
+
+LEARNED = ("⟦", "⟧")            # around the learned part where no style can show it
+LEARNED_STYLE = "bold green underline"
+PLAN_CHARS = 300                 # of a record shown by the plan (data.preview shows this many at each end)
+
+
+def preview(cfg, records: int, styled: bool, chars: int = PLAN_CHARS) -> list:
+    """Lines (rich Text) showing the first `records` records of each source of files; [] for a source that is tokens
+    already (synthetic)."""
+    d = cfg.data
+    tok, shown_as = _tokenizer(d)
+    lines: list = []
+    corpora = corpus_layouts(cfg)
+    for i, (sub, lay) in enumerate(corpora):
+        if lay is None:
+            continue
+        for where, ids, trained in _first_documents(sub.data, lay, tok, records):
+            learned = (f"{int(trained.sum()):,} of {len(ids):,} tokens learned"
+                       + ("" if styled else f" (between {LEARNED[0]} and {LEARNED[1]})") if trained is not None
+                       else f"all {len(ids):,} tokens learned")
+            head = (f"data: {f'source {i}: ' if len(corpora) > 1 else ''}{where} as the model sees it, {learned}"
+                    + shown_as + ":")
+            lines += [Text(head), _body(tok, ids, trained, styled, chars)]
+    return lines
+
+
+def _tokenizer(d) -> tuple[tokenizers.Tokenizer, str]:
+    """The tokenizer the records are shown with: data.tokenizer's, or bytes where a BPE is still to be learned."""
+    if d.tokenizer == "bpe":
+        return tokenizers.make(_as_bytes(d)), " (in bytes: the BPE is learned by the tokenize stage)"
+    return tokenizers.make(d), ""
+
+
+def _as_bytes(d):
+    from omegaconf import OmegaConf
+
+    copy = OmegaConf.to_container(d, resolve=True)
+    copy["tokenizer"] = "bytes"
+    return OmegaConf.create(copy)
+
+
+def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarray, Optional[np.ndarray]]]:
+    masked, joint, shown = masks_loss_of(d), d.get("prompt_encoding") == "joint", 0
+    for piece in lay.pieces:
+        for _, texts, closes in piece_documents(d, piece):
+            if not texts or not any(texts):
+                continue
+            if isinstance(texts, Chat):
+                ids, trained = chat_ids(tok, texts, masked)
+            else:
+                pieces = tok.encode(list(encode_inputs(texts, joint)))
+                ids, trained = document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)
+            yield _where(texts, piece), ids, trained
+            shown += 1
+            if shown >= records:
+                return
+
+
+def _where(texts, piece) -> str:
+    where = getattr(texts, "where", None)
+    return str(where) if where is not None else piece.path
+
+
+def _body(tok, ids: np.ndarray, trained: Optional[np.ndarray], styled: bool, chars: int) -> Text:
+    """The decoded tokens, indented, learned runs marked; over 2 x chars characters, its two ends."""
+    flags = np.ones(len(ids), dtype=bool) if trained is None else trained
+    runs, start = [], 0
+    for k in range(1, len(ids) + 1):
+        if k == len(ids) or flags[k] != flags[start]:
+            runs.append((_decode(tok, ids[start:k]), bool(flags[start])))
+            start = k
+    total = sum(len(s) for s, _ in runs)
+    if total > 2 * chars:
+        runs = _slice(runs, 0, chars) + [(f" … ({total - 2 * chars:,} characters) … ", False)] + \
+            _slice(runs, total - chars, total)
+    text = Text("    ")
+    for segment, learned in runs:
+        segment = segment.replace("\n", "\n    ")
+        if learned and trained is not None and styled:
+            text.append(segment, style=LEARNED_STYLE)
+        else:
+            text.append(f"{LEARNED[0]}{segment}{LEARNED[1]}" if learned and trained is not None else segment)
+    return text
+
+
+def _slice(runs: list[tuple[str, bool]], start: int, end: int) -> list[tuple[str, bool]]:
+    """Characters [start, end) of the runs' text, as runs."""
+    kept, at = [], 0
+    for segment, learned in runs:
+        part = segment[max(0, start - at):max(0, end - at)]
+        if part:
+            kept.append((part, learned))
+        at += len(segment)
+    return kept
+
+
+def _decode(tok, ids) -> str:
+    return tok.with_offsets().decode([int(i) for i in ids], skip_special_tokens=False)
