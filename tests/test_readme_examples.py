@@ -62,3 +62,24 @@ def test_every_using_it_command_and_python_block_works_as_pasted(workdir, tmp_pa
         done = subprocess.run([sys.executable, "-c", code], cwd=workdir, capture_output=True, text=True, timeout=300,
                               env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"})
         assert done.returncode == 0, f"{code}\n{done.stderr[-3000:]}"
+
+
+def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
+    """docs/models-and-data.md's "Offline" block, line by line in an empty folder: the tiny Llama and its chats made
+    with transformers, the preview (nothing started), the fine-tune through every stage (2 steps)."""
+    page = (ROOT / "docs" / "models-and-data.md").read_text()
+    block = page.split("### Offline: a tiny Llama fine-tuned on chats\n", 1)[1].split("```shell\n", 1)[1]
+    lines = block.split("```", 1)[0].strip().splitlines()
+    assert [line.split()[:3] for line in lines] == [["python", "scripts/tiny_chat_model.py", "tiny-llama"]] + \
+        [["python", "-m", "orchestrator"]] * 2
+    made = subprocess.run([sys.executable, str(ROOT / lines[0].split()[1]), *shlex.split(lines[0])[2:]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    assert (tmp_path / "tiny-llama" / "chat_template.jinja").is_file() and (tmp_path / "chats.jsonl").is_file()
+    shown = run_cli(shlex.split(lines[1])[3:] + ["tracking=none"], tmp_path, timeout=300)
+    assert shown.returncode == 0 and "line 2 as the model sees it" in shown.stdout, shown.stdout[-3000:]
+    assert "⟦" in shown.stdout and "nothing was started" in shown.stdout
+    args = [a for a in shlex.split(lines[2])[3:] if not a.startswith("train.steps=")]
+    done = run_cli(args + SHORT, tmp_path, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"aggregate\s+│ ran", done.stdout), done.stdout[-3000:]

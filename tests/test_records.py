@@ -256,3 +256,16 @@ def test_the_plan_shows_a_chats_learned_part_and_data_preview_stops_before_anyth
     assert "line 3 as the model sees it" not in out and "data.preview=2: nothing was started" in out
     assert not (tmp_path / "runs" / "cache").exists() or not any((tmp_path / "runs" / "cache").glob("tokenize*"))
     assert "\x1b[" not in out and "measured now" not in out  # no terminal codes in a pipe; nothing measured
+
+
+def test_a_one_line_text_file_holds_out_its_tail_by_position(tmp_path):
+    """One document of 60,000 words on one line: no line start to cut at, so the held-out part is its last
+    data.val_fraction by position (at a character's start), not an empty split that fails in the train stage."""
+    words = " ".join(("alpha", "beta", "délta", "ε")[i % 4] for i in range(60_000))
+    (tmp_path / "one.txt").write_text(words)
+    cfg = make_cfg("data=text", f"data.paths=[{tmp_path}/one.txt]", "data.max_bytes=0", runs_dir=tmp_path)
+    assert check(cfg) == []
+    corpus = tokenized(cfg)
+    train, val = (b"".join(bytes(d[d < 256].tolist()) for d in docs) for docs in (corpus.train, corpus.val))
+    assert train + val == words.encode() and abs(len(val) / len(words.encode()) - 0.05) < 1e-3
+    val.decode("utf-8")  # cut at a character's first byte

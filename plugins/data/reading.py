@@ -35,6 +35,7 @@ class Piece:
     closes: bool = True      # text: the piece ends its document in its split (an <eos> follows it)
     first_row: int = 0       # parquet, arrow: the piece's first row in the file
     opens: bool = True       # text: the piece starts its document (a <bos> goes before it, where the tokenizer has one)
+    cut: int = -1            # a lone text file: the byte where its held-out part starts (no piece reads across it)
 
 
 @dataclass(frozen=True)
@@ -92,16 +93,36 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
         elif path.suffix == ".jsonl":
             pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
         elif lone:
-            cut = int(read * (1 - val_fraction)) + 1  # lines starting at or before the cut byte are trained on
-            pieces += [Piece(name, str(path), "text", a, b, b - a, "train", b == min(cut, read), opens=a == 0)
-                       for a, b in _grid(min(cut, read))]
-            pieces += [Piece(name, str(path), "text", a, b, b - a, "val", b == read, opens=a == cut)
+            cut = held_out_cut(path, int(read * (1 - val_fraction)) + 1, read)
+            pieces += [Piece(name, str(path), "text", a, b, b - a, "train", b == cut, opens=a == 0, cut=cut)
+                       for a, b in _grid(cut)]
+            pieces += [Piece(name, str(path), "text", a, b, b - a, "val", b == read, opens=a == cut, cut=cut)
                        for a, b in _grid(read, start=cut)]
         else:
             split = "train" if name in train_names else "val"
             pieces += [Piece(name, str(path), "text", a, b, b - a, split, b == read, opens=a == 0)
                        for a, b in _grid(read)]
     return Layout(pieces, len(chosen), sum(p.size for p in pieces), total, len(files))
+
+
+SCAN_BYTES = 1 << 20  # how far past the held-out cut a line start is looked for
+
+
+def held_out_cut(path: Path, target: int, read: int) -> int:
+    """Where a lone text file's held-out part starts: the first line start at or after `target`, else (a file of
+    one long line, or a last line longer than SCAN_BYTES) `target` itself, moved to a character's first byte: the
+    document is split by position, as nanoGPT splits its one text, rather than leave the held-out part empty."""
+    if target >= read:
+        return read
+    with open(path, "rb") as f:
+        f.seek(target - 1)
+        window = f.read(min(SCAN_BYTES, read - target + 1))
+        newline = window.find(b"\n")
+        if 0 <= newline and target + newline < read:
+            return target + newline
+        f.seek(target)
+        head = f.read(4)
+    return target + next((k for k, b in enumerate(head) if b & 0xC0 != 0x80), len(head))
 
 
 def _size(path: Path) -> int:
@@ -158,6 +179,21 @@ def _batch_runs(name: str, path: Path, read: int) -> list[Piece]:
     return pieces
 
 
+ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end-of-stream marker (continuation, 0 length)
+
+
+def stream_closed(path: Path) -> bool:
+    """Whether an Arrow stream file ends with its end-of-stream marker (a writer closed it): a stream cut between two
+    record batches reads without an error, and without the batches after the cut."""
+    with open(path, "rb") as f:
+        f.seek(0, 2)
+        size = f.tell()
+        if size < len(ARROW_END):
+            return False
+        f.seek(size - len(ARROW_END))
+        return f.read() == ARROW_END
+
+
 def arrow_fields(path: Path) -> list[str]:
     import pyarrow as pa
 
@@ -181,8 +217,10 @@ def partition(pieces: list[Piece], tasks: int) -> list[list[Piece]]:
 def piece_bytes(piece: Piece) -> tuple[int, bytes]:
     """(offset, bytes) of the lines that start in [piece.start, piece.end) of a text or JSON Lines file."""
     with open(piece.path, "rb") as f:
-        start = _line_start(f, piece.start)
-        end = _line_start(f, piece.end)
+        start = piece.start if piece.start == piece.cut else _line_start(f, piece.start)
+        end = piece.end if piece.end == piece.cut else _line_start(f, piece.end)
+        if piece.cut >= 0:  # neither part of a lone file reads across its held-out cut
+            start, end = (start, min(end, piece.cut)) if piece.start < piece.cut else (max(start, piece.cut), end)
         f.seek(start)
         return start, f.read(max(0, end - start))
 
@@ -307,7 +345,19 @@ def _split(name: str, val_fraction: float) -> str:
 
 
 def _rows(piece: Piece, fields: tuple[str, ...]) -> Iterator[dict]:
-    """The values of `fields` in a Parquet row group or a run of an Arrow stream's record batches, row by row."""
+    """The values of `fields` in a Parquet row group or a run of an Arrow stream's record batches, row by row; a
+    page or batch that cannot be read (corrupt, truncated) is a ValueError naming the file and where in it."""
+    import pyarrow as pa
+
+    try:
+        yield from _rows_of(piece, fields)
+    except (OSError, pa.ArrowException) as e:  # pyarrow's own words name no file ("Corrupt snappy compressed data.")
+        where = f"row group {piece.start}" if piece.kind == "parquet" else f"record batches {piece.start}-{piece.end}"
+        raise ValueError(f"{piece.path}: {where} (rows from {piece.first_row}) cannot be read ({type(e).__name__}: "
+                         f"{e}); fix: repair the file or remove it from data.paths") from None
+
+
+def _rows_of(piece: Piece, fields: tuple[str, ...]) -> Iterator[dict]:
     if piece.kind == "parquet":
         import pyarrow.parquet as pq
 

@@ -151,7 +151,8 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tupl
     ids, trained = encode_chat_record(tok, chat, masked)
     if tok.eos in ids:  # the template ends turns with <eos> itself (ChatML's <|im_end|>, Llama 3's <|eot_id|>):
         return ids, trained  # its assistant mask holds the stop; one more would teach a second stop after the first
-    return np.append(ids, tok.eos), np.append(trained, chat.messages[-1]["role"] == "assistant")
+    return np.append(ids, tok.eos), np.append(trained, isinstance(chat, Conversation)
+                                              or chat.messages[-1]["role"] == "assistant")
 
 
 def encode_chat_record(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -185,10 +186,11 @@ def chat_spans(template: str, chat: Chat, masked: bool = True,
 CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them
 
 
-def first_records_problem(d, piece, template: Optional[str], variables: dict) -> Optional[tuple[str, str]]:
-    """(key, why) when the first records of a file's first piece cannot be tokenized as data.format says (the
-    fields' types, the messages, their roles, the template's rendering), or none of them has a token to learn;
-    None when they can. The same reading as the tokenize stage's, so a format mistake is refused before launch."""
+def first_records_problem(d, piece, template: Optional[str],
+                          variables: dict) -> tuple[Optional[tuple[str, str]], int, bool]:
+    """((key, why) or None, documents with something to learn, whether the piece was read to its end) of the first
+    CHECKED_RECORDS records of a file's first piece, read as the tokenize stage reads them: the fields' types, the
+    messages, their roles, the template's rendering; a problem too when none of them has a token to learn."""
     learned = seen = 0
     try:
         for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
@@ -197,20 +199,20 @@ def first_records_problem(d, piece, template: Optional[str], variables: dict) ->
                 learned += bool(texts and texts[-1])
                 continue
             if not template:
-                return "data.chat_template", (f"{texts.where}: the record is a conversation, which is rendered with "
-                                              "a chat template, and there is none")
+                return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with "
+                                              "a chat template, and there is none"), learned, False
             unknown = next((m["role"] for m in texts.messages if m["role"] not in roles(template)), None)
             if unknown is not None:
-                return "data.paths", (f"{texts.where}: a message's role {unknown!r} is neither one of "
-                                      f"{', '.join(STANDARD_ROLES)} nor named by the chat template")
+                return ("data.paths", f"{texts.where}: a message's role {unknown!r} is neither one of "
+                                      f"{', '.join(STANDARD_ROLES)} nor named by the chat template"), learned, False
             text, spans, _ = chat_spans(template, texts, masks_loss_of(d), **variables)
             learned += any(b > a for a, b in spans)
     except ValueError as e:
-        return "data.paths", str(e)
+        return ("data.paths", str(e)), learned, False
     except Exception as e:  # OSError, pyarrow's ArrowInvalid: a corrupt or truncated file
-        return "data.paths", f"{piece.path}: cannot be read ({type(e).__name__}: {e})"
+        return ("data.paths", f"{piece.path}: cannot be read ({type(e).__name__}: {e})"), learned, False
     if seen and not learned and masks_loss_of(d):
-        return "data.loss_on", (f"{piece.path}: none of its first {seen} record(s) has a token to learn ("
+        return ("data.loss_on", f"{piece.path}: none of its first {seen} record(s) has a token to learn ("
                                 + ("no assistant message with text" if d.format == "chat" else "every completion "
-                                   "empty") + ")")
-    return None
+                                   "empty") + ")"), 0, False
+    return None, learned, seen < CHECKED_RECORDS

@@ -20,7 +20,7 @@ import numpy as np
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, folder_files
 from plugins.data.packing import packed_stream
-from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields
+from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields, stream_closed
 from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
@@ -58,6 +58,9 @@ def _field_missing(path: Path, field: str) -> str:
                     return f"line {number} {no_field(field, record)}"
             return ""
         if path.suffix == ".arrow":
+            if not stream_closed(path):
+                return ("ends without the Arrow stream's end-of-stream marker: a write that did not finish (the "
+                        "batches after the cut would be missing without a word)")
             keys = arrow_fields(path)
         else:
             import pyarrow.parquet as pq
@@ -239,9 +242,11 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
         variables = tokenizers.template_variables(d)
     except (OSError, ValueError, KeyError):  # said by the data rules (data.chat_template[_name], data.tokenizer)
         return []
+    documents, whole = 0, True
     for name, path in chosen:
-        pieces = layout([(name, path)], SNIFF_BYTES, d.val_fraction).pieces
-        found = first_records_problem(d, pieces[0], template, variables) if pieces else None
+        lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)
+        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables) if lay.pieces \
+            else (None, 0, True)
         if found:
             key, why = found
             rule, _, fix = why.partition("; fix: ")
@@ -249,6 +254,12 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
                      fix or ("repair the record, or remove the file from data.paths" if key == "data.paths" else
                              "data.chat_template= a template for these records" if key == "data.chat_template" else
                              "records with something to learn, or data.loss_on=all"))]
+        documents += learned
+        whole = whole and complete and not lay.left_out and len(lay.pieces) <= 1
+    if whole and documents < 2 and not [f for f in files if f[1].suffix not in RECORDS]:
+        return [("data.paths", list(d.paths), f"the records hold {documents} document(s) with something to learn in "
+                 "all: one is held out for evaluation (data.val_fraction) and one at least is trained on",
+                 "more records (two at least)")]
     return []
 
 

@@ -1,0 +1,265 @@
+"""Fuzz the data formats (issue 49): records of every type per field (strings with BOM, CRLF, NUL and non-BMP
+characters, empty strings, null, numbers, NaN, booleans, lists, objects, lists of messages right and wrong, bytes
+that are UTF-8 or not), missing and extra fields, in every container the tokenize stage reads (JSON Lines, Parquet
+with string, large_string and binary columns, an Arrow stream, a `datasets` folder with a .map() cache beside it, a
+DatasetDict), and damaged files (truncated, empty). Each generated input is either
+
+- refused before launch (the data rules, plugins/data/rules.check: a problem naming the key, and the file and the
+  record where one is at fault), or
+- tokenized into exactly the ids and learned tokens that an independent reading gives: the bytes tokenizer's ids of
+  each text, and for chats transformers' apply_chat_template with generation tags around the assistant's turns (the
+  project renders the untagged template and finds the turns by prefixes).
+
+Hypothesis draws the cases; CI runs a fixed, derandomized set of EXAMPLES; `FUZZ=all` runs ten times as many."""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from plugins.data.corpus import tokenized
+from plugins.data.rules import check
+from plugins.data.tokenizer import EOS
+from tests.conftest import make_cfg
+
+EXAMPLES = 600 if os.environ.get("FUZZ") == "all" else 60
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+          "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+ROLES = ("user", "assistant", "system")
+
+# -- values a field may hold -------------------------------------------------------------------------------------
+
+PLAIN = st.text(st.characters(blacklist_categories=("Cs",)), max_size=12)       # any Unicode but lone surrogates
+SPICY = st.sampled_from(["\ufeffBOM first", "crlf\r\nline", "tab\tand NUL\x00", "emoji 🙂 ünï", " ", "", "\n"])
+TEXT = st.one_of(PLAIN, SPICY)
+NOT_TEXT = st.one_of(st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
+                     st.lists(PLAIN, max_size=2), st.dictionaries(st.sampled_from("ab"), PLAIN, max_size=2),
+                     st.just("\ud800"))                                            # a lone surrogate: not Unicode
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": TEXT})
+BAD_MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(ROLES + ("human",)), "content": NOT_TEXT}),
+                        st.fixed_dictionaries({"role": st.sampled_from(("human", "gpt"))}, optional={"content": TEXT}),
+                        st.fixed_dictionaries({"content": TEXT}), PLAIN)
+MESSAGES = st.lists(MESSAGE, min_size=1, max_size=4)
+VALUE = st.one_of(TEXT, TEXT, TEXT, st.none(), NOT_TEXT, MESSAGES, st.lists(st.one_of(MESSAGE, BAD_MESSAGE), max_size=3))
+BYTES = st.one_of(PLAIN.map(lambda t: t.encode("utf-8")), st.binary(max_size=8))  # Arrow's binary columns
+
+
+# -- the oracle: what a record must give, from the record alone ----------------------------------------------------
+
+class Refused(Exception):
+    """The record must be refused before launch."""
+
+
+def _text(value) -> bytes:
+    """A text field's bytes, None for no text; Refused for anything the project must not train on."""
+    if value is None:
+        return b""
+    if isinstance(value, bytes):
+        try:
+            value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise Refused from None
+        return value
+    if not isinstance(value, str):
+        raise Refused
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise Refused from None
+
+
+def _messages(value) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise Refused
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str) \
+                or m["role"] not in ROLES:
+            raise Refused
+        _text(m["content"])
+    return value
+
+
+def _chat(hf, messages) -> tuple[list[int], list[int]]:
+    theirs = hf.apply_chat_template(messages, chat_template=TAGGED, tokenize=True, return_dict=True,
+                                    return_assistant_tokens_mask=True)
+    ids, mask = list(theirs["input_ids"]), list(theirs["assistant_masks"])
+    return ids + [EOS], mask + [int(messages[-1]["role"] == "assistant")]
+
+
+def expected(fmt: str, record: dict, hf) -> tuple | None:
+    """The document a record gives (ids, learned or None), None for none; Refused when it must be refused."""
+    if fmt == "text":
+        if "text" not in record:
+            raise Refused
+        body = _text(record["text"])
+        return (list(body) + [EOS], None) if body else None
+    if fmt == "chat":
+        if "messages" not in record:
+            raise Refused
+        ids, mask = _chat(hf, _messages(record["messages"]))
+        return (ids, mask) if any(mask[:-1]) else None
+    if "prompt" not in record or "completion" not in record:
+        raise Refused
+    prompt, completion = record["prompt"], record["completion"]
+    if isinstance(prompt, list) or isinstance(completion, list):
+        prompt, completion = _messages(prompt), _messages(completion)
+        head = hf.apply_chat_template(prompt, chat_template=CHATML, tokenize=True, add_generation_prompt=True,
+                                      return_dict=True)["input_ids"]
+        ids = list(hf.apply_chat_template(prompt + completion, chat_template=CHATML, tokenize=True,
+                                          return_dict=True)["input_ids"])
+        if ids[:len(head)] != list(head):
+            raise Refused
+        return ids + [EOS], [0] * len(head) + [1] * (len(ids) - len(head) + 1)
+    head, tail = _text(prompt), _text(completion)
+    if not tail:
+        return None
+    return list(head) + list(tail) + [EOS], [0] * len(head) + [1] * (len(tail) + 1)
+
+
+# -- containers ------------------------------------------------------------------------------------------------------
+
+def write(container: str, records: list[dict], folder: Path, damage: str, fields: tuple) -> Path:
+    """The records in a container; 'damage' truncates or empties the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if container == "jsonl":
+        path = folder / "records.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    else:
+        table = _table(records, fields)
+        if container == "parquet":
+            path = folder / "records.parquet"
+            pq.write_table(table, path)
+        elif container == "arrow":
+            path = folder / "records.arrow"
+            with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+                writer.write_table(table)
+        else:  # datasets: save_to_disk's folder, a .map() cache beside it, and a DatasetDict around it
+            import datasets
+
+            datasets.disable_progress_bars()
+            one = datasets.Dataset(table)
+            path = folder / "dict"
+            datasets.DatasetDict({"train": one, "test": one.select(range(min(1, len(one))))}).save_to_disk(str(path))
+            reloaded = datasets.load_from_disk(str(path / "train"))
+            if len(reloaded):
+                reloaded.map(lambda r: {k: v for k, v in r.items()})  # cache-*.arrow beside the data
+            return path
+    if damage == "truncated":  # a write that did not finish: cut inside the last line, or 2/3 of a binary file
+        data = path.read_bytes()
+        path.write_bytes(data[:-3] if container == "jsonl" else data[:max(1, len(data) * 2 // 3)])
+    elif damage == "empty":
+        path.write_bytes(b"")
+    return path
+
+
+def _table(records: list[dict], fields: tuple):
+    """An Arrow table of the records (columns typed by what the values hold, as a user's writer would)."""
+    import pyarrow as pa
+
+    names = sorted({k for r in records for k in r})
+    if not names:
+        return pa.table({fields[0]: pa.array([], pa.string())})
+    return pa.table({k: pa.array([r.get(k) for r in records]) for k in names})
+
+
+def _arrow_ok(records: list[dict], fields: tuple) -> bool:
+    try:
+        _table(records, fields)
+    except (pa_errors() + (TypeError, ValueError, OverflowError)):
+        return False
+    return True
+
+
+def pa_errors() -> tuple:
+    import pyarrow as pa
+
+    return (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)
+
+
+@st.composite
+def cases(draw):
+    fmt = draw(st.sampled_from(["text", "prompt_completion", "chat"]))
+    fields = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}[fmt]
+    container = draw(st.sampled_from(["jsonl", "jsonl", "parquet", "arrow", "datasets"]))
+    good = {"text": TEXT, "chat": MESSAGES, "prompt_completion": TEXT}[fmt]
+    values = st.one_of(VALUE, BYTES) if container != "jsonl" else VALUE
+
+    clean = draw(st.booleans())  # every record of the right types (else: a third of the values anything)
+
+    def record():
+        r = {f: draw(good if clean else st.one_of(good, good, values)) for f in fields}
+        if not clean and draw(st.integers(0, 9)) == 0:
+            r.pop(draw(st.sampled_from(fields)))               # a missing field
+        if draw(st.booleans()):
+            r["extra"] = draw(TEXT if clean else values)        # an extra field, read by no one
+        return r
+
+    records = [record() for _ in range(draw(st.integers(0, 6)))]
+    damage = draw(st.sampled_from(["none"] * 8 + ["truncated", "empty"])) if container != "datasets" else "none"
+    return fmt, fields, records, container, damage
+
+
+@pytest.fixture(scope="module")
+def bytes_hf():
+    """transformers' view of the bytes tokenizer (its byte-level twin), for the chats' expected ids."""
+    import transformers
+
+    from plugins.data.tokenizer import _bytes_backend
+
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=_bytes_backend(), eos_token="<eos>")
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                 HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_every_record_trains_as_meant_or_is_refused_before_launch(bytes_hf, case):
+    fmt, fields, records, container, damage = case
+    if container == "datasets" and not any(records):
+        return  # datasets cannot save a DatasetDict of no rows or no columns
+    if container != "jsonl":
+        if not _arrow_ok(records, fields):
+            return  # Arrow cannot hold these values in one column: no such file can exist
+        names = {k for r in records for k in r}
+        records = [{k: r.get(k) for k in names} for r in records]  # a column holds a null where a record has none
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        try:
+            path = write(container, records, folder, damage, fields)
+        except pa_errors():
+            return  # datasets' own writer refused the values
+        (folder / "chatml.jinja").write_text(CHATML)
+        cfg = make_cfg("data=text", f"data.paths=[{path}]", f"data.format={fmt}", "data.packing=false",
+                       "train.seq_len=16", "train.batch_size=1", "train.eval_batches=1", "data.val_fraction=0.5",
+                       *([f"data.chat_template={folder}/chatml.jinja"] if fmt != "text" else []), runs_dir=folder)
+        problems = check(cfg)
+        try:
+            wanted = [d for r in records if (d := expected(fmt, r, bytes_hf)) is not None]
+        except Refused:
+            wanted = None
+        if damage != "none" or wanted is not None and len(wanted) < 2:
+            assert problems, (case, "a damaged input, or one too small to hold a document out, was accepted")
+            return
+        if problems:
+            assert all(p.key.startswith(("data.", "train.", "model.")) and p.rule and p.fix for p in problems), problems
+            record_level = [p for p in problems if "line " in p.rule or "row " in p.rule]
+            if wanted is not None and len(wanted) >= 2:
+                assert not record_level, (case, "a good record refused", problems)
+            return
+        assert wanted is not None, (case, "a record that must be refused was accepted")
+        corpus = tokenized(cfg)
+        ours = sorted((ids.tolist(), None if m is None else m.astype(int).tolist()) for ids, m in
+                      zip(corpus.train + corpus.val, (corpus.train_mask or [None] * len(corpus.train))
+                          + (corpus.val_mask or [None] * len(corpus.val))))
+        theirs = sorted((ids, mask) for ids, mask in wanted)
+        assert ours == theirs, case
