@@ -171,6 +171,10 @@ CATALOGUE = [
      "data.chat_template", "what the assistant said cannot be told apart"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
      "data.messages_field", "has no field 'messages'"),
+    (["data=text", "data.paths=[{tmp}/one.txt]", "data.text_field=body"], "data.text_field",
+     "and data.paths holds none (1 text file(s), each read whole as one document)"),
+    (["data=text", "data.paths=[{tmp}/one.txt]", "data.split=test"], "data.split", "and data.paths names none"),
+    (["data=text", "data.paths=[{tmp}/array.json]"], "data.paths", "is a JSON array, not JSON Lines"),
     (["data=text", "data.paths=[{tmp}/typed.jsonl]", "data.format=prompt_completion"], "data.paths",
      "line 3: the field 'completion' (data.completion_field) holds a number, not text: 42"),
     (["data=text", "data.paths=[{tmp}/mixed.jsonl]", "data.format=prompt_completion",
@@ -229,6 +233,7 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "odd.jinja").write_text("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}<final>"
                                    "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     (tmp / "typed.jsonl").write_text('{"prompt": "Q", "completion": "A"}\n' * 2 + '{"prompt": "Q", "completion": 42}\n')
+    (tmp / "array.json").write_text(json.dumps([{"text": "a record"}] * 20, indent=1))
     (tmp / "mixed.jsonl").write_text('{"prompt": "Q", "completion": "A"}\n'
                                      '{"prompt": "Q", "completion": [{"role": "assistant", "content": "A"}]}\n')
     (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed

@@ -269,3 +269,18 @@ def test_a_one_line_text_file_holds_out_its_tail_by_position(tmp_path):
     train, val = (b"".join(bytes(d[d < 256].tolist()) for d in docs) for docs in (corpus.train, corpus.val))
     assert train + val == words.encode() and abs(len(val) / len(words.encode()) - 0.05) < 1e-3
     val.decode("utf-8")  # cut at a character's first byte
+
+
+def test_datasets_folders_inside_a_folder_are_read_as_datasets_folders(tmp_path, saved_datasets):
+    """A plain folder holding a DatasetDict, a Dataset with a .map() cache and a Hub snapshot: each gives its train
+    split's rows once (no test split, no cache, no metadata); a .json file of JSON Lines named in data.paths is
+    records (folders are not searched for .json files: they hold configs and metadata as often as data)."""
+    import shutil
+
+    root = tmp_path / "corpus"
+    shutil.copytree(saved_datasets, root)
+    (root / "extra.json").write_text("".join(json.dumps({"text": f"extra {i}"}) + "\n" for i in range(3)))
+    cfg = make_cfg(*BASE, f"data.paths=[{root},{root}/extra.json]", runs_dir=tmp_path)
+    assert check(cfg) == []
+    train = [f"train record {i}: " + "words " * (5 + i % 7) for i in range(40)]
+    assert _texts(tokenized(cfg)) == sorted(train * 3 + [f"extra {i}" for i in range(3)])  # dict/, mapped/, hub/

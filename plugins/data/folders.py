@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 from pathlib import Path
 
 # datasets.data_files' keywords of a split in a file's path (DEFAULT_PATTERNS_SPLIT_IN_FILENAME/_DIR_NAME)
 SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
                   "test": ("test", "testing", "eval", "evaluation")}
 _SEP = "[-._ 0-9]"
-DATA_SUFFIXES = (".parquet", ".jsonl", ".arrow")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow")
 
 
 class FolderError(ValueError):
@@ -36,15 +37,17 @@ def kind(folder: Path) -> str:
     return "plain"
 
 
-def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], walk) -> list[Path]:
-    """The files a folder gives for data.split (walk(folder, suffixes): its files of those suffixes, in order)."""
+def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset = frozenset()) -> list[Path]:
+    """The files a folder gives for data.split: a datasets folder's, else its files of those suffixes in name order,
+    folders named in `skip` left out and a datasets folder inside it read as one (never its other splits, caches or
+    metadata)."""
     what = kind(folder)
     if what == "dataset_dict":
         splits = _json(folder / "dataset_dict.json").get("splits") or []
         if split not in splits:
             raise FolderError(f"{folder} is a DatasetDict saved by save_to_disk whose splits are "
                               f"{', '.join(map(json.dumps, splits)) or 'none'}; data.split={split} is none of them")
-        return folder_files(folder / split, split, suffixes, walk)
+        return folder_files(folder / split, split, suffixes, skip)
     if what == "dataset":
         files = [folder / entry["filename"] for entry in _json(folder / "state.json").get("_data_files") or []
                  if isinstance(entry, dict) and isinstance(entry.get("filename"), str)]
@@ -53,7 +56,7 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], walk) -> l
             raise FolderError(f"{folder} is a Dataset saved by save_to_disk whose state.json names "
                               + (f"files that are missing: {', '.join(missing[:3])}" if missing else "no data file"))
         return files
-    found = walk(folder, suffixes)
+    found = _walk(folder, split, suffixes, skip)
     if what == "plain":
         return found
     data = [f for f in found if f.suffix in DATA_SUFFIXES]
@@ -67,6 +70,19 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], walk) -> l
     return by_split[split]
 
 
+def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) -> list[Path]:
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        here = Path(dirpath)
+        if here != folder and kind(here) != "plain":
+            found += folder_files(here, split, suffixes, skip)
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        found += [here / f for f in sorted(filenames) if f.endswith(suffixes)]
+    return found
+
+
 def _in_split(relative: str, split: str) -> bool:
     for keyword in SPLIT_KEYWORDS[split]:
         patterns = (f"{keyword}{_SEP}*", f"*{_SEP}{keyword}{_SEP}*", f"{keyword}/*", f"*/{keyword}/*")
@@ -77,13 +93,21 @@ def _in_split(relative: str, split: str) -> bool:
     return False
 
 
+CARD_KEYS = (b"dataset_info:", b"configs:", b"task_categories:", b"size_categories:", b"pretty_name:", b"license:")
+
+
 def _is_dataset_card(path: Path) -> bool:
-    """A Hub dataset's README.md starts with its YAML metadata ('---')."""
+    """A Hub dataset's README.md: YAML metadata first ('---') with a dataset card's keys (a site's Markdown page
+    has front matter too, with other keys)."""
     try:
         with open(path, "rb") as f:
-            return f.read(4).startswith(b"---")
+            head = f.read(1 << 16)
     except OSError:
         return False
+    if not head.startswith(b"---"):
+        return False
+    meta = head[3:].split(b"\n---", 1)[0]
+    return any(line.lstrip().startswith(key) for line in meta.splitlines() for key in CARD_KEYS)
 
 
 def _json(path: Path) -> dict:

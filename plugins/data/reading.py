@@ -19,7 +19,8 @@ from typing import Iterator, Optional
 
 CHUNK_BYTES = 1 << 20      # a piece of a text or JSON Lines file: what one read holds (plus the line it ends in)
 RECORD_BATCH = 256         # Parquet rows read at a time
-RECORDS = (".jsonl", ".parquet", ".arrow")
+RECORDS = (".jsonl", ".json", ".parquet", ".arrow")  # .json: JSON Lines by another name (many Hub datasets)
+JSON_LINES = (".jsonl", ".json")
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
             pieces += _row_groups(name, path, read)
         elif path.suffix == ".arrow":
             pieces += _batch_runs(name, path, read)
-        elif path.suffix == ".jsonl":
+        elif path.suffix in JSON_LINES:
             pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
         elif lone:
             cut = held_out_cut(path, int(read * (1 - val_fraction)) + 1, read)

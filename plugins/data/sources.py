@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from plugins.data import tokenizer as tokenizers
-from plugins.data.folders import FolderError, folder_files
+from plugins.data.folders import FolderError, folder_files, kind
 from plugins.data.packing import packed_stream
-from plugins.data.reading import RECORDS, arrow_fields, json_object, layout, no_field, record_fields, stream_closed
+from plugins.data.reading import JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field, record_fields, stream_closed
 from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
@@ -43,9 +43,12 @@ def _field_missing(path: Path, field: str) -> str:
     SNIFF_BYTES of a JSON Lines file (the tokenize stage reads every line, naming file and line before publishing
     anything), a Parquet file's schema."""
     try:
-        if path.suffix == ".jsonl":
+        if path.suffix in JSON_LINES:
             with open(path, "rb") as f:
                 head = f.read(SNIFF_BYTES)
+            if path.suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+                return ("is a JSON array, not JSON Lines (one object per line), which the tokenize stage streams; "
+                        f"write it as JSON Lines, e.g. jq -c '.[]' {path} > {path.with_suffix('.jsonl')}")
             lines = head.split(b"\n")
             for number, line in enumerate(lines[:-1] if len(head) == SNIFF_BYTES else lines, 1):
                 if not line.strip():
@@ -141,8 +144,7 @@ def _doc_name(entry: Path, f: Path) -> str:
 
 def _folder_files(folder: Path, d) -> list[Path]:
     """A folder's files: a datasets folder's data.split as datasets reads it, else its text and records files."""
-    return folder_files(folder, d.get("split") or "train", _TEXT_SUFFIXES,
-                        lambda root, suffixes: _walk(root, suffixes, {"__pycache__"}))
+    return folder_files(folder, d.get("split") or "train", _TEXT_SUFFIXES, frozenset({"__pycache__"}))
 
 
 def _text_files(cfg) -> list[tuple[str, Path]]:
@@ -207,6 +209,9 @@ def _check_text(cfg) -> list[tuple]:
         else:
             files.append((p.name, p))
     files = unique_files(files)
+    problems += _unread_keys(d, files, any(Path(e).expanduser().is_dir() and kind(Path(e).expanduser()) != "plain"
+                                           for e in d.paths) or any((p.parent / "state.json").is_file()
+                                                                    for _, p in files))
     bad, field_key = [], None
     fields = record_fields(d)
     for name, path in files:
@@ -228,6 +233,20 @@ def _check_text(cfg) -> list[tuple]:
                          "per line)" + (f"; data.format={d.format} reads .jsonl and .parquet files only"
                                         if d.format != "text" else "")))
     return problems or _first_records_problems(files, d) or _check_amount(files, cfg)
+
+
+def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> list[tuple]:
+    """Keys set for what data.paths does not hold: ignored, they would let the run train on other data than meant."""
+    problems = []
+    if d.format == "text" and d.text_field != "text" and files and not any(p.suffix in RECORDS for _, p in files):
+        problems.append(("data.text_field", d.text_field, "names the field of JSON Lines, Parquet or Arrow records, "
+                         f"and data.paths holds none ({len(files)} text file(s), each read whole as one document)",
+                         "leave data.text_field unset, or data.paths= files of records"))
+    if (d.get("split") or "train") != "train" and files and not datasets_folder:
+        problems.append(("data.split", d.split, "picks a split of a datasets folder (DatasetDict.save_to_disk's, a "
+                         "Hub snapshot), and data.paths names none: every file would be read whatever the split",
+                         "leave data.split unset, or data.paths= the datasets folder"))
+    return problems
 
 
 def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
