@@ -135,7 +135,7 @@ def _size(path: Path) -> int:
 
     try:
         with pa.memory_map(str(path)) as source:
-            return sum(batch.nbytes for batch in pa.ipc.open_stream(source))
+            return sum(batch.nbytes for batch in arrow_batches(source))
     except (OSError, pa.ArrowInvalid):  # the checks say what is wrong with it
         return path.stat().st_size
 
@@ -167,7 +167,7 @@ def _batch_runs(name: str, path: Path, read: int) -> list[Piece]:
 
     pieces, first, row, run_rows, run_bytes, taken, batches = [], 0, 0, 0, 0, 0, 0
     with pa.memory_map(str(path)) as source:
-        for batch in pa.ipc.open_stream(source):
+        for batch in arrow_batches(source):
             batches += 1
             run_rows, run_bytes = run_rows + batch.num_rows, run_bytes + batch.nbytes
             if run_bytes >= CHUNK_BYTES:
@@ -180,6 +180,26 @@ def _batch_runs(name: str, path: Path, read: int) -> list[Piece]:
     return pieces
 
 
+ARROW_FILE_MAGIC = b"ARROW1"  # an Arrow IPC file (Feather v2) starts and ends with it; a stream has none
+
+
+def _arrow_reader(source):
+    """An Arrow IPC reader of a memory-mapped file: the file format (Feather v2, random access) or a stream."""
+    import pyarrow as pa
+
+    head = source.read(len(ARROW_FILE_MAGIC))
+    source.seek(0)
+    return pa.ipc.open_file(source) if head == ARROW_FILE_MAGIC else pa.ipc.open_stream(source)
+
+
+def arrow_batches(source):
+    """The record batches of a memory-mapped Arrow IPC file or stream, in order."""
+    reader = _arrow_reader(source)
+    if hasattr(reader, "num_record_batches"):
+        return (reader.get_batch(i) for i in range(reader.num_record_batches))
+    return iter(reader)
+
+
 ARROW_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # an Arrow IPC stream's end-of-stream marker (continuation, 0 length)
 
 
@@ -187,6 +207,8 @@ def stream_closed(path: Path) -> bool:
     """Whether an Arrow stream file ends with its end-of-stream marker (a writer closed it): a stream cut between two
     record batches reads without an error, and without the batches after the cut."""
     with open(path, "rb") as f:
+        if f.read(len(ARROW_FILE_MAGIC)) == ARROW_FILE_MAGIC:
+            return True  # the file format: its footer is read first, and a cut one is an error
         f.seek(0, 2)
         size = f.tell()
         if size < len(ARROW_END):
@@ -199,7 +221,7 @@ def arrow_fields(path: Path) -> list[str]:
     import pyarrow as pa
 
     with pa.memory_map(str(path)) as source:
-        return pa.ipc.open_stream(source).schema.names
+        return _arrow_reader(source).schema.names
 
 
 def partition(pieces: list[Piece], tasks: int) -> list[list[Piece]]:
@@ -369,7 +391,7 @@ def _rows_of(piece: Piece, fields: tuple[str, ...]) -> Iterator[dict]:
     import pyarrow as pa
 
     with pa.memory_map(piece.path) as source:
-        for i, batch in enumerate(pa.ipc.open_stream(source)):
+        for i, batch in enumerate(arrow_batches(source)):
             if i >= piece.end:
                 break
             if i >= piece.start:

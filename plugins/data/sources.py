@@ -72,7 +72,7 @@ def _field_missing(path: Path, field: str) -> str:
     except OSError as e:
         return f"cannot be read ({e})"
     except Exception as e:  # pyarrow's ArrowInvalid: not a Parquet file or an Arrow stream
-        return f"cannot be read as {'an Arrow stream' if path.suffix == '.arrow' else 'Parquet'} ({e})"
+        return f"cannot be read as {'an Arrow IPC file or stream' if path.suffix == '.arrow' else 'Parquet'} ({e})"
     return "" if field in keys else no_field(field, keys)
 
 
