@@ -284,3 +284,23 @@ def test_datasets_folders_inside_a_folder_are_read_as_datasets_folders(tmp_path,
     assert check(cfg) == []
     train = [f"train record {i}: " + "words " * (5 + i % 7) for i in range(40)]
     assert _texts(tokenized(cfg)) == sorted(train * 3 + [f"extra {i}" for i in range(3)])  # dict/, mapped/, hub/
+
+
+def test_the_preview_marks_a_completion_and_shows_text_whole_in_plain_text(tmp_path):
+    """prompt/completion: the completion and its <eos> between the marks, or styled (no marks) for a terminal; text:
+    every token learned, no marks; a long document cut to its two ends."""
+    from plugins.data.preview import preview
+
+    (tmp_path / "pc.jsonl").write_text("".join(json.dumps({"prompt": f"Q: {i}+1?\nA:", "completion": f" {i + 1}."})
+                                               + "\n" for i in range(20)))
+    cfg = make_cfg(*BASE, f"data.paths=[{tmp_path}/pc.jsonl]", "data.format=prompt_completion", runs_dir=tmp_path)
+    head, body = preview(cfg, 1, styled=False)
+    assert head.plain == f"data: {tmp_path}/pc.jsonl: line 1 as the model sees it, 4 of 14 tokens learned (between ⟦ " \
+                         "and ⟧):"
+    assert body.plain == "    Q: 0+1?\n    A:⟦ 1.<eos>⟧"
+    _, styled = preview(cfg, 1, styled=True)
+    assert styled.plain == "    Q: 0+1?\n    A: 1.<eos>" and styled.spans and styled.spans[0].start == len("    Q: 0+1?\n    A:")
+    (tmp_path / "long.txt").write_text("word " * 2000)
+    head, body = preview(make_cfg(*BASE, f"data.paths=[{tmp_path}/long.txt]", runs_dir=tmp_path), 1, styled=False,
+                         chars=40)
+    assert "all " in head.plain and "⟦" not in body.plain and " … (" in body.plain and len(body.plain) < 200
