@@ -161,7 +161,7 @@ def test_a_datasets_folder_gives_the_rows_datasets_gives(tmp_path, saved_dataset
 
     path = saved_datasets / folder
     assert folder != "mapped" or any(p.name.startswith("cache-") for p in path.iterdir())
-    theirs = (datasets.load_dataset(str(path), split=split) if folder == "hub"
+    theirs = (datasets.load_dataset(str(path), split=split, cache_dir=str(tmp_path / "hf-cache")) if folder == "hub"
               else datasets.load_from_disk(str(path)))
     theirs = theirs[split] if isinstance(theirs, datasets.DatasetDict) else theirs
     cfg = make_cfg(*BASE, f"data.paths=[{path}]", f"data.split={split}", runs_dir=tmp_path)
@@ -304,3 +304,24 @@ def test_the_preview_marks_a_completion_and_shows_text_whole_in_plain_text(tmp_p
     head, body = preview(make_cfg(*BASE, f"data.paths=[{tmp_path}/long.txt]", runs_dir=tmp_path), 1, styled=False,
                          chars=40)
     assert "all " in head.plain and "⟦" not in body.plain and " … (" in body.plain and len(body.plain) < 200
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_a_dataset_cards_configs_name_the_splits_files_as_load_dataset_reads_them(tmp_path, split):
+    """The card's `configs: data_files` come before file names: raw/train-junk.parquet, which the names would make
+    the train split, is in no split."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    hub = tmp_path / "hub"
+    (hub / "raw").mkdir(parents=True)
+    for name, n in (("alpha", 20), ("beta", 10), ("train-junk", 10)):
+        datasets.Dataset.from_dict({"text": [f"{name} {i} " * 3 for i in range(n)]}).to_parquet(
+            str(hub / "raw" / f"{name}.parquet"))
+    (hub / "README.md").write_text("---\nlicense: mit\nconfigs:\n- config_name: default\n  data_files:\n"
+                                   "  - split: train\n    path: raw/alpha.parquet\n  - split: test\n"
+                                   "    path: raw/beta.parquet\n---\n# A dataset\n")
+    cfg = make_cfg(*BASE, f"data.paths=[{hub}]", f"data.split={split}", runs_dir=tmp_path)
+    assert check(cfg) == []
+    theirs = datasets.load_dataset(str(hub), split=split, cache_dir=str(tmp_path / "hf-cache"))  # not ~/.cache's
+    assert _texts(tokenized(cfg)) == sorted(theirs["text"])

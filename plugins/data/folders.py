@@ -3,9 +3,10 @@
 - `Dataset.save_to_disk`: the Arrow files its state.json names (not the `cache-*.arrow` files `.map()` leaves
   beside them, nor its JSON metadata).
 - `DatasetDict.save_to_disk`: the split data.split names (dataset_dict.json lists them), read as above.
-- A Hub snapshot (a dataset card, README.md, beside its data files): the files of data.split by the names
-  `load_dataset(folder)` gives splits (`train-00000-of-00001.parquet`, `data/test.jsonl`, ...; with no split in
-  any name, every file is the train split).
+- A Hub snapshot (a dataset card, README.md, beside its data files): the files of data.split as
+  `load_dataset(folder)` finds them: the card's `configs: data_files` where it names them, else the split in the
+  files' names (`train-00000-of-00001.parquet`, `data/test.jsonl`, ...; with no split in any name, every file is
+  the train split).
 - Any other folder: every file with a suffix of `suffixes`, in name order.
 """
 from __future__ import annotations
@@ -14,6 +15,7 @@ import fnmatch
 import json
 import os
 from pathlib import Path
+from typing import Optional
 
 # datasets.data_files' keywords of a split in a file's path (DEFAULT_PATTERNS_SPLIT_IN_FILENAME/_DIR_NAME)
 SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
@@ -59,10 +61,13 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], skip: froz
     found = _walk(folder, split, suffixes, skip)
     if what == "plain":
         return found
-    data = [f for f in found if f.suffix in DATA_SUFFIXES]
-    by_split = {name: [f for f in data if _in_split(f.relative_to(folder).as_posix(), name)] for name in SPLIT_KEYWORDS}
-    if not any(by_split.values()):
-        by_split = {"train": data}  # load_dataset: no split in any name, every file is train
+    by_split = _card_splits(folder)
+    if by_split is None:
+        data = [f for f in found if f.suffix in DATA_SUFFIXES]
+        by_split = {name: [f for f in data if _in_split(f.relative_to(folder).as_posix(), name)]
+                    for name in SPLIT_KEYWORDS}
+        if not any(by_split.values()):
+            by_split = {"train": data}  # load_dataset: no split in any name, every file is train
     if not by_split.get(split):
         have = [name for name, files in by_split.items() if files]
         raise FolderError(f"{folder} is a dataset repository (README.md is a dataset card) whose data files give "
@@ -81,6 +86,44 @@ def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) 
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
         found += [here / f for f in sorted(filenames) if f.endswith(suffixes)]
     return found
+
+
+def _card_splits(folder: Path) -> Optional[dict[str, list[Path]]]:
+    """The files of each split as the dataset card's `configs:` name them (load_dataset reads them before any file
+    name), None where it names none. Its default config, or its only one; several without a default are refused, as
+    load_dataset(folder) refuses them."""
+    import yaml
+
+    head = (folder / "README.md").read_text(errors="replace")
+    try:
+        meta = yaml.safe_load(head[3:].split("\n---", 1)[0]) or {}
+    except yaml.YAMLError as e:
+        raise FolderError(f"{folder / 'README.md'}: its YAML metadata cannot be read ({e})") from None
+    configs = meta.get("configs") if isinstance(meta, dict) else None
+    if not isinstance(configs, list) or not configs:
+        return None
+    default = [c for c in configs if isinstance(c, dict) and (c.get("default") or c.get("config_name") == "default")]
+    if not default and len(configs) > 1:
+        names = [str(c.get("config_name")) for c in configs if isinstance(c, dict)]
+        raise FolderError(f"{folder} is a dataset repository whose card names several configs ({', '.join(names)}) "
+                          "and no default; name the config's data files in data.paths")
+    files = (default or configs)[0].get("data_files") if isinstance((default or configs)[0], dict) else None
+    if isinstance(files, (str, list)) and not (isinstance(files, list) and files and isinstance(files[0], dict)):
+        files = {"train": files}
+    elif isinstance(files, list):
+        files = {entry.get("split", "train"): entry.get("path", []) for entry in files if isinstance(entry, dict)}
+    if not isinstance(files, dict):
+        return None
+    by_split = {}
+    for name, patterns in files.items():
+        patterns = [patterns] if isinstance(patterns, str) else list(patterns or [])
+        found = sorted({p for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
+        other = [p.name for p in found if p.suffix not in DATA_SUFFIXES]
+        if other:
+            raise FolderError(f"{folder}'s card gives the split {name} files of a kind the tokenize stage does not read "
+                              f"({', '.join(other[:3])}; it reads {', '.join(DATA_SUFFIXES)})")
+        by_split[str(name)] = found
+    return by_split
 
 
 def _in_split(relative: str, split: str) -> bool:
