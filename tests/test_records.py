@@ -92,6 +92,9 @@ def test_a_folders_named_chat_templates_are_read_as_transformers_reads_them(tmp_
     problems = [p for p in problems if p.key.startswith("data.")]  # a corpus of one record is too small, too
     assert [p.key for p in problems] == ["data.chat_template_name"]
     assert "has no chat template of this name (it has: default, plain)" in problems[0].rule
+    (folder / "chat_template.jinja").unlink()  # named templates only: the refusal names them
+    problems = [p for p in check(make_cfg(*args, f"data.paths=[{tmp_path}/chats.jsonl]")) if p.key.startswith("data.")]
+    assert [p.key for p in problems] == ["data.chat_template_name"] and "only named ones: plain" in problems[0].rule
 
 
 def test_a_file_named_twice_is_read_once(tmp_path):

@@ -140,6 +140,11 @@ def _chat_problems(d) -> list[Problem]:
         if d.format != "chat":
             return []
         folder = tokenizers.hf_folder(d.tokenizer)
+        named = sorted(templates_of(folder)) if folder and folder.is_dir() else []
+        if named:
+            return [Problem("data.chat_template_name", d.chat_template_name, f"the tokenizer folder {folder} has no "
+                            f"default chat template, only named ones: {', '.join(named)}",
+                            f"data.chat_template_name= one of {', '.join(named)}")]
         where = f"the tokenizer folder {folder} has no chat template" if folder else \
             f"data.tokenizer={d.tokenizer} carries no chat template"
         return [Problem("data.chat_template", d.chat_template, f"chat records are rendered with a chat template; "

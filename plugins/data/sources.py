@@ -261,6 +261,8 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
         variables = tokenizers.template_variables(d)
     except (OSError, ValueError, KeyError):  # said by the data rules (data.chat_template[_name], data.tokenizer)
         return []
+    if template is None and d.format == "chat":
+        return []  # said by the data rules (a chat needs a template)
     documents, whole = 0, True
     for name, path in chosen:
         lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)
