@@ -109,6 +109,10 @@ def test_a_file_named_twice_is_read_once(tmp_path):
                      runs_dir=tmp_path)
     assert check(twice) == []
     assert documents(tokenized(twice)) == once
+    from plugins.data.corpus import plan_lines
+
+    assert "data: data.paths names 6 file(s) more than once (overlapping globs, a folder and a file in it, links): " \
+        "each is read once" in plan_lines(twice, 1, 1)
 
 
 @pytest.mark.parametrize("record,words", [

@@ -320,6 +320,10 @@ def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
              f"{_size(read)} of {_size(total)}" + (f" from {len(corpora)} sources" if len(corpora) > 1 else "")
              + f"; {tasks} task(s) of about {TASK_PEAK_BYTES / gb:,.2f} GB each{learn}; about "
              f"{_seconds(estimate_seconds(cfg, corpora, tasks, cores))} here"]
+    twice = sum(lay.named_twice for _, lay in corpora)
+    if twice:
+        lines.append(f"data: data.paths names {twice:,} file(s) more than once (overlapping globs, a folder and a file "
+                     "in it, links): each is read once")
     for i, (_, lay) in enumerate(corpora):
         if lay.left_out:
             share = lay.left_out / max(lay.total_bytes, 1)

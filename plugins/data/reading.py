@@ -47,6 +47,7 @@ class Layout:
     read_bytes: int
     total_bytes: int         # of every file of the corpus
     total_files: int
+    named_twice: int = 0     # paths that named a file already named (read once)
 
     @property
     def left_out(self) -> int:
@@ -103,7 +104,8 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
             split = "train" if name in train_names else "val"
             pieces += [Piece(name, str(path), "text", a, b, b - a, split, b == read, opens=a == 0)
                        for a, b in _grid(read)]
-    return Layout(pieces, len(chosen), sum(p.size for p in pieces), total, len(files))
+    return Layout(pieces, len(chosen), sum(p.size for p in pieces), total, len(files),
+                  getattr(files, "named_twice", 0))
 
 
 SCAN_BYTES = 1 << 20  # how far past the held-out cut a line start is looked for

@@ -162,15 +162,21 @@ def _text_files(cfg) -> list[tuple[str, Path]]:
     return unique_files(files)
 
 
-def unique_files(files: list[tuple[str, Path]]) -> list[tuple[str, Path]]:
+class Files(list):
+    """(name, path) of each file of a corpus, and how many more times data.paths named one of them."""
+    named_twice = 0
+
+
+def unique_files(files: list[tuple[str, Path]]) -> Files:
     """Each file once, where paths, globs or links name it twice (overlapping patterns, a folder and a file in it):
     the first name it was given, by its real path."""
-    seen, kept = set(), []
+    seen, kept = set(), Files()
     for name, path in files:
         real = os.path.realpath(path)
         if real not in seen:
             seen.add(real)
             kept.append((name, path))
+    kept.named_twice = len(files) - len(kept)
     return kept
 
 
