@@ -66,7 +66,7 @@ def test_every_using_it_command_and_python_block_works_as_pasted(workdir, tmp_pa
 
 def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
     """docs/models-and-data.md's "Offline" block, line by line in an empty folder: the tiny Llama and its chats made
-    with transformers, the preview (nothing started), the fine-tune through every stage (2 steps)."""
+    with transformers, the preview (nothing started), the fine-tune through every stage (2 steps, in one process)."""
     page = (ROOT / "docs" / "models-and-data.md").read_text()
     block = page.split("### Offline: a tiny Llama fine-tuned on chats\n", 1)[1].split("```shell\n", 1)[1]
     lines = block.split("```", 1)[0].strip().splitlines()
@@ -80,6 +80,6 @@ def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
     assert shown.returncode == 0 and "line 2 as the model sees it" in shown.stdout, shown.stdout[-3000:]
     assert "⟦" in shown.stdout and "nothing was started" in shown.stdout
     args = [a for a in shlex.split(lines[2])[3:] if not a.startswith("train.steps=")]
-    done = run_cli(args + SHORT, tmp_path, timeout=600)
+    done = run_cli(args + SHORT + ["cluster=debug"], tmp_path, timeout=600)  # every stage in one process: quicker
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"aggregate\s+│ ran", done.stdout), done.stdout[-3000:]
