@@ -48,7 +48,8 @@ BAD_MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(ROLES + (
                         st.fixed_dictionaries({"role": st.sampled_from(("human", "gpt"))}, optional={"content": TEXT}),
                         st.fixed_dictionaries({"content": TEXT}), PLAIN)
 MESSAGES = st.lists(MESSAGE, min_size=1, max_size=4)
-VALUE = st.one_of(TEXT, TEXT, TEXT, st.none(), NOT_TEXT, MESSAGES, st.lists(st.one_of(MESSAGE, BAD_MESSAGE), max_size=3))
+VALUE = st.one_of(TEXT, TEXT, TEXT, st.none(), NOT_TEXT, MESSAGES,
+                  st.lists(st.one_of(MESSAGE, BAD_MESSAGE), max_size=3))
 BYTES = st.one_of(PLAIN.map(lambda t: t.encode("utf-8")), st.binary(max_size=8))  # Arrow's binary columns
 
 

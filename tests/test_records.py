@@ -4,7 +4,6 @@ tokenizer folder's named chat templates; a file named twice is read once."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -196,7 +195,8 @@ def llama_like(tmp_path_factory):
     texts = ["Answer: the water is wet.", "Q: what colour is the sky? A: blue, mostly."] * 30
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                       special_tokens=[("<s>", tok.token_to_id("<s>"))])
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     folder = tmp_path_factory.mktemp("llama_like")
     hf.save_pretrained(folder)
@@ -306,7 +306,8 @@ def test_the_preview_marks_a_completion_and_shows_text_whole_in_plain_text(tmp_p
                          "and ⟧):"
     assert body.plain == "    Q: 0+1?\n    A:⟦ 1.<eos>⟧"
     _, styled = preview(cfg, 1, styled=True)
-    assert styled.plain == "    Q: 0+1?\n    A: 1.<eos>" and styled.spans and styled.spans[0].start == len("    Q: 0+1?\n    A:")
+    assert styled.plain == "    Q: 0+1?\n    A: 1.<eos>"
+    assert styled.spans and styled.spans[0].start == len("    Q: 0+1?\n    A:")
     (tmp_path / "long.txt").write_text("word " * 2000)
     head, body = preview(make_cfg(*BASE, f"data.paths=[{tmp_path}/long.txt]", runs_dir=tmp_path), 1, styled=False,
                          chars=40)

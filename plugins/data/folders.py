@@ -120,8 +120,8 @@ def _card_splits(folder: Path) -> Optional[dict[str, list[Path]]]:
         found = sorted({p for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
         other = [p.name for p in found if p.suffix not in DATA_SUFFIXES]
         if other:
-            raise FolderError(f"{folder}'s card gives the split {name} files of a kind the tokenize stage does not read "
-                              f"({', '.join(other[:3])}; it reads {', '.join(DATA_SUFFIXES)})")
+            raise FolderError(f"{folder}'s card gives the split {name} files of a kind the tokenize stage does not "
+                              f"read ({', '.join(other[:3])}; it reads {', '.join(DATA_SUFFIXES)})")
         by_split[str(name)] = found
     return by_split
 

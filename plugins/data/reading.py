@@ -326,8 +326,8 @@ def text_value(value, where, key: str, field: str) -> bytes:
         try:
             return value.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \ud800 escapes allow
-            raise ValueError(f"{where}: the field {field!r} (data.{key}) holds a string that is not valid Unicode ({e.reason} at "
-                             f"character {e.start}); fix: repair the record") from None
+            raise ValueError(f"{where}: the field {field!r} (data.{key}) holds a string that is not valid Unicode "
+                             f"({e.reason} at character {e.start}); fix: repair the record") from None
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
         try:

@@ -96,7 +96,8 @@ def messages_problem(messages, what: str) -> str:
             if field not in m:
                 return f"{what}'s message {i} has no {field!r} (its fields: {', '.join(m) or 'none'})"
             if not isinstance(m[field], str):
-                return f"{what}'s message {i} has a {field!r} that is {_kind(m[field])}, not text: {preview(m[field])}"
+                return (f"{what}'s message {i} has a {field!r} that is {_kind(m[field])}, not text: "
+                        f"{preview(m[field])}")
     return ""
 
 
@@ -123,8 +124,8 @@ class Conversation(Chat):
 
     def __new__(cls, prompt, completion, where, d):
         if isinstance(prompt, list) != isinstance(completion, list):
-            (lists, key), (other, other_key) = sorted(((prompt, "prompt_field"), (completion, "completion_field")),
-                                                      key=lambda pair: not isinstance(pair[0], list))
+            key, other_key, other = ("prompt_field", "completion_field", completion) if isinstance(prompt, list) \
+                else ("completion_field", "prompt_field", prompt)
             raise ValueError(f"{where}: data.{key} ({d[key]!r}) is a list of messages and data.{other_key} "
                              f"({d[other_key]!r}) is {_kind(other)}: a prompt/completion record is either two texts "
                              "or two lists of {role, content} messages (TRL's conversational form); fix: repair the "
@@ -142,24 +143,25 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tupl
     """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
     assistant's (a Conversation: its completion's): an appended <eos> too when the chat's last message is the
     assistant's (it learns to stop there)."""
-    unknown = next((m["role"] for m in chat.messages if m["role"] not in roles(tok.chat_template)), None)
-    if unknown is not None:
-        raise ValueError(f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} "
-                         f"nor named by the chat template (it would render as the template's fallback, or not at "
-                         f"all); fix: rename the role in the records, or data.chat_template= a template that "
-                         f"knows it")
-    ids, trained = encode_chat_record(tok, chat, masked)
+    if why := role_problem(chat, tok.chat_template):
+        raise ValueError(why)
+    text, spans, whole = chat_spans(tok.chat_template, chat, masked, **(tok.special or {}))
+    ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
     if tok.eos in ids:  # the template ends turns with <eos> itself (ChatML's <|im_end|>, Llama 3's <|eot_id|>):
         return ids, trained  # its assistant mask holds the stop; one more would teach a second stop after the first
     return np.append(ids, tok.eos), np.append(trained, isinstance(chat, Conversation)
                                               or chat.messages[-1]["role"] == "assistant")
 
 
-def encode_chat_record(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """The rendered record's ids and the assistant's (or the completion's) tokens, the record named on a failure
-    (masked=False: every token learned, nothing looked for)."""
-    text, spans, whole = chat_spans(tok.chat_template, chat, masked, **(tok.special or {}))
-    return encode_spans(tok.with_offsets(), text, spans, whole)
+def role_problem(chat: Chat, template: str) -> str:
+    """Why a message's role cannot be rendered as meant ('' when every one can): neither a standard role nor one the
+    template names, it would render as the template's fallback, or not at all (ShareGPT's 'human')."""
+    unknown = next((m["role"] for m in chat.messages if m["role"] not in roles(template)), None)
+    if unknown is None:
+        return ""
+    return (f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} nor named by "
+            "the chat template (it would render as the template's fallback, or not at all); fix: rename the role in "
+            "the records, or data.chat_template= a template that knows it")
 
 
 def chat_spans(template: str, chat: Chat, masked: bool = True,
@@ -201,10 +203,8 @@ def first_records_problem(d, piece, template: Optional[str],
             if not template:
                 return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with "
                                               "a chat template, and there is none"), learned, False
-            unknown = next((m["role"] for m in texts.messages if m["role"] not in roles(template)), None)
-            if unknown is not None:
-                return ("data.paths", f"{texts.where}: a message's role {unknown!r} is neither one of "
-                                      f"{', '.join(STANDARD_ROLES)} nor named by the chat template"), learned, False
+            if why := role_problem(texts, template):
+                return ("data.paths", why), learned, False
             text, spans, _ = chat_spans(template, texts, masks_loss_of(d), **variables)
             learned += any(b > a for a, b in spans)
     except ValueError as e:

@@ -20,7 +20,8 @@ import numpy as np
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, folder_files, kind
 from plugins.data.packing import packed_stream
-from plugins.data.reading import JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field, record_fields, stream_closed
+from plugins.data.reading import (JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field, record_fields,
+                                  stream_closed)
 from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
@@ -188,6 +189,7 @@ def _check_text(cfg) -> list[tuple]:
     d = cfg.data
     problems: list[tuple] = []
     files: list[tuple[str, Path]] = []
+    datasets_folder = False  # a datasets folder among data.paths (data.split is read)
     if not d.paths:
         return [("data.paths", "[]", "data=text needs files or folders to read", "data.paths='[/path/to/corpus]'")]
     for entry in d.paths:
@@ -199,6 +201,7 @@ def _check_text(cfg) -> list[tuple]:
                 problems.append(("data.paths", entry, "the pattern matches no file", "a pattern that matches files"))
             continue
         if p.is_dir():
+            datasets_folder = datasets_folder or kind(p) != "plain"
             try:
                 found = [(_doc_name(p, f), f) for f in _folder_files(p, d)]
             except FolderError as e:
@@ -215,9 +218,7 @@ def _check_text(cfg) -> list[tuple]:
         else:
             files.append((p.name, p))
     files = unique_files(files)
-    problems += _unread_keys(d, files, any(Path(e).expanduser().is_dir() and kind(Path(e).expanduser()) != "plain"
-                                           for e in d.paths) or any((p.parent / "state.json").is_file()
-                                                                    for _, p in files))
+    problems += _unread_keys(d, files, datasets_folder or any((p.parent / "state.json").is_file() for _, p in files))
     bad, field_key = [], None
     fields = record_fields(d)
     for name, path in files:
@@ -283,7 +284,7 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
                              "records with something to learn, or data.loss_on=all"))]
         documents += learned
         whole = whole and complete and not lay.left_out and len(lay.pieces) <= 1
-    if whole and documents < 2 and not [f for f in files if f[1].suffix not in RECORDS]:
+    if whole and documents < 2 and all(path.suffix in RECORDS for _, path in files):
         return [("data.paths", list(d.paths), f"the records hold {documents} document(s) with something to learn in "
                  "all: one is held out for evaluation (data.val_fraction) and one at least is trained on",
                  "more records (two at least)")]
