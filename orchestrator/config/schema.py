@@ -229,7 +229,7 @@ class DataConfig:
     split: str = key("train", "a Hugging Face datasets folder in data.paths (DatasetDict.save_to_disk's, or a Hub "
                               "snapshot: a dataset card beside data/{split}-*.parquet): the split read, as "
                               "load_from_disk / load_dataset name them (the held-out part is still "
-                              "data.val_fraction of it)")
+                              "data.val_fraction of it)", read_when=("data.name", ("text",)))
     format: str = key("text", "what a record is: text (one field, every token trained), prompt_completion (a "
                               "prompt and its completion) or chat (a list of {role, content} messages, rendered "
                               "with the chat template); records from JSON Lines or Parquet; what the model learns: "
