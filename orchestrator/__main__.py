@@ -70,9 +70,6 @@ def main() -> int:
         _experiment()
         finish_study()
     except Refused as r:  # the command's check (orchestrator/boundary.py), before Hydra wrote anything
-        if not r.error.problems:
-            print(unexpected(r.__cause__), file=sys.stderr)
-            return 1
         print(f"error: {r.error}", file=sys.stderr)
         return 2
     except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)

@@ -13,19 +13,16 @@ names a key; `unexpected` saves any other exception's traceback to a file and re
 """
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import traceback
-from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
+from common import tracebacks
+
 from orchestrator.config.command import check_experiment, experiment, explain, task_overrides
 from orchestrator.config.errors import ConfigError
-from orchestrator.config.validate import folder_problems
+from orchestrator.config.validate import check_failed, folder_problems
 from orchestrator.config.values import unresolved
 
 
@@ -42,23 +39,26 @@ class Precheck(Callback):
     """hydra.callbacks.precheck in conf/config.yaml: the whole command checked before Hydra writes anything."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        _refusing(check_run, config)
+        _refusing(check_run, config, "overrides")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         from orchestrator.report import console
         from orchestrator.sweeps.check import check_sweep
 
-        for line in _refusing(check_sweep, config):
+        for line in _refusing(check_sweep, config, "sweep"):
             console.print(line, soft_wrap=True, markup=False)
 
 
-def _refusing(check, config: DictConfig) -> Any:
+def _refusing(check, config: DictConfig, key: str) -> Any:
+    """check(config), its exceptions refusals: Hydra's and OmegaConf's in config terms, any other one as a check
+    that stopped (naming it, and `key`: what was checked, with the command's overrides; its traceback saved)."""
     try:
         return check(config)
-    except Exception as e:  # everything the checks meet is the command's problem, or a bug said in one line
+    except Exception as e:  # everything the checks meet is the command's problem, said as a refusal
         error = explain(e, tuple(task_overrides(config.hydra)))
         if error is None:
-            raise Refused(ConfigError([])) from e
+            where = f"the command's check ({check.__module__}.{check.__name__})"
+            error = ConfigError([check_failed(key, " ".join(task_overrides(config.hydra)), where, e)])
         raise Refused(error) from None
 
 
@@ -69,20 +69,24 @@ def check_run(config: DictConfig) -> None:
         raise ConfigError(problems)
     check_experiment(experiment(config), task_overrides(config.hydra))
     run_dir = str(config.hydra.run.dir)
-    problems = folder_problems("hydra.run.dir", run_dir, "the run's files")
+    problems = folder_problems("hydra.run.dir", run_dir, "the run's files") + sweep_keys_alone(config)
     if problems:
         raise ConfigError(problems)
 
 
+def sweep_keys_alone(config: DictConfig) -> list:
+    """sweep.* keys that only a sweep (-m) reads, set on a single run: they would do nothing."""
+    from orchestrator.config.errors import Problem
+    from orchestrator.config.schema import SweepConfig
+
+    defaults = SweepConfig()
+    return [Problem(f"sweep.{name}", config.sweep[name], f"sweep.{name} is read by a sweep (-m) only; this command "
+                    "runs one experiment, which it would not change", f"python -m orchestrator -m ... to sweep, or "
+                    f"leave sweep.{name} unset") for name in ("parallelism", "max_points")
+            if config.sweep[name] != getattr(defaults, name)]
+
+
 def unexpected(exc: BaseException) -> str:
     """One line for an exception nobody expected, its traceback saved to a file (the line says where)."""
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path(tempfile.gettempdir()) / f"orchestrator-error-{stamp}-{os.getpid()}.txt"
-    try:
-        path.write_text("".join(traceback.format_exception(exc)))
-        where = f"the traceback is in {path}"
-    except OSError as e:
-        where = f"its traceback could not be saved ({e.strerror})"
-    said = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"error: {type(exc).__name__}{': ' + said if said else ''} (an unexpected error: {where}; please " \
-           "report it with the command you ran)"
+    return f"error: {tracebacks.said(exc)} (an unexpected error: {tracebacks.saved(exc)}; please report it with " \
+           "the command you ran)"

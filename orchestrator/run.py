@@ -28,7 +28,7 @@ from orchestrator.cache import resume
 from orchestrator.tracking import later as tracking_later
 from orchestrator.tracking.tracker import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
-from orchestrator.config.validate import validate, warnings
+from orchestrator.config.validate import refusing, validate, warnings
 from planning.plan import memory_line, time_line
 from plugins.data.corpus import plan_lines
 from plugins.data.preview import PLAN_CHARS, preview
@@ -61,8 +61,15 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
     validate(cfg, overrides)
     cache = Cache(Path(cfg.cache_dir).resolve())
-    plan = make_plan(cfg, all_stages(until), cache)
+    with refusing("overrides", " ".join(overrides), "planning the stages (orchestrator/dag.py)"):
+        plan = make_plan(cfg, all_stages(until), cache)  # it reads the inputs again: they may have changed since
     _check_cache_writable(cfg, plan, cache)
+    to_run = [ps.name for ps in plan if not ps.cached]
+    tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
+    with refusing("overrides", " ".join(overrides), "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"):
+        data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
+        estimates = [memory_line(cfg, orchestrator_bytes(cfg)),
+                     time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run)))]
 
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -70,16 +77,11 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
     executor = _executor(cfg.cluster)
     launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
-    to_run = [ps.name for ps in plan if not ps.cached]
     where = {name: executor.describe(launches[name]) for name in to_run}
     commands = {name: executor.command(launches[name]) for name in to_run}
     _write_plan(run_dir, plan, where, commands)
     console.print(plan_table(plan, where))
-    tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
-    data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
-    for line in [*choices, memory_line(cfg, orchestrator_bytes(cfg)),
-                 time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *data,
-                 *(data_preview(cfg) if tokenize else []), *warnings(cfg)]:
+    for line in [*choices, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]:
         console.print(line, soft_wrap=True)
     if cfg.data.preview:
         console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)

@@ -42,13 +42,21 @@ requires_ort_training = pytest.mark.skipif(_no_ort_training_reason() is not None
                                            reason=_no_ort_training_reason() or "")
 
 
+def last_wins(args) -> list[str]:
+    """The tests' commands are a base (QUICK, DEBUG) with a test's own overrides after it: each key keeps its last
+    value, as one written command would hold it (the orchestrator refuses a key set twice to different values)."""
+    args = list(args)
+    key = [a.lstrip("+~").split("=", 1)[0] if "=" in a and not a.startswith("-") else None for a in args]
+    return [a for i, a in enumerate(args) if key[i] is None or key[i] not in key[i + 1:]]
+
+
 def make_cfg(*overrides: str, runs_dir: Path | None = None):
     """The composed config for these overrides, as `python -m orchestrator` would see it."""
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="orchestrator"):
         extra = [f"runs_dir={runs_dir}"] if runs_dir is not None else []
-        return compose(config_name="config", overrides=[*overrides, *extra], return_hydra_config=False)
+        return compose(config_name="config", overrides=last_wins([*overrides, *extra]), return_hydra_config=False)
 
 
 def cli_env(**extra: str) -> dict:
@@ -61,7 +69,7 @@ def cli_env(**extra: str) -> dict:
 def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m orchestrator args...` in cwd; the run's files land in cwd/runs."""
     full_env = cli_env(**(env or {}))
-    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=full_env,
+    return subprocess.run([sys.executable, "-m", "orchestrator", *last_wins(args)], cwd=cwd, env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -72,7 +80,7 @@ def signal_cli(args: list[str], cwd: Path, ready, sig: int = 15, wait_s: float =
     import threading
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=cwd, env=cli_env(), text=True,
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *last_wins(args)], cwd=cwd, env=cli_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
     lines: list[str] = []
@@ -123,7 +131,7 @@ def run_debug(tmp_path: Path, *overrides: str, name: str = "run"):
     from orchestrator.run import orchestrate
 
     cfg = make_cfg(*DEBUG, *overrides, runs_dir=tmp_path / "runs")
-    return orchestrate(cfg, tmp_path / name, [*DEBUG, *overrides])
+    return orchestrate(cfg, tmp_path / name, last_wins([*DEBUG, *overrides]))
 
 
 def cache_entry(tmp_path: Path, report, stage: str) -> Path:

@@ -150,3 +150,31 @@ def all_cases(seed: int = 0, pairs_per_section: int = 40) -> list[Case]:
 
 def sample(n: int, seed: int) -> list[Case]:
     return random.Random(seed).sample(all_cases(seed), n)
+
+
+# -m sweeps: search spaces of every kind Hydra's grammar has, on keys of each type, under each sweeper, with the
+# sweepers' and the sweep's own settings (tests/test_fuzz.py checks them as `on_multirun_start` does)
+SPACES = ["1,2", "choice(1,2)", "range(1,3)", "range(3,1)", "range(0,100000)", "shuffle(range(1,3))", "choice()",
+          "interval(0.1,0.5)", "interval(0.5,0.1)", "tag(log,interval(0,1))", "tag(int,interval(1,4))", "x,y", "1,abc"]
+SWEPT = ["train.seed", "optimizer.lr", "train.batch_size", "parallel.dp", "data.val_fraction", "train.steps"]
+SWEEPERS = [(), ("hydra/sweeper=optuna", "hydra.sweeper.n_trials=2"),
+            ("hydra/sweeper=optuna", "hydra/sweeper/sampler=grid"),
+            ("hydra/sweeper=optuna", "hydra/sweeper/sampler=random")]
+SETTINGS = ["hydra.sweeper.n_trials=0", "hydra.sweeper.n_jobs=0", "hydra.sweeper.sampler.seed=-1",
+            "hydra.sweeper.sampler.seed=7", "hydra.sweeper.direction=maximize", "hydra.sweeper.study_name=fuzz",
+            "sweep.parallelism=4", "sweep.max_points=1", "sweep.max_points=0", "cluster=debug", "tracking=none",
+            "hydra.sweeper.storage=sqlite:///x.db", "sweep.objective=tokens_per_s"]
+
+
+def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:
+    """A swept key with a space, under a sweeper, with one setting (keys: what a refusal must name)."""
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        key, space, sweeper, setting = (rng.choice(SWEPT), rng.choice(SPACES), rng.choice(SWEEPERS),
+                                        rng.choice(SETTINGS))
+        if setting.startswith("hydra.sweeper.") and not sweeper:
+            setting = "sweep.parallelism=2"  # the basic sweeper has no sampler (Hydra refuses the key itself)
+        cases.append(Case((*sweeper, f"{key}={space}", setting),
+                          (key, setting.split("=")[0], "hydra.sweeper", "sweep", "cluster")))
+    return list({c.id: c for c in cases}.values())

@@ -182,10 +182,30 @@ CATALOGUE = [
      "of messages and data.prompt_field ('prompt') is a string"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/broken.jinja"],
      "data.chat_template", "cannot be read as Jinja"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/latin1.jinja"],
+     "data.chat_template", "is not UTF-8 text (byte 0xe9"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.tokenizer=hf:{tmp}/truncated_config"],
+     "data.tokenizer", "tokenizer_config.json is not JSON"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: 0}]"], "data.mix", "weight above 0"),
+    (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: -0.3}, {paths: [{tmp}/one.txt]}]"],
+     "data.mix[0].weight", ">= 0.0"),
+    (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: nan}]"], "data.mix[0].weight", "a finite number"),
+    (["data=text", "data.format=chat", "data.mix=[{paths: [{tmp}/records.jsonl], text_field: body}]"],
+     "data.mix[0].text_field", "read only when data.format=text"),
+    # combinations that do nothing or contradict
+    (["data=text", "data=chat"], "data", "set 2 times on the command line"),
+    (["cluster=debug", "data.tasks=4"], "data.tasks", "read only when cluster.name=local or slurm"),
+    (["data=text", "data.paths=[{tmp}/one.txt]", "data.long_documents=refuse"], "data.long_documents",
+     "read only when data.packing_strategy=bfd"),
+    (["cluster=debug", "sweep.parallelism=2"], "sweep.parallelism", "points cannot run side by side"),
+    (["cluster=slurm", "cluster.mem_per_task_gb=0"], "cluster.mem_per_task_gb", "all the memory of each node"),
+    (["cluster=slurm", "cluster.signal_delay_s=100000"], "cluster.signal_delay_s", "before its time limit"),
+    (["cluster=slurm", "cluster.threads_per_rank=8", "cluster.cpus_per_task=2"], "cluster.threads_per_rank",
+     "share cores"),
+    (["cluster=slurm", "+cluster.sbatch.nodes=3"], "cluster.sbatch.nodes", "set by cluster.nodes"),
     (["cluster=slurm", "cluster.mem_per_task_gb=0.5", "data.tokenizer=bpe", "data.vocab_size=300"], "data.tasks",
      "the tokenize stage needs about"),
     (["data=text", "data.paths=[{tmp}/one.txt]", "data.mix=[{paths: [{tmp}/one.txt]}]"], "data.paths",
@@ -250,6 +270,11 @@ def corpus(tmp_path_factory) -> Path:
 
     Tokenizer(models.WordLevel(vocab={"a": 0, "b": 5000, "<unk>": 1, "<|endoftext|>": 2}, unk_token="<unk>")).save(
         str(tmp / "sparse_tokenizer" / "tokenizer.json"))
+    (tmp / "latin1.jinja").write_bytes("{% for m in messages %}é{{ m.content }}{% endfor %}".encode("latin-1"))
+    (tmp / "truncated_config").mkdir()  # a tokenizer whose tokenizer_config.json was cut short by a full disk
+    Tokenizer(models.WordLevel(vocab={"a": 0, "<unk>": 1, "<|endoftext|>": 2}, unk_token="<unk>")).save(
+        str(tmp / "truncated_config" / "tokenizer.json"))
+    (tmp / "truncated_config" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "chat_tem')
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)

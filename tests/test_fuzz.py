@@ -18,24 +18,22 @@ from hydra.core.global_hydra import GlobalHydra
 
 from orchestrator.boundary import Refused, check_run
 from orchestrator.config.command import experiment, explain, task_overrides
-from orchestrator.config.errors import ConfigError
 from orchestrator.config.schema import register
 from tests.conftest import CONF
-from tests.fuzz_cases import all_cases, sample
+from tests.fuzz_cases import all_cases, sample, sweep_cases
 
 SAMPLE = 120  # cases per CI run (about 70 s on one worker: --dist loadfile keeps a file on one)
 SEED = 20261125
 CASES = all_cases(SEED) if os.environ.get("FUZZ") == "all" else sample(SAMPLE, SEED)
 CASE_SECONDS = 60  # a case that takes longer hangs
+SWEEPS = sweep_cases(SEED) if os.environ.get("FUZZ") == "all" else sweep_cases(SEED)[:12]
 
 
 def outcome(overrides: list[str], where: Path) -> tuple[int, list]:
     """(exit status, problems) of `python -m orchestrator <overrides> dry_run=true`, in process."""
-    from orchestrator.run import orchestrate
+    def run() -> None:
+        from orchestrator.run import orchestrate
 
-    register()
-    GlobalHydra.instance().clear()
-    try:
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="orchestrator"):
             quiet = [] if any(o.lstrip("+~").startswith("tracking") for o in overrides) else ["tracking=none"]
             config = compose(config_name="config", overrides=[*overrides, "dry_run=true", *quiet],
@@ -44,13 +42,50 @@ def outcome(overrides: list[str], where: Path) -> tuple[int, list]:
         cfg = experiment(config)
         if cfg.tune.name == "none":
             orchestrate(cfg, where / "run", task_overrides(config.hydra))
+
+    return _status(run, overrides)
+
+
+def sweep_outcome(overrides: list[str]) -> tuple[int, list]:
+    """(exit status, problems) of `python -m orchestrator -m <overrides>` up to its first point, in process: the
+    sweep's check, as Hydra's on_multirun_start runs it (orchestrator/boundary.py)."""
+    def run() -> None:
+        from hydra.core.plugins import Plugins
+        from hydra.types import RunMode
+        from hydra_plugins.orchestrator_launcher.orchestrator_study import store
+
+        from orchestrator.boundary import Precheck
+
+        Plugins.instance()
+        store()  # the Optuna sweeper whose study is kept, as python -m orchestrator stores it
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="orchestrator"):
+            config = GlobalHydra.instance().hydra.compose_config("config", [*overrides, "dry_run=true"],
+                                                                 run_mode=RunMode.MULTIRUN,
+                                                                 with_log_configuration=False)
+            Precheck().on_multirun_start(config)
+
+    return _status(run, overrides)
+
+
+def _status(run, overrides: list[str]) -> tuple[int, list]:
+    """run() as the command runs it: 0, or 2 with the problems of its refusal (Hydra's errors translated); any other
+    exception is raised (a traceback the user would see). Over CASE_SECONDS it is a hang."""
+    register()
+    GlobalHydra.instance().clear()
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(CASE_SECONDS)
+    try:
+        run()
     except Refused as r:
-        return (2, r.error.problems) if r.error.problems else (1, [r.__cause__])
+        return 2, r.error.problems
     except Exception as e:
         translated = explain(e, tuple(overrides))
         if translated is None:
             raise
         return 2, translated.problems
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     return 0, []
 
 
@@ -62,8 +97,8 @@ def _related(problem, keys: tuple[str, ...]) -> bool:
                for k in keys)
 
 
-class Hang(Exception):
-    pass
+class Hang(BaseException):
+    """Not an Exception: the checks' guard turns those into refusals, and a hang must fail the case."""
 
 
 def _alarm(signum, frame):
@@ -73,18 +108,23 @@ def _alarm(signum, frame):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_fuzzed_command_is_accepted_or_refused_naming_the_key(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default runs_dir (runs) and any relative path land here
-    previous = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(CASE_SECONDS)
-    try:
-        code, problems = outcome(list(case.overrides), tmp_path)
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
+    code, problems = outcome(list(case.overrides), tmp_path)
     if os.environ.get("FUZZ_REPORT"):  # the figures of a walk: one line per case (appends of a line are atomic)
         with open(os.environ["FUZZ_REPORT"], "a") as f:
             f.write(f"{code}\t{problems[0].key if code == 2 else ''}\t{case.id}\n")
+    _accepted_or_refused_naming(case, code, problems)
+    assert code == 0 or not (tmp_path / "runs" / "cache").exists(), "a cache entry was written before the refusal"
+
+
+@pytest.mark.parametrize("case", SWEEPS, ids=[c.id for c in SWEEPS])
+def test_a_fuzzed_sweep_is_checked_whole_or_refused_naming_the_key(case, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _accepted_or_refused_naming(case, *sweep_outcome(list(case.overrides)))
+    assert not (tmp_path / "runs").exists(), "the check wrote before the first point"
+
+
+def _accepted_or_refused_naming(case, code: int, problems: list) -> None:
     assert code in (0, 2), f"{case.id}: {problems}"
     if code == 2:
         assert problems and all(p.key and p.rule and p.fix for p in problems), problems
         assert any(_related(p, case.keys) for p in problems), "\n".join(map(str, problems))
-        assert not (tmp_path / "runs" / "cache").exists(), "a cache entry was written before the refusal"

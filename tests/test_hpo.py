@@ -77,7 +77,7 @@ def test_optuna_minimises_the_trials_eval_loss_and_the_same_command_continues_it
     assert code == 143, out[-3000:]
     assert [t["state"] for t in kept_trials(stopped)] == ["COMPLETE", "RUNNING"]
 
-    again = run_cli(args, stopped, timeout=900)
+    again = run_cli([*args, "train.progress=false"], stopped, timeout=900)  # an execution key: the same study
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "continued, 1 of 4 trial(s) done" in again.stdout and "1 interrupted (resumed first), 3 to run" in \
         again.stdout
@@ -88,6 +88,25 @@ def test_optuna_minimises_the_trials_eval_loss_and_the_same_command_continues_it
     assert [(t["params"], t["values"]) for t in trials if t["state"] == "COMPLETE"] == uninterrupted
     continued = yaml.safe_load(next((stopped / "runs" / "multirun").rglob("optimization_results.yaml")).read_text())
     assert continued["best_value"] == optuna["best_value"]
+
+
+def test_an_invalid_grid_point_is_refused_before_the_first_trial_or_recorded_and_never_run_again(workdir):
+    grid = ["-m", "hydra/sweeper=optuna", "hydra/sweeper/sampler=grid", "train.batch_size=choice(16,15)",
+            "parallel.dp=choice(1,2)", "hydra.sweeper.n_trials=4", "dry_run=true", "tracking=none"]
+    whole = run_cli(grid, workdir)  # 4 combinations: every one checked before the first trial
+    assert whole.returncode == 2 and "point train.batch_size=15 parallel.dp=2" in whole.stderr, whole.stderr[-3000:]
+    assert not (workdir / "runs" / "studies").exists()
+
+    # past sweep.max_points each value is checked alone: (15, 2) is found when the grid picks it
+    first = run_cli([*grid, "sweep.max_points=3"], workdir)
+    assert first.returncode == 2 and "recorded in its study as a failed trial" in first.stderr, first.stderr[-3000:]
+    again = run_cli([*grid, "sweep.max_points=3"], workdir)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    trials = kept_trials(workdir)
+    points = [(t["params"]["train.batch_size"], t["params"]["parallel.dp"]) for t in trials]
+    assert sorted(points) == [(15, 1), (15, 2), (16, 1), (16, 2)]  # each once: the invalid one not replayed
+    (invalid,) = [t for t in trials if "invalid" in t["user_attrs"]]
+    assert invalid["state"] == "FAIL" and "divisible by 2" in invalid["user_attrs"]["invalid"]
 
 
 def test_a_failed_trial_scores_the_worst_value_and_the_study_goes_on(workdir):

@@ -15,11 +15,11 @@ from plugins.engines.ort.engine import install
 from plugins.engines.ort.graphs import OrtGraphError, partition_for_hp
 from plugins.models import get_model
 from plugins.onnx.exporter import export_module
-from tests.conftest import QUICK, make_cfg, requires_ort_training
+from tests.conftest import QUICK, last_wins, make_cfg, requires_ort_training
 
 pytestmark = requires_ort_training
 
-ARGS = ["cluster=debug", "tracking=none", "engine=ort", *QUICK, "train.steps=2"]
+ARGS = last_wins(["cluster=debug", "tracking=none", "engine=ort", *QUICK, "train.steps=2"])
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 import orchestrator.cache.code_keys as code_keys
 from storage.fsio import read_json
-from tests.conftest import QUICK, cache_entry, cli_env, killed_after, run_debug
+from tests.conftest import QUICK, cache_entry, cli_env, killed_after, last_wins, run_debug
 
 ARGS = ["train.steps=12", "train.checkpoint_every=4", "train.eval_every=12", "train.log_every=4",
         "train.batch_size=8", "train.seq_len=32", "model.n_layers=2"]
@@ -70,8 +70,8 @@ def test_another_layout_resumes_and_back_after_a_lost_rank(tmp_path, uninterrupt
     with killed_after(5), pytest.raises(KeyboardInterrupt):
         run_debug(tmp_path, *ARGS, name="single-killed")
 
-    big = [*QUICK, *ARGS, "parallel=dp2_hp2_pp2", "cluster=local", "tracking=none", f"runs_dir={tmp_path / 'runs'}",
-           f"hydra.run.dir={tmp_path / 'big'}"]
+    big = last_wins([*QUICK, *ARGS, "parallel=dp2_hp2_pp2", "cluster=local", "tracking=none",
+                     f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'big'}"])
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *big], cwd=tmp_path, env=cli_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     scratch = tmp_path / "runs" / "cache" / "train"

@@ -14,7 +14,7 @@ from orchestrator.config.errors import ConfigError
 from orchestrator.cluster.slurm_submit import _rejection, sbatch_parameters
 from orchestrator.config.validate import validate
 from stages import all_stages
-from tests.conftest import make_cfg, run_cli
+from tests.conftest import make_cfg, run_cli, signal_cli
 
 
 def planned(cfg, tmp_path, name):
@@ -64,7 +64,7 @@ def on_a_login_node(monkeypatch, nodes: list[tuple[str, str, str]], addresses: d
 
 def test_slurm_layout_rules(tmp_path, monkeypatch):
     on_a_login_node(monkeypatch, [(f"n{i}", "idle", "(null)") for i in range(4)])
-    cfg = make_cfg("cluster=slurm", "parallel=megatron_hp2", "cluster.nodes=3", "+cluster.time_min.eval=5",
+    cfg = make_cfg("cluster=slurm", "parallel=megatron_hp4", "cluster.nodes=3", "+cluster.time_min.eval=5",
                    runs_dir=tmp_path)
     with pytest.raises(ConfigError) as e:
         validate(cfg)
@@ -189,3 +189,16 @@ def test_a_signal_stops_the_whole_sweep_and_the_same_command_continues(workdir, 
     assert alone.returncode == 0, alone.stdout[-3000:] + alone.stderr[-3000:]
     (trained,) = (reference / "runs" / "cache" / "train").glob("*/summary.json")
     assert rows[0]["final_loss"] == json.loads(trained.read_text())["final_loss"]
+
+
+def test_a_sweep_too_large_is_refused_at_once_and_a_signal_stops_its_check(workdir):
+    import time
+
+    t0 = time.monotonic()
+    huge = run_cli(["-m", "train.seed=range(0,100000)", "dry_run=true"], workdir)
+    assert huge.returncode == 2 and "this sweep has 100,000 points" in huge.stderr, huge.stderr[-2000:]
+    assert time.monotonic() - t0 < 30  # under 1 s on an idle machine; the bound is for a loaded CI worker
+    code, out, took = signal_cli(["-m", "train.seed=range(0,200)", "dry_run=true"], workdir,
+                                 lambda lines: any("checking 200 point(s)" in line for line in lines))
+    assert code == 143 and took < 5, out[-2000:]
+    assert not (workdir / "runs").exists()

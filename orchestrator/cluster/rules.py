@@ -20,6 +20,11 @@ def check(cfg) -> list[Problem]:
     if c.name == "debug" and world > 1:
         problems.append(Problem("cluster", "debug", f"the debug cluster runs stages inside this process (one rank); "
                                 f"the layout needs {world}", "cluster=local"))
+    if c.name == "debug" and cfg.sweep.parallelism > 1:
+        problems.append(Problem("sweep.parallelism", cfg.sweep.parallelism, "the debug cluster runs each stage "
+                                "inside this process, in its main thread (where signals and the stage's state live): "
+                                "points cannot run side by side", "sweep.parallelism=1, or cluster=local to run "
+                                f"{cfg.sweep.parallelism} points at once"))
     if c.name == "local":
         problems += _local_gpus(cfg, world)
     if c.name == "slurm":
@@ -47,11 +52,12 @@ def _slurm(cfg, world: int) -> list[Problem]:
 
     c = cfg.cluster
     problems = []
-    if world % c.nodes:
+    if world > c.nodes and world % c.nodes:  # fewer tasks than nodes: the job takes one node per task
         fits = [n for n in range(1, world + 1) if world % n == 0]
         problems.append(Problem("cluster.nodes", c.nodes, f"the train job's {world} tasks (dp*hp*pp) are spread evenly "
                                 f"over the nodes: {world} must be divisible by cluster.nodes",
                                 f"cluster.nodes= one of {fits}"))
+    problems += _contradictions(c)
     unknown = sorted(set(c.time_min) - set(STAGE_TIMES_MIN))
     if unknown:
         problems.append(Problem(f"cluster.time_min.{unknown[0]}", c.time_min[unknown[0]], "time limits are given per "
@@ -69,6 +75,47 @@ def _slurm(cfg, world: int) -> list[Problem]:
                                 "run on a SLURM login node, or start the bundled single-node cluster "
                                 "(sudo scripts/slurm_cluster.sh start), or cluster=local; dry_run=true prints the "
                                 "sbatch scripts without SLURM"))
+    return problems
+
+
+# sbatch parameters the cluster section sets itself: given in cluster.sbatch too, one of the two would be ignored
+OWNED = {"nodes": "cluster.nodes", "ntasks": "the layout (dp*hp*pp)", "ntasks_per_node": "the layout (dp*hp*pp)",
+         "cpus_per_task": "cluster.cpus_per_task", "mem": "cluster.mem_per_task_gb",
+         "mem_per_cpu": "cluster.mem_per_task_gb", "time": "cluster.time_min", "partition": "cluster.partition",
+         "account": "cluster.account", "qos": "cluster.qos", "gpus_per_task": "cluster.gpus_per_task",
+         "gres": "cluster.gpus_per_task", "gpus": "cluster.gpus_per_task", "signal": "cluster.signal_delay_s",
+         "job_name": "the stage's name and key", "dependency": "the DAG (each job waits for its inputs)",
+         "output": "cluster.folder", "error": "cluster.folder"}
+
+
+def _contradictions(c) -> list[Problem]:
+    """SLURM keys against each other and against the time limit: each would run, and not as written."""
+    problems = []
+    if c.mem_per_task_gb is not None and c.mem_per_task_gb == 0:
+        problems.append(Problem("cluster.mem_per_task_gb", c.mem_per_task_gb, "SLURM reads --mem=0 as all the "
+                                "memory of each node, not none: every job would hold whole nodes",
+                                "cluster.mem_per_task_gb= the GB a task needs (the plan prints it), or leave it "
+                                "unset for the partition's default; for whole nodes: cluster.sbatch={exclusive: true}"))
+    train_s = 60 * int(c.time_min.get("train", 0) or 0)
+    if train_s and c.signal_delay_s >= train_s:
+        problems.append(Problem("cluster.signal_delay_s", c.signal_delay_s, f"SLURM signals the train job this long "
+                                f"before its time limit ({train_s} s, cluster.time_min.train): the signal would come "
+                                "as it starts, and it would checkpoint and requeue without training",
+                                f"cluster.signal_delay_s={max(0, min(90, train_s // 4))} (a save's time and some), "
+                                "or a longer cluster.time_min.train"))
+    if c.threads_per_rank and c.cpus_per_task and c.threads_per_rank > c.cpus_per_task:
+        problems.append(Problem("cluster.threads_per_rank", c.threads_per_rank, f"each rank would run "
+                                f"{c.threads_per_rank} threads on the {c.cpus_per_task} CPUs SLURM gives its task "
+                                "(cluster.cpus_per_task): they would share cores and run slower than fewer",
+                                f"cluster.threads_per_rank={c.cpus_per_task}, or "
+                                f"cluster.cpus_per_task={c.threads_per_rank}"))
+    for name in sorted(c.sbatch):
+        owner = OWNED.get(str(name).replace("-", "_"))
+        if owner:
+            problems.append(Problem(f"cluster.sbatch.{name}", c.sbatch[name], f"sbatch's {name} is set by "
+                                    f"{owner}; given here too, one of the two would be ignored",
+                                    f"remove cluster.sbatch.{name}" + (f" and set {owner}" if owner.startswith(
+                                        "cluster.") else "")))
     return problems
 
 

@@ -5,6 +5,9 @@ precision=auto: bf16 where the train stage gets a CUDA GPU with bf16, else fp32 
 login node's devices say nothing of the compute nodes': GPUs requested (cluster.gpus_per_task) mean bf16 (pick
 precision=fp16 or fp32 for GPUs older than Ampere).
 
+data.packing_strategy=auto: bfd for records of prompt_completion or chat, wrapped for text (silently: the plan
+says how rows are packed).
+
 triton.attention=auto: flex (FlexAttention, compiled) where rows hold whole documents and the ranks get CUDA GPUs,
 else sdpa (runtime/sdpa.py says why).
 """
@@ -22,6 +25,8 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
     from runtime.sdpa import resolve_attention
 
     notes = []
+    if cfg.data.packing and cfg.data.packing_strategy == "auto":  # what packs the rows decides what else is read
+        cfg.data.packing_strategy = "bfd" if whole_documents(cfg.data) is not None else "wrapped"
     cuda, bf16 = ranks_on_cuda(cfg)
     if cfg.precision.name == "auto":
         # an engine not registered is refused by validation, which runs after this

@@ -197,7 +197,8 @@ class MixSourceConfig:
     paths: List[str] = key([], "this source's files, folders or glob patterns (as data.paths)")
     weight: float = key(1.0, "its share of a batch's rows, relative to the other sources' weights (a row draws its "
                               "source by weight from the seed and step); changing it re-tokenizes nothing", min=0.0)
-    text_field: Optional[str] = key(None, "the field or column of its records' text (default: data.text_field)")
+    text_field: Optional[str] = key(None, "the field or column of its records' text (default: data.text_field)",
+                                    read_when=("data.format", ("text",)))
 
 
 @dataclass
@@ -217,7 +218,8 @@ class DataConfig:
                                        "its own) or refused: a record by the tokenize stage, naming its file and "
                                        "line (train.seq_len then enters that stage's key), a text document by the "
                                        "train stage before its first step",
-                              choices=("split", "refuse"), read_when=("data.packing", (True,)))
+                              choices=("split", "refuse"),
+                              read_when=[("data.packing", (True,)), ("data.packing_strategy", ("bfd",))])
     balance_ranks: bool = key(True, "data.packing=false: deal each batch's rows (documents padded to "
                                     "train.seq_len) so that every data-parallel rank gets about the same real "
                                     "tokens, and where the layout allows (no pipeline, engine=torch, no "
@@ -275,7 +277,8 @@ class DataConfig:
     tasks: Optional[int] = key(None, "processes of the tokenize stage, each taking a contiguous part of the corpus "
                                      "(files, and big files by byte ranges at line starts); the result does not "
                                      "depend on it. Default: the usable cores (local; 1 on debug), one per node of "
-                                     "cluster.nodes (slurm); at most one per MiB of corpus", content=False, min=1)
+                                     "cluster.nodes (slurm); at most one per MiB of corpus", content=False, min=1,
+                               read_when=("cluster.name", ("local", "slurm")))  # debug: in this process, alone
     bpe_sample_bytes: int = key(1_000_000_000, "data.tokenizer=bpe: it learns from at most this many bytes of the "
                                                "training split, pieces spread evenly over the corpus (streamed)",
                                 min=1, read_when=BPE)
@@ -327,7 +330,8 @@ class SlurmClusterConfig(ClusterConfig):
     mem_per_task_gb: Optional[float] = key(None, "memory per task in GB (default: the partition's default)",
                                            content=False, min=0.0)
     gpus_per_task: int = key(0, "GPUs per task (rank)", content=False, min=0, max=MAX_GPUS)
-    nodes: int = key(1, "nodes of the train job; its tasks are spread evenly over them", content=False, min=1)
+    nodes: int = key(1, "nodes a job spreads its tasks over evenly (the train job's dp*hp*pp, the tokenize job's "
+                        "data.tasks); a job of fewer tasks takes one node per task", content=False, min=1)
     setup: List[str] = key([], "shell lines run in each job before the stage (module load, source venv, ...)",
                            content=False)
     sbatch: Dict[str, Any] = key({}, "extra sbatch parameters, e.g. {constraint: a100, exclusive: true}",
@@ -369,6 +373,9 @@ class TuneConfig:
 class SweepConfig:
     parallelism: int = key(1, "-m sweeps on local/debug clusters: points run at once (SLURM runs all points at "
                               "once; its scheduler queues what does not fit)", content=False, min=1)
+    max_points: int = key(256, "-m sweeps: the most points a sweep may have (every one is validated before the first "
+                               "starts, about 0.2 s each); an optimising sweeper's search space larger than this has "
+                               "each value validated alone", content=False, min=1, max=10**7)
     objective: str = key("eval_loss", "what a point returns to Hydra's sweeper (Optuna, Nevergrad, Ax optimise it) and "
                                       "what ranks the sweep's summary: eval_loss, loss (final train loss), tokens_per_s "
                                       "or peak_memory (MB, the worst rank's)",

@@ -7,6 +7,7 @@ field's rule, >= 1, not as a crash of a rule that divides by it); the plan's (me
 run once the model and the layout are sound, since they build the partition plan."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from pathlib import Path
@@ -17,23 +18,66 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
 
 
-def _owners() -> tuple[tuple, tuple]:
-    """(the model and its layout, from which the partition plan is built; everything else, in the order a reader
-    meets the config: data, training, the cluster, the engine, the machine). Imported when the schema holds: they
-    bring torch (1.5 s), which a config refused by its schema never waits for."""
-    from orchestrator.cache import store as cache
-    from orchestrator.tracking import tracker as tracking
-    from orchestrator.cluster import rules as cluster
-    from plugins.data import rules as data
-    from plugins import engines
-    from plugins.onnx import rules as onnx
-    from plugins.models import registry as models
-    from plugins.parallel import rules as layout
-    from runtime import kernels, optim, precision, profiling
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One owner's rules: `module.function(cfg)` returns Problems about the config section `key`."""
+    key: str
+    module: str
+    function: str = "check"
 
-    return ((models.check, layout.check),
-            (data.check, onnx.check, optim.check, profiling.check, cluster.check, engines.check, precision.check, kernels.check,
-             tracking.check, cache.check))
+    def __call__(self, cfg: DictConfig, *args) -> list[Problem]:
+        """The owner's problems; an exception in the check itself is one more problem, naming the check, its key
+        and what it raised (its traceback saved): a check never crashes the command."""
+        import importlib
+
+        try:
+            return list(getattr(importlib.import_module(self.module), self.function)(cfg, *args))
+        except Exception as e:  # noqa: BLE001 (whatever a check meets is said as a refusal, not a traceback)
+            return [check_failed(self.key, _shown(cfg, self.key), f"the check of {self.key} ({self.module}."
+                                 f"{self.function})", e)]
+
+
+def _shown(cfg: DictConfig, key: str):
+    """What a problem about `key` shows as its value: a section by its option's name (data=text), not its keys."""
+    value = OmegaConf.select(cfg, key, default="?")
+    return value.get("name", "…") if isinstance(value, DictConfig) else value
+
+
+def check_failed(key: str, value, what: str, e: BaseException) -> Problem:
+    """The problem an exception inside a check amounts to: what failed, on which file (where it names one), its
+    text, and where its traceback is."""
+    from common import tracebacks
+
+    filename = getattr(e, "filename", None)
+    on = f" on {filename}" if isinstance(filename, str) and filename not in tracebacks.said(e) else ""
+    return Problem(key, value, f"{what} stopped{on} with {tracebacks.said(e)}: the input it met is one it does not "
+                   f"expect ({tracebacks.saved(e)})", "correct the input the error names; if it looks right, "
+                   "report this with the command you ran")
+
+
+@contextlib.contextmanager
+def refusing(key: str, value, what: str):
+    """A block that checks or plans: an exception in it leaves as a refusal (ConfigError) naming `what`."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 (said as a refusal, with the traceback saved)
+        raise ConfigError([check_failed(key, value, what, e)]) from None
+
+
+# The owners' checks: the model and its layout first (the partition plan is built from them), then everything
+# else in the order a reader meets the config: data, training, the cluster, the engine, the machine. Imported when
+# the schema holds: they bring torch (1.5 s), which a config refused by its schema never waits for.
+STRUCTURAL = (Check("model", "plugins.models.registry"), Check("parallel", "plugins.parallel.rules"))
+OTHERS = (Check("data", "plugins.data.rules"), Check("engine", "plugins.onnx.rules"),
+          Check("optimizer", "runtime.optim"), Check("train.profile", "runtime.profiling"),
+          Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),
+          Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),
+          Check("tracking", "orchestrator.tracking.tracker"), Check("cache_dir", "orchestrator.cache.store"))
+INIT_FROM = Check("train.init_from", "storage.init_from")  # with the partition plan's parameters
+PLAN = Check("train", "planning.plan")  # memory and disk, from the partition plan
+CHECKS = (*STRUCTURAL, *OTHERS, INIT_FROM, PLAN)
 
 
 _PASSED: set[str] = set()  # configs the command's pre-check validated (the run then does not check them again)
@@ -48,20 +92,26 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = Fa
         return
     problems = schema_problems(cfg, overrides)
     if not problems:
-        from planning import plan
-        from storage import init_from
-
-        structural, others = _owners()
-        structure = [p for rule in structural for p in rule(cfg)]
+        structure = [p for check in STRUCTURAL for p in check(cfg)]
         folders = _folder_problems(cfg)
-        problems = structure + [p for rule in others for p in rule(cfg)] + folders
+        problems = structure + [p for check in OTHERS for p in check(cfg)] + folders
         if not structure:
-            problems += init_from.check(cfg, plan.partition_plan(cfg)["parameters"])
-            problems += plan.check(cfg, disk=not folders)
+            problems += _plan_problems(cfg, bool(folders))
     if problems:
         raise ConfigError(problems)
     if remember:
         _PASSED.add(seen)
+
+
+def _plan_problems(cfg: DictConfig, folders_refused: bool) -> list[Problem]:
+    """train.init_from's shapes and the plan's memory and disk, both from the partition plan."""
+    from planning import plan
+
+    try:
+        parameters = plan.partition_plan(cfg)["parameters"]
+    except Exception as e:  # noqa: BLE001 (as a check's: said, not raised)
+        return [check_failed("model", OmegaConf.select(cfg, "model.name"), "the partition plan (planning/plan.py)", e)]
+    return INIT_FROM(cfg, parameters) + PLAN(cfg, not folders_refused)
 
 
 def warnings(cfg: DictConfig) -> list[str]:
@@ -122,7 +172,7 @@ def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     from orchestrator.config.schema import GROUP_SCHEMAS
     from orchestrator.config.values import group_lists, unresolved
 
-    problems: list[Problem] = unresolved(cfg) + group_lists(overrides)
+    problems: list[Problem] = unresolved(cfg) + group_lists(overrides) + set_twice(overrides)
     if problems:  # a value that cannot be read cannot be checked
         return problems
     for o in overrides:  # `model=model_schema` composes (Hydra sees the schema in the group), but is no option
@@ -144,6 +194,13 @@ def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
             if isinstance(child, DictConfig):
                 walk(child, full)
                 continue
+            if isinstance(child, ListConfig) and any(isinstance(child._get_node(i), DictConfig)
+                                                     for i in range(len(child))):
+                for i in range(len(child)):  # data.mix's sources: each item's keys by its own schema
+                    item = child._get_node(i)
+                    if isinstance(item, DictConfig):
+                        walk(item, f"{full}[{i}]")
+                continue
             f = fields.get(name)
             if f is not None:
                 found = _field_problems(full, node[name], f)
@@ -153,22 +210,39 @@ def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
     return problems
 
 
+def set_twice(overrides: list[str]) -> list[Problem]:
+    """A group chosen twice or a key set twice on the command line: Hydra keeps the last, and the first would
+    silently do nothing (`data=text ... data=chat`)."""
+    given: dict[str, list[str]] = {}
+    for o in overrides:
+        key, eq, value = o.lstrip("+~").partition("=")
+        if eq and not o.startswith("~"):
+            given.setdefault(key.strip(), []).append(value)
+    return [Problem(key, " then ".join(values), f"{key} is set {len(values)} times on the command line "
+                    f"({', then '.join(f'{key}={v}' for v in values)}): the last one wins, and the others would "
+                    "do nothing", f"keep one of them, e.g. {key}={values[-1]}")
+            for key, values in given.items() if len(set(values)) > 1]  # the same value twice changes nothing
+
+
 def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) -> list[Problem]:
-    """A key set (away from its default) where the config never reads it: the user meant a run this is not."""
+    """A key set (away from its default) where the config never reads it: the user meant a run this is not.
+    read_when is one (key, values) condition or a list of them, all of which must hold (a combination)."""
     when = f.metadata.get("read_when")
     if not when:
         return []
-    default = _default(f)
-    other, wanted = when
-    actual = OmegaConf.select(cfg, other)
     plain = OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-    if plain == default or actual in wanted:
+    if plain == _default(f):
         return []
-    shown = " or ".join(str(w).lower() if isinstance(w, bool) else str(w) for w in wanted)
-    now = str(actual).lower() if isinstance(actual, bool) else actual
-    choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...
-    return [Problem(full, value, f"{full} is read only when {other}={shown}; with {other}={now} it would do nothing",
-                    f"{choose}={shown.split(' or ')[0]} for it to apply, or leave {full} unset")]
+    for other, wanted in ([when] if isinstance(when[0], str) else when):
+        actual = OmegaConf.select(cfg, other)
+        if actual in wanted:
+            continue
+        shown = " or ".join(str(w).lower() if isinstance(w, bool) else str(w) for w in wanted)
+        now = str(actual).lower() if isinstance(actual, bool) else actual
+        choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...
+        return [Problem(full, value, f"{full} is read only when {other}={shown}; with {other}={now} it would do "
+                        f"nothing", f"{choose}={shown.split(' or ')[0]} for it to apply, or leave {full} unset")]
+    return []
 
 
 def _default(f: dataclasses.Field):

@@ -2,17 +2,23 @@
 orchestrator/boundary.py, before the sweeper runs anything).
 
 Three things are checked, in the sweeper's own terms where it has them (then `plan_lines` says what it will cost):
-  1. the sweeper's settings: counts of trials and parallel jobs of at least 1;
+  1. the sweeper's settings: counts of trials and parallel jobs of at least 1; its sampler built as the sweeper
+     will build it (a seed out of range is refused with Optuna's words), a grid given only lists;
   2. each swept key's search space: not empty; of a kind this sweeper reads (the basic sweeper runs lists and
      ranges, not `interval(...)`); one its library accepts (Optuna's distributions are built here, as the sweeper
      builds them: `interval(high, low)` or a log interval from 0 are refused with its words);
-  3. the points: the basic sweeper's are all known, and every one is validated as `orchestrate` will validate it;
-     an optimising sweeper picks its points later, so every value a `choice` or `range` can take and both ends of an
-     `interval` are validated, each with the other keys at their first value.
+  3. the points, counted before any is made (a range's length is arithmetic): above sweep.max_points the sweep is
+     refused at once. Under it, every combination is validated as `orchestrate` will validate it: the basic
+     sweeper's points, an optimising sweeper's finite space (choices, ranges) and the corners of its continuous one
+     (an interval's two ends). An optimising sweeper's space larger than that has each value validated with the
+     other keys at their first, and a point it picks that is invalid is refused as a failed trial
+     (orchestrator/sweeps/launcher.py), never run again.
+A signal stops the check at once (it runs in the main thread, where Python raises KeyboardInterrupt).
 """
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
 
 from hydra.core.global_hydra import GlobalHydra
@@ -23,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.config.errors import ConfigError, Problem
 
+SPREAD = 32  # an optimising sweeper's space past sweep.max_points: at most this many values checked, all keys together
 COUNTS = ("n_trials", "n_jobs", "budget", "num_workers", "max_batch_size")  # sweepers' counts: none may be < 1
 
 
@@ -35,13 +42,21 @@ def check_sweep(config: DictConfig) -> list[str]:
     sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
     basic = sweeper.endswith("BasicSweeper")
     overrides = _parse(task + _sweeper_params(config))
-    problems = unresolved(config, ("hydra.sweep.dir",)) + _count_problems(config)
+    problems = unresolved(config, ("hydra.sweep.dir",)) + _count_problems(config) + _sampler_problems(config, overrides)
+    if problems:
+        raise ConfigError(problems)
+    swept = [o for o in overrides if o.is_sweep_override()]
+    count = math.prod(_count(o) for o in swept)
+    limit = config.sweep.max_points
+    if basic and count > limit:
+        raise ConfigError([_too_many(swept, count, limit)])
     spaces = {}
-    for o in overrides:
-        if o.is_sweep_override():
-            values, problem = _space(o, basic, sweeper)
-            problems += [problem] if problem else []
-            spaces[o.get_key_element()] = values
+    # values checked per key: all where every combination is; else a spread (the sampler picks few of them)
+    most = limit if count <= limit else max(2, min(limit, SPREAD) // max(1, len(swept)))
+    for o in swept:
+        values, problem = _space(o, basic, sweeper, most)
+        problems += [problem] if problem else []
+        spaces[o.get_key_element()] = values
     if problems:
         raise ConfigError(problems)
     from orchestrator.config.validate import folder_problems
@@ -57,8 +72,69 @@ def check_sweep(config: DictConfig) -> list[str]:
     if problems:
         raise ConfigError(problems)
     order = [o.get_key_element() if o.is_sweep_override() else o.input_line for o in overrides]
-    points = _check_points(config, order, spaces, every_combination=basic)
-    return plan_lines(config, points, basic, study)
+    checks = count if count <= limit else 1 + sum(len(v) - 1 for v in spaces.values())
+    if checks >= 20:  # several seconds: say what is going on (a signal stops it at once)
+        from orchestrator.report import console
+
+        console.print(f"sweep: checking {checks} point(s) before the first starts", soft_wrap=True, markup=False)
+    points = _check_points(config, order, spaces, every_combination=count <= limit)
+    lines = plan_lines(config, points, basic, study)
+    if not basic and swept:
+        lines.insert(1, f"  checked: every combination of the search space's values ({count}; an interval by its two "
+                        "ends)" if count <= limit else f"  checked: each value (at most {most} a key, spread from end "
+                        f"to end) with the other keys at their first ({count:,} combinations > sweep.max_points="
+                        f"{limit}); a combination the sampler picks that is invalid is refused as a failed trial")
+    return lines
+
+
+def _count(o: Override) -> int:
+    """How many values a swept key takes, without listing them (a range's length is arithmetic; an interval
+    counts its two ends, which is what is checked of it)."""
+    from hydra.core.override_parser.types import RangeSweep
+
+    value = o.value()
+    if o.is_interval_sweep():
+        return 2
+    if isinstance(value, RangeSweep):
+        step = value.step or 1  # a step of 0 is Hydra's to refuse (the space is read later)
+        return max(0, math.ceil((value.stop - value.start) / step))
+    return max(1, len(getattr(value, "list", None) or [value]))
+
+
+def _too_many(swept: list[Override], count: int, limit: int) -> Problem:
+    sizes = " x ".join(f"{o.get_key_element()}: {_count(o):,}" for o in swept)
+    return Problem("sweep.max_points", limit, f"this sweep has {count:,} points ({sizes}), more than sweep.max_points: "
+                   "each is validated before the first starts (about 0.2 s each) and run as its own experiment",
+                   f"fewer values, sweep.max_points={count} to check and run them all, or a sweeper that samples: "
+                   "hydra/sweeper=optuna hydra.sweeper.n_trials=<N> with the same search space")
+
+
+def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Problem]:
+    """An Optuna sampler built as the sweeper will build it (its seed checked by numpy's rule), and a grid given
+    only listed values (Optuna's grid cannot enumerate an interval)."""
+    sampler = OmegaConf.select(config, "hydra.sweeper.sampler")
+    if sampler is None:
+        return []
+    from hydra.utils import instantiate
+
+    target = str(sampler.get("_target_", ""))
+    try:
+        instantiate(sampler)
+    except Exception as e:  # noqa: BLE001 (whatever the sampler refuses is said with its key)
+        cause = e.__cause__ or e
+        said = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        key = "hydra.sweeper.sampler.seed" if "seed" in said.lower() else "hydra.sweeper.sampler"
+        value = OmegaConf.select(config, key) if key.endswith("seed") else target
+        return [Problem(key, value, f"{target.rsplit('.', 1)[-1]} cannot be built: {said}",
+                        "hydra.sweeper.sampler.seed= a number from 0 to 4294967295" if key.endswith("seed") else
+                        "see Optuna's documentation of this sampler's arguments")]
+    if target.endswith("GridSampler"):
+        intervals = [o for o in overrides if o.is_sweep_override() and o.is_interval_sweep()]
+        return [Problem(o.get_key_element(), o.input_line.split("=", 1)[1], "Optuna's grid sampler runs every "
+                        "combination of listed values; an interval has no list", f"list the values: "
+                        f"{o.get_key_element()}=choice(a,b,c) or range(start,stop,step), or another sampler "
+                        "(hydra/sweeper/sampler=tpe)") for o in intervals]
+    return []
 
 
 def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=None) -> list[str]:
@@ -115,8 +191,11 @@ def _count_problems(config: DictConfig) -> list[Problem]:
     return problems
 
 
-def _space(o: Override, basic: bool, sweeper: str) -> tuple[list[str], Optional[Problem]]:
-    """(the values to validate of a swept key, or a problem with its search space)."""
+def _space(o: Override, basic: bool, sweeper: str, most: int) -> tuple[list[str], Optional[Problem]]:
+    """(the values to validate of a swept key, at most `most` of them spread from end to end, or a problem with
+    its search space)."""
+    from hydra.core.override_parser.types import RangeSweep
+
     key, text = o.get_key_element(), o.input_line.split("=", 1)[1]
     if o.is_interval_sweep():
         if basic:
@@ -126,9 +205,13 @@ def _space(o: Override, basic: bool, sweeper: str) -> tuple[list[str], Optional[
                                f"hydra/sweeper=optuna hydra.sweeper.n_trials=<N> {key}='{text}'")
         value = o.value()
         values = [str(value.start), str(value.end)]
+    elif isinstance(o.value(), RangeSweep) and not o.value().shuffle and _count(o) > most:
+        r = o.value()  # listed, a range of 10^9 values would fill the memory: its values at spread positions
+        values = [str(r.start + r.step * i) for i in _spread(_count(o), most)]
     else:
         try:
             values = list(o.sweep_string_iterator())
+            values = [values[i] for i in _spread(len(values), most)]
         except HydraException as e:
             return [], Problem(key, text, f"the sweep cannot be read: {e}", "see Hydra's sweep syntax: a,b,c, "
                                "choice(a,b), range(start,stop,step)")
@@ -140,6 +223,13 @@ def _space(o: Override, basic: bool, sweeper: str) -> tuple[list[str], Optional[
         if problem:
             return [], problem
     return values, None
+
+
+def _spread(n: int, most: int) -> list[int]:
+    """Indices of at most `most` of n values, evenly spread, both ends included."""
+    if n <= most:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (most - 1)) for i in range(most)})
 
 
 def _optuna_problem(o: Override, key: str, text: str) -> Optional[Problem]:

@@ -49,6 +49,7 @@ class Point:
     report: Optional[Report] = None
     error: Optional[str] = None
     interrupted: bool = False    # a signal stopped it before its stages' results were in
+    rejected: Optional["InvalidPoint"] = None  # invalid, found when an optimising sweeper picked it: not run
 
 
 class SweepConfigError(ConfigError):
@@ -58,8 +59,30 @@ class SweepConfigError(ConfigError):
 
     def __str__(self) -> str:
         return "\n".join([f"invalid sweep, nothing was started ({len(self.failures)} point(s) have problems):"] +
-                         [f"point {' '.join(o) or '(no overrides)'}:\n" + "\n".join(str(e).splitlines()[1:])
+                         [f"point {' '.join(o) or '(no overrides)'}:\n" +
+                          "\n".join(str(ConfigError(e.problems)).splitlines()[1:])
                           for o, e in self.failures])
+
+
+class InvalidPoint(ConfigError):
+    """A point an optimising sweeper picked that validation refuses (its space was too large to check every
+    combination before the first): its trial is recorded FAIL and `invalid` (orchestrator/sweeps/study.py) and never
+    run again; the sweep stops with this refusal after the batch's other points."""
+
+    def __init__(self, overrides: list[str], error: ConfigError):
+        self.overrides = overrides
+        super().__init__(error.problems)
+
+    def __str__(self) -> str:
+        return "\n".join(["the sweeper picked an invalid point, recorded in its study as a failed trial (it is not "
+                          "picked again); the sweep stopped: run the same command to go on with other points",
+                          f"point {' '.join(self.overrides)}:"] + str(ConfigError(self.problems)).splitlines()[1:])
+
+
+def _every_point_checked(config: DictConfig) -> bool:
+    """Whether the command's check validated every point the sweeper can launch (orchestrator/sweeps/check.py):
+    the basic sweeper's always (above sweep.max_points it is refused)."""
+    return str(OmegaConf.select(config, "hydra.sweeper._target_", default="")).endswith("BasicSweeper")
 
 
 _ACTIVE: list["SweepLauncher"] = []  # the study this process runs (finish_study prints and closes it)
@@ -82,14 +105,14 @@ class SweepLauncher(Launcher):
         setup_globals()
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
         points = [self._compose(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
-        failures = []
         for p in points:
             try:
                 validate(p.cfg, p.overrides)
                 _check_direction(p.cfg, self.config)
-            except ConfigError as e:
-                failures.append((p.overrides, e))
-        if failures:
+            except ConfigError as e:  # a point the sampler picked: a failed trial (the batch's others run)
+                p.rejected = InvalidPoint(p.overrides, e)
+        failures = [(p.overrides, p.rejected) for p in points if p.rejected]
+        if failures and _every_point_checked(self.config):  # a change since the check (a file removed): none runs
             raise SweepConfigError(failures)
         if not self.points:  # the study's first batch
             self.t0 = time.perf_counter()
@@ -98,7 +121,7 @@ class SweepLauncher(Launcher):
             _ACTIVE.append(self)
         self.points += points
         try:
-            _run_points(points, self.sweep_run)
+            _run_points([p for p in points if p.rejected is None], self.sweep_run)
         finally:
             write_summary(self.points, sweep_dir, time.perf_counter() - self.t0)
         return [self._job_return(p) for p in points]
@@ -129,8 +152,9 @@ class SweepLauncher(Launcher):
         """The sweeper gets the point's objective (the worst value when it did not train: a failed trial, not a
         failed study)."""
         ret = JobReturn(overrides=p.overrides, cfg=p.cfg, hydra_cfg=p.hydra_cfg, working_dir=str(p.run_dir),
-                        task_name=str(p.hydra_cfg.hydra.job.name), status=JobStatus.COMPLETED)
-        ret.return_value = _objective(p)
+                        task_name=str(p.hydra_cfg.hydra.job.name),
+                        status=JobStatus.FAILED if p.rejected else JobStatus.COMPLETED)
+        ret.return_value = p.rejected or _objective(p)  # the sweeper tells a rejected trial FAIL, then raises it
         return ret
 
 
@@ -219,8 +243,8 @@ def _objective(p: Point) -> float:
 def _status(p: Point) -> str:
     if p.interrupted:
         return "interrupted"
-    if p.error or p.report is None:
-        return "rejected" if p.error else "not run"
+    if p.error or p.rejected or p.report is None:
+        return "rejected" if p.error or p.rejected else "not run"
     if p.report.submitted and not p.report.results:
         return "submitted"
     statuses = {r.status for r in p.report.results.values()}

@@ -20,6 +20,7 @@ AssertionError, see docs/slurm-and-sweeps.md). So the study is kept here, beside
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import pickle
@@ -32,21 +33,33 @@ from omegaconf import DictConfig, OmegaConf
 from rich.table import Table
 
 from orchestrator.report import console
+from orchestrator.sweeps.launcher import InvalidPoint
 from storage.fsio import atomic_write_bytes, atomic_write_json
 
 INTERRUPTED = "interrupted"  # the user attribute of a trial a signal stopped
+INVALID = "invalid"  # the user attribute of a trial whose point validation refused (its refusal's rule)
 _UNREAD = object()  # a KeptStudy whose file is not read yet
 
 
 def search_of(config: DictConfig, arguments: list[str]) -> dict:
-    """What makes the study (its name is a digest of this): the experiment, the search, the sampler, the direction."""
-    experiment = OmegaConf.to_container(config, resolve=False)
-    experiment.pop("hydra", None)
-    experiment.get("sweep", {}).pop("parallelism", None)  # how many points run at a time, not what they are
+    """What makes the study (its name is a digest of this): the experiment as it changes results, the search, the
+    sampler, the direction."""
     sweeper = OmegaConf.to_container(config.hydra.sweeper, resolve=False)
-    digest = hashlib.sha256(json.dumps(experiment, sort_keys=True, default=str).encode()).hexdigest()
+    digest = hashlib.sha256(json.dumps(results_of(config), sort_keys=True, default=str).encode()).hexdigest()
     return {"space": sorted(arguments) + sorted(f"{k}={v}" for k, v in (sweeper.get("params") or {}).items()),
             "sampler": sweeper.get("sampler"), "direction": str(sweeper.get("direction")), "experiment": digest}
+
+
+def results_of(config: DictConfig) -> dict:
+    """The experiment as far as it changes what a trial measures: every config section a stage reads, without the
+    keys the schema marks content=False (progress bars, logging, where and how many at a time it runs, tracking),
+    and the objective the trials return. The cache keys leave out the same keys (orchestrator/dag.py)."""
+    from orchestrator.dag import content_view
+    from stages import all_stages
+
+    reads = sorted({path for stage in all_stages() for path in stage.reads})
+    return {**{path: content_view(OmegaConf.select(config, path)) for path in reads},
+            "sweep.objective": config.sweep.objective}
 
 
 def swept(config: DictConfig) -> list[str]:
@@ -96,6 +109,13 @@ class KeptStudy:
             saved = json.loads(self.path.read_text())
             if not isinstance(saved, dict) or not isinstance(saved.get("trials"), list):
                 raise ValueError("no list of trials")
+            if not isinstance(saved.get("search"), dict):
+                raise ValueError("no search entry: what the study searched is unknown")
+            fields = ("number", "state", "params", "distributions", "user_attrs", "values")
+            broken = next((i for i, t in enumerate(saved["trials"])
+                           if not isinstance(t, dict) or any(f not in t for f in fields)), None)
+            if broken is not None:
+                raise ValueError(f"its trial {broken} lacks one of {', '.join(fields)}")
             self._saved = saved
             return saved
         except (OSError, ValueError) as e:
@@ -126,9 +146,9 @@ class KeptStudy:
         return []
 
     def completed(self) -> int:
-        """The study's completed trials (what hydra.sweeper.n_trials counts)."""
+        """The study's trials done with (what hydra.sweeper.n_trials counts): completed, or refused as invalid."""
         saved = self.saved()
-        return sum(t["state"] == "COMPLETE" for t in saved["trials"]) if saved else 0
+        return sum(t["state"] == "COMPLETE" or INVALID in t["user_attrs"] for t in saved["trials"]) if saved else 0
 
     def to_run(self, n_trials: int) -> int:
         """The trials this command will run: n_trials less the study's completed ones."""
@@ -156,7 +176,8 @@ class KeptStudy:
         self._saved = {"name": self.name, "search": self.search, "trials": [
             {"number": t.number, "state": t.state.name, "values": t.values, "params": t.params,
              "distributions": {k: distribution_to_json(d) for k, d in t.distributions.items()},
-             "user_attrs": t.user_attrs} for t in study.trials if t.state.name != "WAITING"]}
+             "user_attrs": t.user_attrs, "system_attrs": _plain(t.system_attrs)}
+            for t in study.trials if t.state.name != "WAITING"]}
         atomic_write_json(self.path, self._saved)
 
     def load(self, sampler: Any) -> tuple[Any, Any]:
@@ -168,9 +189,10 @@ class KeptStudy:
         path = self.folder / f"{self.name}.sampler"
         if saved is None:
             return storage, sampler
-        if path.is_file():
-            sampler = pickle.loads(path.read_bytes())
-        study = optuna.create_study(storage=storage, study_name=self.name, sampler=sampler,
+        if path.is_file() and not isinstance(sampler, functools.partial):
+            sampler = pickle.loads(path.read_bytes())  # a grid (a partial the sweeper completes) keeps none: its
+        study = optuna.create_study(storage=storage, study_name=self.name,  # trials' grid ids say what is visited
+                                    sampler=None if isinstance(sampler, functools.partial) else sampler,
                                     directions=_directions(self.search["direction"]))
         again = []
         with warnings.catch_warnings():  # add_trial, create_trial and enqueue_trial are "experimental" in Optuna 2
@@ -189,12 +211,12 @@ class KeptStudy:
             distributions = {k: json_to_distribution(d) for k, d in t["distributions"].items()}
             if t["state"] == "RUNNING":  # a signal stopped it: run its params again, first
                 study.add_trial(create_trial(state=TrialState.FAIL, params=t["params"], distributions=distributions,
-                                             user_attrs={**t["user_attrs"], INTERRUPTED: True}))
+                                             user_attrs={**t["user_attrs"], INTERRUPTED: True}))  # grid: not visited
                 again.append(t["params"])
             else:
                 study.add_trial(create_trial(state=TrialState[t["state"]], params=t["params"],
                                              distributions=distributions, values=t["values"],
-                                             user_attrs=t["user_attrs"]))
+                                             user_attrs=t["user_attrs"], system_attrs=t.get("system_attrs", {})))
 
     def table(self) -> Table:
         """Every trial of the study, this command's and the earlier ones', in order."""
@@ -204,11 +226,26 @@ class KeptStudy:
         for col in ("trial", "state", *names, "value"):
             table.add_column(col)
         for t in trials:
-            state = INTERRUPTED if t["state"] == "RUNNING" or t["user_attrs"].get(INTERRUPTED) else t["state"].lower()
+            state = INTERRUPTED if t["state"] == "RUNNING" or t["user_attrs"].get(INTERRUPTED) else \
+                INVALID if t["user_attrs"].get(INVALID) else t["state"].lower()
             table.add_row(str(t["number"]), state, *(f"{t['params'][n]:.6g}" if isinstance(t["params"].get(n), float)
                                                      else str(t["params"].get(n, "-")) for n in names),
                           ", ".join(f"{v:.6g}" for v in t["values"]) if t["values"] else "-")
         return table
+
+
+def _plain(attrs: dict) -> dict:
+    """A trial's system attributes that JSON keeps (the grid sampler's grid_id and search_space among them: without
+    them a continued grid would visit its points again)."""
+    return {k: v for k, v in attrs.items() if _json_safe(v)}
+
+
+def _json_safe(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except (TypeError, ValueError):
+        return False
 
 
 def _KeptStorage(path: Path) -> Any:
@@ -242,6 +279,10 @@ def run_study(sweeper: Any, config: DictConfig, arguments: list[str]) -> None:
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)  # the results file, trials or none
     try:
         sweeper.sweep(arguments)
+    except RuntimeError as e:  # the grid's last trial told FAIL: Optuna's GridSampler stops the study outside an
+        if "Study.stop" not in str(e) or not sweeper.launcher.rejected:  # objective, and Hydra's sweeper lets
+            raise  # that escape where it tells a failure (it guards only the success's tell)
+        raise sweeper.launcher.rejected[-1] from None
     except KeyboardInterrupt:  # the finished trials of the batch in flight keep their values
         study = optuna.load_study(study_name=kept.name, storage=storage)
         running = [t for t in study.trials if t.state.name == "RUNNING"]
@@ -260,9 +301,19 @@ class _SavingLauncher:
 
     def __init__(self, launcher: Any, kept: KeptStudy, storage: Any, sweeper: Any):
         self.launcher, self.kept, self.storage, self.sweeper = launcher, kept, storage, sweeper
+        self.rejected: list = []  # the invalid points, as the sweeper will raise them
 
     def launch(self, job_overrides, initial_job_idx: int):
         import optuna
 
-        self.kept.save(optuna.load_study(study_name=self.kept.name, storage=self.storage), self.sweeper.sampler)
-        return self.launcher.launch(job_overrides, initial_job_idx)
+        study = optuna.load_study(study_name=self.kept.name, storage=self.storage)
+        self.kept.save(study, self.sweeper.sampler)
+        batch = [t for t in study.trials if t.state.name == "RUNNING"]  # asked for these points, in order
+        returns = self.launcher.launch(job_overrides, initial_job_idx)
+        for trial, ret in zip(batch, returns):
+            rejected = getattr(ret, "_return_value", None)
+            if isinstance(rejected, InvalidPoint):  # the sweeper tells it FAIL; saved as invalid, never queued again
+                self.rejected.append(rejected)
+                study._storage.set_trial_user_attr(trial._trial_id, INVALID, "; ".join(p.rule for p in
+                                                                                        rejected.problems))
+        return returns

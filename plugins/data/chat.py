@@ -25,6 +25,22 @@ TEMPLATE_FILE = "tokenizer_config.json"
 STANDARD_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (OpenAI's and HF's roles)
 
 
+def read_template_file(path: Path) -> str:
+    """A template file's text (or a JSON file's); ValueError naming the file where it is not UTF-8."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); templates "
+                         "are read as UTF-8, as transformers reads them") from None
+
+
+def _json_template(path: Path):
+    try:
+        return json.loads(read_template_file(path)).get("chat_template")
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not JSON ({e})") from None
+
+
 def templates_of(folder: Path) -> dict[str, str]:
     """The chat templates a Hugging Face tokenizer folder carries, by name ('default': the one apply_chat_template
     uses), read where transformers reads them: chat_template.jinja, chat_template.json, tokenizer_config.json (a
@@ -34,7 +50,7 @@ def templates_of(folder: Path) -> dict[str, str]:
     for name in ("chat_template.json", TEMPLATE_FILE):
         path = folder / name
         if path.is_file():
-            template = json.loads(path.read_text()).get("chat_template")
+            template = _json_template(path)
             if isinstance(template, str):
                 found.setdefault("default", template)
             elif isinstance(template, list):
@@ -44,11 +60,11 @@ def templates_of(folder: Path) -> dict[str, str]:
                         found.setdefault(entry["name"], entry["template"])
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
-        found["default"] = jinja.read_text()  # what transformers writes now, and reads first
+        found["default"] = read_template_file(jinja)  # what transformers writes now, and reads first
     extra = folder / "additional_chat_templates"
     if extra.is_dir():
         for path in sorted(extra.glob("*.jinja")):
-            found.setdefault(path.stem, path.read_text())
+            found.setdefault(path.stem, read_template_file(path))
     return found
 
 

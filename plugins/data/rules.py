@@ -136,6 +136,11 @@ def _chat_problems(d) -> list[Problem]:
                         f"file's path, and this one cannot be read ({e.strerror})",
                         (f"did you mean {', '.join(str(given.parent / n) for n in near)}? " if near else "")
                         + "data.chat_template= an existing Jinja file, or the template's text")]
+    except ValueError as e:  # a file not UTF-8, a tokenizer_config.json not JSON
+        return [Problem("data.chat_template" if d.chat_template else "data.tokenizer",
+                        d.chat_template or d.tokenizer, f"the chat template cannot be read: {e}",
+                        "repair the JSON (tokenizer.save_pretrained writes it whole)" if "not JSON" in str(e) else
+                        "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")]
     if not template:
         if d.format != "chat":
             return []

@@ -14,7 +14,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from plugins.data.chat import templates_of
+from plugins.data.chat import read_template_file, templates_of
 
 EOS = 256
 PAD = 257
@@ -220,13 +220,13 @@ def template_variables(data_cfg) -> dict:
 def chat_template(data_cfg) -> Optional[str]:
     """The template chat records are rendered with: data.chat_template (text with Jinja markup is the template,
     anything else a file's path), else the data.tokenizer=hf: folder's own, data.chat_template_name picking one of
-    its named templates (None: neither). OSError: the path names no file; KeyError: the folder has no template of
-    that name."""
+    its named templates (None: neither). OSError: the path names no file; ValueError: a file is not UTF-8 (or JSON);
+    KeyError: the folder has no template of that name."""
     given = data_cfg.get("chat_template") or ""
     if given:
         if is_template_text(given):
             return given
-        return Path(given).expanduser().read_text()
+        return read_template_file(Path(given).expanduser())
     folder = hf_folder(data_cfg.tokenizer)
     if folder is None or not folder.is_dir():
         return None
