@@ -155,7 +155,8 @@ def sample(n: int, seed: int) -> list[Case]:
 # -m sweeps: search spaces of every kind Hydra's grammar has, on keys of each type, under each sweeper, with the
 # sweepers' and the sweep's own settings (tests/test_fuzz.py checks them as `on_multirun_start` does)
 SPACES = ["1,2", "choice(1,2)", "range(1,3)", "range(3,1)", "range(0,100000)", "shuffle(range(1,3))", "choice()",
-          "interval(0.1,0.5)", "interval(0.5,0.1)", "tag(log,interval(0,1))", "tag(int,interval(1,4))", "x,y", "1,abc"]
+          "interval(0.1,0.5)", "interval(0.5,0.1)", "tag(log,interval(0,1))", "tag(int,interval(1,4))", "x,y", "1,abc",
+          "range(0,10,0)", "glob(*)"]
 SWEPT = ["train.seed", "optimizer.lr", "train.batch_size", "parallel.dp", "data.val_fraction", "train.steps"]
 SWEEPERS = [(), ("hydra/sweeper=optuna", "hydra.sweeper.n_trials=2"),
             ("hydra/sweeper=optuna", "hydra/sweeper/sampler=grid"),
@@ -163,7 +164,8 @@ SWEEPERS = [(), ("hydra/sweeper=optuna", "hydra.sweeper.n_trials=2"),
 SETTINGS = ["hydra.sweeper.n_trials=0", "hydra.sweeper.n_jobs=0", "hydra.sweeper.sampler.seed=-1",
             "hydra.sweeper.sampler.seed=7", "hydra.sweeper.direction=maximize", "hydra.sweeper.study_name=fuzz",
             "sweep.parallelism=4", "sweep.max_points=1", "sweep.max_points=0", "cluster=debug", "tracking=none",
-            "hydra.sweeper.storage=sqlite:///x.db", "sweep.objective=tokens_per_s"]
+            "hydra.sweeper.storage=sqlite:///x.db", "sweep.objective=tokens_per_s", "hydra.sweeper.direction=up",
+            "hydra.sweeper.study_name=../x"]
 
 
 def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:

@@ -141,7 +141,7 @@ def write(container: str, records: list[dict], folder: Path, damage: str, fields
             path = folder / "records.parquet"
             pq.write_table(table, path)
         elif container in ("arrow", "arrow_file"):  # an IPC stream (datasets' format), or the file format (Feather)
-            path = folder / "records.arrow"
+            path = folder / ("records.arrow" if container == "arrow" else "records.feather")  # Feather's name too
             new = pa.ipc.new_stream if container == "arrow" else pa.ipc.new_file
             with pa.OSFile(str(path), "wb") as sink, new(sink, table.schema) as writer:
                 writer.write_table(table)

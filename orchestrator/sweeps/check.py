@@ -128,6 +128,12 @@ def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Pro
         return [Problem(key, value, f"{target.rsplit('.', 1)[-1]} cannot be built: {said}",
                         "hydra.sweeper.sampler.seed= a number from 0 to 4294967295" if key.endswith("seed") else
                         "see Optuna's documentation of this sampler's arguments")]
+    directions = OmegaConf.select(config, "hydra.sweeper.direction")
+    given = list(directions) if OmegaConf.is_list(directions) else [directions] if directions is not None else []
+    wrong = [d for d in given if str(d).rsplit(".", 1)[-1].lower() not in ("minimize", "maximize")]
+    if wrong:
+        return [Problem("hydra.sweeper.direction", wrong[0], "Optuna minimizes or maximizes the objective",
+                        "hydra.sweeper.direction=minimize (the natural direction of sweep.objective)")]
     if target.endswith("GridSampler"):
         intervals = [o for o in overrides if o.is_sweep_override() and o.is_interval_sweep()]
         return [Problem(o.get_key_element(), o.input_line.split("=", 1)[1], "Optuna's grid sampler runs every "
@@ -197,6 +203,13 @@ def _space(o: Override, basic: bool, sweeper: str, most: int) -> tuple[list[str]
     from hydra.core.override_parser.types import RangeSweep
 
     key, text = o.get_key_element(), o.input_line.split("=", 1)[1]
+    from hydra.core.override_parser.types import Glob
+
+    if isinstance(o.value(), Glob):  # options of a config group, listed by name
+        return _glob(o, key, text)
+    if isinstance(o.value(), RangeSweep) and not o.value().step:
+        return [], Problem(key, text, "a range with a step of 0 never reaches its stop",
+                           f"range(start,stop,step) with a step other than 0, e.g. -m {key}=range(1,5)")
     if o.is_interval_sweep():
         if basic:
             return [], Problem(key, text, "interval(...) is a search space for a sweeper that picks its points "
@@ -222,6 +235,20 @@ def _space(o: Override, basic: bool, sweeper: str, most: int) -> tuple[list[str]
         problem = _optuna_problem(o, key, text)
         if problem:
             return [], problem
+    return values, None
+
+
+def _glob(o: Override, key: str, text: str) -> tuple[list[str], Optional[Problem]]:
+    """glob(...) picks options of a config group by name (model=glob(gpt*)); a key has no options to pick from."""
+    from orchestrator.config.options import options_of
+    from orchestrator.config.schema import GROUP_SCHEMAS
+
+    if key not in GROUP_SCHEMAS:
+        return [], Problem(key, text, f"glob(...) picks options of a config group by name, and {key} is a key, not "
+                           f"a group (groups: {', '.join(GROUP_SCHEMAS)})", f"list the values: -m {key}=a,b,c")
+    values = o.value().filter(options_of(key))
+    if not values:
+        return [], Problem(key, text, f"{text} matches no option of {key}", f"one of: {', '.join(options_of(key))}")
     return values, None
 
 

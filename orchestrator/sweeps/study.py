@@ -136,6 +136,9 @@ class KeptStudy:
                             "cannot create its RDB tables under SQLAlchemy 2, which MLflow needs; the orchestrator "
                             "keeps the study itself", f"leave hydra.sweeper.storage unset: the study is kept in "
                             f"{self.folder} (hydra.sweeper.study_dir)")]
+        if self.path.parent != self.folder or self.name in ("", ".", ".."):
+            return [Problem("hydra.sweeper.study_name", self.name, f"the study is kept in {self.folder}, and this "
+                            f"name would put it at {self.path}", "a name without / (letters, digits, - and _)")]
         saved = self.saved()
         if saved and saved["search"] != self.search:
             changed = [k for k in self.search if saved["search"].get(k) != self.search[k]]

@@ -17,11 +17,13 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from plugins.data.reading import ARROW
+
 # datasets.data_files' keywords of a split in a file's path (DEFAULT_PATTERNS_SPLIT_IN_FILENAME/_DIR_NAME)
 SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
                   "test": ("test", "testing", "eval", "evaluation")}
 _SEP = "[-._ 0-9]"
-DATA_SUFFIXES = (".parquet", ".jsonl", ".json", ".arrow")
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json", *ARROW)
 
 
 class FolderError(ValueError):

@@ -19,7 +19,8 @@ from typing import Iterator, Optional
 
 CHUNK_BYTES = 1 << 20      # a piece of a text or JSON Lines file: what one read holds (plus the line it ends in)
 RECORD_BATCH = 256         # Parquet rows read at a time
-RECORDS = (".jsonl", ".json", ".parquet", ".arrow")  # .json: JSON Lines by another name (many Hub datasets)
+ARROW = (".arrow", ".feather")  # Arrow IPC: datasets' files and streams; Feather v2 is the IPC file format
+RECORDS = (".jsonl", ".json", ".parquet", *ARROW)  # .json: JSON Lines by another name (many Hub datasets)
 JSON_LINES = (".jsonl", ".json")
 
 
@@ -90,7 +91,7 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
     for name, path, read in chosen:
         if path.suffix == ".parquet":
             pieces += _row_groups(name, path, read)
-        elif path.suffix == ".arrow":
+        elif path.suffix in ARROW:
             pieces += _batch_runs(name, path, read)
         elif path.suffix in JSON_LINES:
             pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
@@ -131,7 +132,7 @@ def held_out_cut(path: Path, target: int, read: int) -> int:
 def _size(path: Path) -> int:
     """A file's bytes of corpus: its size; an Arrow stream's, its record batches' (the schema and each batch's
     metadata are no corpus: counted, they would read as bytes data.max_bytes left out)."""
-    if path.suffix != ".arrow":
+    if path.suffix not in ARROW:
         return path.stat().st_size
     import pyarrow as pa
 

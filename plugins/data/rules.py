@@ -2,6 +2,8 @@
 tokenizer we know whose ids the model's embedding holds, and the source's own checks (files, amounts)."""
 from __future__ import annotations
 
+import math
+
 import difflib
 from pathlib import Path
 
@@ -104,9 +106,13 @@ def _mix_problems(cfg, source) -> list[Problem]:
         problems.append(Problem("data.paths", list(d.paths), "with data.mix every source names its own paths; "
                                 "data.paths would be a source without a weight", "data.paths=[] (move them into a "
                                 "data.mix entry: {paths: [...], weight: 1.0})"))
-    if not any(m.weight > 0 for m in d.mix):
-        problems.append(Problem("data.mix", [float(m.weight) for m in d.mix], "at least one source needs a weight "
-                                "above 0", "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))
+    weights = [float(m.weight) for m in d.mix]
+    if not any(w > 0 for w in weights):
+        problems.append(Problem("data.mix", weights, "at least one source needs a weight above 0",
+                                "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))
+    elif all(math.isfinite(w) for w in weights) and not math.isfinite(sum(weights)):
+        problems.append(Problem("data.mix", weights, "the weights' sum overflows (each source's share is its weight "
+                                "over the sum)", "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))
     for i, sub in enumerate(sources_of(cfg)):
         for p in source.check(sub) if source.check else []:
             p = p if isinstance(p, Problem) else Problem(*p)

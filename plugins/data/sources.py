@@ -20,15 +20,15 @@ import numpy as np
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, folder_files, kind
 from plugins.data.packing import packed_stream
-from plugins.data.reading import (JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field, record_fields,
-                                  stream_closed)
+from plugins.data.reading import (ARROW, JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field,
+                                  record_fields, stream_closed)
 from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
 from storage.fsio import digests, why_not_a_file
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet", ".arrow")
+_TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", ".parquet", *ARROW)
 
 
 def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -> list[Path]:
@@ -61,7 +61,7 @@ def _field_missing(path: Path, field: str) -> str:
                 if field not in record:
                     return f"line {number} {no_field(field, record)}"
             return ""
-        if path.suffix == ".arrow":
+        if path.suffix in ARROW:
             if not stream_closed(path):
                 return ("ends without the Arrow stream's end-of-stream marker: a write that did not finish (the "
                         "batches after the cut would be missing without a word)")
@@ -73,7 +73,7 @@ def _field_missing(path: Path, field: str) -> str:
     except OSError as e:
         return f"cannot be read ({e})"
     except Exception as e:  # pyarrow's ArrowInvalid: not a Parquet file or an Arrow stream
-        return f"cannot be read as {'an Arrow IPC file or stream' if path.suffix == '.arrow' else 'Parquet'} ({e})"
+        return f"cannot be read as {'an Arrow IPC file or stream' if path.suffix in ARROW else 'Parquet'} ({e})"
     return "" if field in keys else no_field(field, keys)
 
 
