@@ -165,7 +165,7 @@ SETTINGS = ["hydra.sweeper.n_trials=0", "hydra.sweeper.n_jobs=0", "hydra.sweeper
             "hydra.sweeper.sampler.seed=7", "hydra.sweeper.direction=maximize", "hydra.sweeper.study_name=fuzz",
             "sweep.parallelism=4", "sweep.max_points=1", "sweep.max_points=0", "cluster=debug", "tracking=none",
             "hydra.sweeper.storage=sqlite:///x.db", "sweep.objective=tokens_per_s", "hydra.sweeper.direction=up",
-            "hydra.sweeper.study_name=../x"]
+            "hydra.sweeper.study_name=../x", "+hydra.launcher.fuzz=1", "+hydra.sweeper.fuzz=1"]
 
 
 def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:
@@ -175,7 +175,7 @@ def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:
     for _ in range(n):
         key, space, sweeper, setting = (rng.choice(SWEPT), rng.choice(SPACES), rng.choice(SWEEPERS),
                                         rng.choice(SETTINGS))
-        if setting.startswith("hydra.sweeper.") and not sweeper:
+        if setting.lstrip("+").startswith("hydra.sweeper.") and not sweeper:
             setting = "sweep.parallelism=2"  # the basic sweeper has no sampler (Hydra refuses the key itself)
         cases.append(Case((*sweeper, f"{key}={space}", setting),
                           (key, setting.split("=")[0], "hydra.sweeper", "sweep", "cluster")))

@@ -17,6 +17,7 @@ A signal stops the check at once (it runs in the main thread, where Python raise
 """
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 from typing import Optional
@@ -42,10 +43,16 @@ def check_sweep(config: DictConfig) -> list[str]:
     sweeper = str(OmegaConf.select(config, "hydra.sweeper._target_", default="") or "")
     basic = sweeper.endswith("BasicSweeper")
     overrides = _parse(task + _sweeper_params(config))
-    problems = unresolved(config, ("hydra.sweep.dir",)) + _count_problems(config) + _sampler_problems(config, overrides)
+    problems = unresolved(config, ("hydra.sweep.dir",)) + _count_problems(config) + \
+        _plugin_problems(config) + _sampler_problems(config, overrides)
     if problems:
         raise ConfigError(problems)
     swept = [o for o in overrides if o.is_sweep_override()]
+    if not basic and not swept:
+        raise ConfigError([Problem("hydra.sweeper", sweeper.rsplit(".", 1)[-1], "this sweeper searches the keys "
+                                   "swept on the command line (or in hydra.sweeper.params), and none is: every trial "
+                                   "would run the same point", "sweep a key, e.g. 'optimizer.lr=interval(1e-4,1e-2)' "
+                                   "or 'train.batch_size=choice(8,16)'")])
     count = math.prod(_count(o) for o in swept)
     limit = config.sweep.max_points
     if basic and count > limit:
@@ -107,6 +114,25 @@ def _too_many(swept: list[Override], count: int, limit: int) -> Problem:
                    "each is validated before the first starts (about 0.2 s each) and run as its own experiment",
                    f"fewer values, sweep.max_points={count} to check and run them all, or a sweeper that samples: "
                    "hydra/sweeper=optuna hydra.sweeper.n_trials=<N> with the same search space")
+
+
+def _plugin_problems(config: DictConfig) -> list[Problem]:
+    """The launcher and the sweeper built from their settings as Hydra will build them after this check: a key
+    either does not take (`+hydra.launcher.foo=1`) refused now, with its words."""
+    from hydra.core.plugins import Plugins
+
+    problems = []
+    for key in ("hydra.launcher", "hydra.sweeper"):
+        node = OmegaConf.select(config, key)
+        try:
+            Plugins.instance()._instantiate(copy.deepcopy(node))  # Hydra's own way: it trusts its core plugins
+        except Exception as e:  # noqa: BLE001 (Hydra's InstantiationException wraps the plugin's own TypeError)
+            cause = e.__cause__ or e
+            said = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+            problems.append(Problem(key, str(node.get("_target_", "?")).rsplit(".", 1)[-1], f"Hydra cannot build "
+                                    f"{key} from its settings: {said}", f"remove the {key}.* setting it names, or see "
+                                    "the plugin's settings (python -m orchestrator -m --cfg hydra)"))
+    return problems
 
 
 def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Problem]:

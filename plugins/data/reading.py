@@ -156,7 +156,7 @@ def _row_groups(name: str, path: Path, read: int) -> list[Piece]:
     size, rows, pieces, row, taken = _size(path), max(meta.num_rows, 1), [], 0, 0
     for g in range(meta.num_row_groups):
         n = meta.row_group(g).num_rows
-        share = max(1, size * n // rows)
+        share = max(1, size * n // rows) if n else 0  # a row group of no rows holds no corpus
         if taken >= read:
             break
         pieces.append(Piece(name, str(path), "parquet", g, g + 1, share, None, first_row=row))

@@ -89,14 +89,14 @@ def _check_amount(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     tokens = (lay.read_bytes - val, val)
     if packed_stream(d) and min(tokens) < seq + 1:
         which = "training" if tokens[0] < seq + 1 else "held-out"
-        cut = bool(d.max_bytes and lay.left_out)
+        cut = bool(d.max_bytes) and lay.total_bytes > d.max_bytes  # what is not read for other reasons is not its
         return [("data.max_bytes" if cut else "data.paths", d.max_bytes if cut else list(d.paths),
                  f"the {which} split holds about {min(tokens)} tokens (of {lay.read_bytes} bytes read"
                  + (f", {lay.left_out:,} left out by data.max_bytes" if cut else "") + f", data.val_fraction="
                  f"{d.val_fraction}); one sequence needs train.seq_len+1 = {seq + 1}",
                  (f"data.val_fraction={min(0.5, round(2 * (seq + 1) / max(sum(tokens), 1), 4))}, "
                   if which == "held-out" else "") + ("data.max_bytes=0 (all of the corpus), " if cut else "")
-                 + f"more text, or train.seq_len={max(1, min(tokens) - 1)}")]
+                 + ("more text" + (f", or train.seq_len={min(tokens) - 1}" if min(tokens) > 2 else "")))]
     plain = {p.name: p.split for p in lay.pieces if p.split}
     if not packed_stream(d) and not records and len(set(plain.values())) < 2:
         return [("data.paths", list(d.paths), f"{len(plain)} document(s): each split needs one",
