@@ -138,8 +138,18 @@ def test_a_study_file_that_does_not_read_is_refused_with_what_to_do(tmp_path):
     from orchestrator.config.errors import ConfigError
     from orchestrator.sweeps.study import KeptStudy
 
-    kept = KeptStudy(tmp_path, "study-x", {"space": []})
-    kept.path.write_text('{"name": "study-x", "trials": ')  # cut short
-    with pytest.raises(ConfigError) as e:
-        kept.saved()
-    assert "x hydra.sweeper.study_dir=" in str(e.value) and "move it aside" in str(e.value)
+    trial = {"number": 0, "state": "COMPLETE", "params": {"x": 1}, "user_attrs": {}, "values": [1.0],
+             "distributions": {"x": '{"name": "NoSuchDistribution", "attributes": {}}'}}
+    broken = {"cut short": '{"name": "study-x", "trials": ', "no search entry": '{"name": "study-x", "trials": []}',
+              "distribution of x cannot be read": json.dumps({"search": {}, "trials": [trial]}),
+              "sampler": json.dumps({"search": {}, "trials": []})}
+    for said, text in broken.items():
+        kept = KeptStudy(tmp_path, "study-x", {"space": []})
+        kept.path.write_text(text)
+        (tmp_path / "study-x.sampler").write_bytes(b"\x80\x04\x95" if said == "sampler" else b"")
+        if said != "sampler":
+            (tmp_path / "study-x.sampler").unlink()
+        with pytest.raises(ConfigError) as e:
+            kept.saved()
+        assert "x hydra.sweeper.study_dir=" in str(e.value) and "move it aside" in str(e.value)
+        assert said == "cut short" or said in str(e.value), str(e.value)

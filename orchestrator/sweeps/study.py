@@ -116,14 +116,30 @@ class KeptStudy:
                            if not isinstance(t, dict) or any(f not in t for f in fields)), None)
             if broken is not None:
                 raise ValueError(f"its trial {broken} lacks one of {', '.join(fields)}")
+            from optuna.distributions import json_to_distribution
+
+            for t in saved["trials"]:  # what load() rebuilds, read now: a bad one is said here, not mid-sweep
+                for name, d in t["distributions"].items():
+                    try:
+                        json_to_distribution(d)
+                    except Exception as e:  # noqa: BLE001 (Optuna raises ValueError, KeyError, JSONDecodeError)
+                        raise ValueError(f"trial {t['number']}'s distribution of {name} cannot be read "
+                                         f"({type(e).__name__}: {e})") from None
+            sampler = self.folder / f"{self.name}.sampler"
+            if sampler.is_file():
+                try:
+                    pickle.loads(sampler.read_bytes())
+                except Exception as e:  # noqa: BLE001 (a pickle cut short or of another Optuna)
+                    raise ValueError(f"its sampler {sampler} cannot be unpickled ({type(e).__name__}: {e})") \
+                        from None
             self._saved = saved
             return saved
         except (OSError, ValueError) as e:
             from orchestrator.config.errors import ConfigError, Problem
 
             raise ConfigError([Problem("hydra.sweeper.study_dir", str(self.folder), f"the study {self.path} cannot "
-                                       f"be read ({e})", f"move it aside to start the study again, or "
-                                       f"hydra.sweeper.study_name=<another name>")]) from None
+                                       f"be read ({e})", "move it aside to start the study again, or "
+                                       "hydra.sweeper.study_name=<another name>")]) from None
 
     def problems(self, config: DictConfig) -> list:
         """What the sweeper would meet later: a storage of Optuna's own, or a study named to continue whose
