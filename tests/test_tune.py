@@ -9,7 +9,7 @@ import shlex
 import pytest
 
 from orchestrator.sweeps.tune import candidates
-from tests.conftest import run_cli
+from tests.conftest import make_cfg, run_cli
 
 pytestmark = pytest.mark.e2e
 ARGS = ["tune=layout", "tune.world_size=2", "model=gpt_small", "tune.steps=5", "train.batch_size=8",
@@ -49,3 +49,15 @@ def test_tune_ranks_layouts_and_its_winner_runs(workdir):
 
     winner = run_cli([*shlex.split(command)[3:], "train.steps=2", "train.eval_every=0"], workdir, timeout=300)
     assert winner.returncode == 0, winner.stdout[-2000:] + winner.stderr[-2000:]
+
+
+def test_layout_keys_beside_tune_are_refused_and_a_dry_run_plans_every_trial(tmp_path):
+    from orchestrator.sweeps.tune import tune, tune_problems
+
+    given = ["tune=layout", "tune.world_size=1", "parallel=ddp2", "memory=level1"]
+    cfg = make_cfg(*given, runs_dir=tmp_path / "runs")
+    assert {p.key for p in tune_problems(cfg, given)} == {"parallel", "memory"}
+    given = ["tune=layout", "tune.world_size=1", "cluster=debug", "tracking=none", "dry_run=true"]
+    assert tune(make_cfg(*given, runs_dir=tmp_path / "runs"), tmp_path / "run", given) == 0  # planned, not failed
+    assert (tmp_path / "run" / "trials" / "dp1_hp1_pp1" / "plan.json").is_file()
+    assert not (tmp_path / "runs" / "cache").exists()

@@ -31,10 +31,12 @@ def check_experiment(cfg: DictConfig, overrides: list[str]) -> None:
     """What `orchestrate` (or `tune`) checks first: the same values (auto ones filled in, in cfg: pass a copy, such
     as experiment()'s), the same validation (remembered, so that the run does not pay for it twice)."""
     from orchestrator.config.resolve import resolve_auto
-    from orchestrator.config.validate import schema_problems, validate
+    from orchestrator.config.validate import validate
 
     if cfg.tune.name == "layout":  # tune checks each layout it lists; the base layout's rules do not apply
-        problems = schema_problems(cfg, overrides)
+        from orchestrator.sweeps.tune import tune_problems
+
+        problems = tune_problems(cfg, overrides)
         if problems:
             raise ConfigError(problems)
         return
