@@ -27,7 +27,8 @@ from plugins.data import build_batcher
 from storage.fsio import read_json
 from plugins.models import get_model
 from runtime.optim import build_optimizer
-from tests.conftest import ROOT, cli_env, make_cfg, requires_ort_training, run_cli, run_folder, run_sweep
+from tests.conftest import (ROOT, cli_env, last_wins, make_cfg, requires_ort_training, run_cli, run_folder,
+                            run_sweep)
 
 pytestmark = pytest.mark.e2e
 
@@ -206,7 +207,7 @@ def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, five_steps):
 
 
 def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
-    args = [*COMMON, "parallel=ddp2", "train.steps=80", "train.checkpoint_every=10", "train.eval_every=40"]
+    args = last_wins([*COMMON, "parallel=ddp2", "train.steps=80", "train.checkpoint_every=10", "train.eval_every=40"])
     env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
