@@ -34,8 +34,6 @@ def check_experiment(cfg: DictConfig, overrides: list[str]) -> None:
     from orchestrator.config.validate import validate
 
     if cfg.tune.name == "layout":  # tune checks each layout it lists; the base layout's rules do not apply
-        from orchestrator.sweeps.tune import tune_problems
-
         problems = tune_problems(cfg, overrides)
         if problems:
             raise ConfigError(problems)
@@ -63,3 +61,22 @@ def _chain(exc: BaseException):
         seen.add(id(exc))
         yield exc
         exc = exc.__cause__ or exc.__context__
+
+
+def tune_problems(cfg: DictConfig, overrides: list[str]) -> list:
+    """tune's own keys (bounds, choices) before any layout is listed, and no layout key given: each trial sets the
+    layout and the memory level itself, so one given on the command line would do nothing."""
+    from orchestrator.config.errors import Problem
+    from orchestrator.config.validate import schema_problems
+
+    chosen = [o for o in overrides if o not in kept_beside_tune(overrides) and not o.lstrip("+").startswith("tune")]
+    return schema_problems(cfg, overrides) + [
+        Problem(o.split("=", 1)[0].lstrip("+~"), o.split("=", 1)[-1], "tune=layout tries every layout of "
+                "tune.world_size ranks, each with the memory level it needs: the layout and memory keys are its "
+                "to choose, and this one would do nothing", f"remove {o} (tune.world_size= the ranks to lay out)")
+        for o in chosen]
+
+
+def kept_beside_tune(overrides: list[str]) -> list[str]:
+    """The command's overrides less those a layout trial sets (a key set twice is refused)."""
+    return [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith(("tune", "parallel", "memory"))]

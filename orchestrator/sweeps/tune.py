@@ -20,9 +20,10 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.cache.store import Cache
+from orchestrator.config.command import kept_beside_tune, tune_problems
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.schema import TuneConfig
-from orchestrator.config.validate import schema_problems, validate
+from orchestrator.config.validate import validate
 from plugins.parallel.schedules import SCHEDULES
 from orchestrator.report import console, styled
 from orchestrator.run import orchestrate
@@ -138,7 +139,7 @@ def tune(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
         trial_dir = run_dir / "trials" / trial.label.replace(" ", "_")
         trial.run_dir = str(trial_dir)
         # locally one after another (timed alone); on SLURM all submitted, then followed together
-        reports[i] = orchestrate(trial_cfg, trial_dir, [*_kept(overrides), *trial.overrides], parent,
+        reports[i] = orchestrate(trial_cfg, trial_dir, [*kept_beside_tune(overrides), *trial.overrides], parent,
                                  follow_jobs=not on_slurm, until="train")
     if cfg.dry_run:  # each trial's plan printed; nothing ran, so nothing is ranked
         console.print(f"dry run: {len(reports)} of {len(trials)} layouts planned, nothing was started", soft_wrap=True)
@@ -179,25 +180,7 @@ def _rank(trials: list[Trial], objective: str) -> list[Trial]:
 
 
 def winner_command(best: Trial, overrides: list[str]) -> str:
-    return " ".join(["python -m orchestrator", *_kept(overrides), *best.overrides])
-
-
-def tune_problems(cfg: DictConfig, overrides: list[str]) -> list:
-    """tune's own keys (bounds, choices) before any layout is listed, and no layout key given: each trial sets the
-    layout and the memory level itself, so one given on the command line would do nothing."""
-    from orchestrator.config.errors import Problem
-
-    chosen = [o for o in overrides if o not in _kept(overrides) and not o.lstrip("+").startswith("tune")]
-    return schema_problems(cfg, overrides) + [
-        Problem(o.split("=", 1)[0].lstrip("+~"), o.split("=", 1)[-1], "tune=layout tries every layout of "
-                "tune.world_size ranks, each with the memory level it needs: the layout and memory keys are its "
-                "to choose, and this one would do nothing", f"remove {o} (tune.world_size= the ranks to lay out)")
-        for o in chosen]
-
-
-def _kept(overrides: list[str]) -> list[str]:
-    """The command's overrides less those a layout trial sets (a key set twice is refused)."""
-    return [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith(("tune", "parallel", "memory"))]
+    return " ".join(["python -m orchestrator", *kept_beside_tune(overrides), *best.overrides])
 
 
 def _report(cfg, ranked: list[Trial], trials: list[Trial], run_dir: Path, overrides: list[str], seconds: float,
