@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from common.quick_exit import exit_now
 
-from orchestrator.boundary import Refused, unexpected
+from orchestrator.boundary import CHECKING, Refused, unexpected
 from orchestrator.config.command import explain, task_overrides
 from orchestrator.config.errors import ConfigError
 from orchestrator import interrupt
@@ -77,6 +77,10 @@ def main() -> int:
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM), or one before any stage started
         finish_study(interrupted=True)
+        if CHECKING:  # the command's check was under way: nothing had started
+            print(f"interrupted ({interrupt.said()}) while the command was checked: nothing was started",
+                  file=sys.stderr)
+            return interrupt.exit_code()
         print(f"interrupted ({interrupt.said()}): finished stages are cached and checkpoints kept; run the same "
               "command to continue", file=sys.stderr)
         return interrupt.exit_code()

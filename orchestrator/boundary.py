@@ -49,11 +49,17 @@ class Precheck(Callback):
             console.print(line, soft_wrap=True, markup=False)
 
 
+CHECKING: list[str] = []  # the check in progress ("sweep", "overrides"): a signal during it stopped nothing started
+
+
 def _refusing(check, config: DictConfig, key: str) -> Any:
     """check(config), its exceptions refusals: Hydra's and OmegaConf's in config terms, any other one as a check
     that stopped (naming it, and `key`: what was checked, with the command's overrides; its traceback saved)."""
+    CHECKING.append(key)
     try:
-        return check(config)
+        result = check(config)
+        CHECKING.remove(key)
+        return result
     except Exception as e:  # everything the checks meet is the command's problem, said as a refusal
         error = explain(e, tuple(task_overrides(config.hydra)))
         if error is None:
