@@ -91,7 +91,7 @@ OWNED = {"nodes": "cluster.nodes", "ntasks": "the layout (dp*hp*pp)", "ntasks_pe
 def _contradictions(c) -> list[Problem]:
     """SLURM keys against each other and against the time limit: each would run, and not as written."""
     problems = []
-    if c.mem_per_task_gb is not None and c.mem_per_task_gb == 0:
+    if c.mem_per_task_gb == 0:  # None (unset) is the partition's default
         problems.append(Problem("cluster.mem_per_task_gb", c.mem_per_task_gb, "SLURM reads --mem=0 as all the "
                                 "memory of each node, not none: every job would hold whole nodes",
                                 "cluster.mem_per_task_gb= the GB a task needs (the plan prints it), or leave it "

@@ -24,7 +24,7 @@ from typing import Optional
 
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import Override
+from hydra.core.override_parser.types import Glob, Override, RangeSweep
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
@@ -97,13 +97,11 @@ def check_sweep(config: DictConfig) -> list[str]:
 def _count(o: Override) -> int:
     """How many values a swept key takes, without listing them (a range's length is arithmetic; an interval
     counts its two ends, which is what is checked of it)."""
-    from hydra.core.override_parser.types import RangeSweep
-
     value = o.value()
     if o.is_interval_sweep():
         return 2
     if isinstance(value, RangeSweep):
-        step = value.step or 1  # a step of 0 is Hydra's to refuse (the space is read later)
+        step = value.step or 1  # a step of 0 is refused by _space (counted first, as one of 1)
         return max(0, math.ceil((value.stop - value.start) / step))
     return max(1, len(getattr(value, "list", None) or [value]))
 
@@ -127,12 +125,16 @@ def _plugin_problems(config: DictConfig) -> list[Problem]:
         try:
             Plugins.instance()._instantiate(copy.deepcopy(node))  # Hydra's own way: it trusts its core plugins
         except Exception as e:  # noqa: BLE001 (Hydra's InstantiationException wraps the plugin's own TypeError)
-            cause = e.__cause__ or e
-            said = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
             problems.append(Problem(key, str(node.get("_target_", "?")).rsplit(".", 1)[-1], f"Hydra cannot build "
-                                    f"{key} from its settings: {said}", f"remove the {key}.* setting it names, or see "
+                                    f"{key} from its settings: {_cause_said(e)}", f"remove the {key}.* setting it names, or see "
                                     "the plugin's settings (python -m orchestrator -m --cfg hydra)"))
     return problems
+
+
+def _cause_said(e: Exception) -> str:
+    """The first line of what a plugin raised (Hydra's instantiate wraps it: its cause, where there is one)."""
+    cause = e.__cause__ or e
+    return str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
 
 
 def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Problem]:
@@ -147,8 +149,7 @@ def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Pro
     try:
         instantiate(sampler)
     except Exception as e:  # noqa: BLE001 (whatever the sampler refuses is said with its key)
-        cause = e.__cause__ or e
-        said = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        said = _cause_said(e)
         key = "hydra.sweeper.sampler.seed" if "seed" in said.lower() else "hydra.sweeper.sampler"
         value = OmegaConf.select(config, key) if key.endswith("seed") else target
         return [Problem(key, value, f"{target.rsplit('.', 1)[-1]} cannot be built: {said}",
@@ -226,11 +227,7 @@ def _count_problems(config: DictConfig) -> list[Problem]:
 def _space(o: Override, basic: bool, sweeper: str, most: int) -> tuple[list[str], Optional[Problem]]:
     """(the values to validate of a swept key, at most `most` of them spread from end to end, or a problem with
     its search space)."""
-    from hydra.core.override_parser.types import RangeSweep
-
     key, text = o.get_key_element(), o.input_line.split("=", 1)[1]
-    from hydra.core.override_parser.types import Glob
-
     if isinstance(o.value(), Glob):  # options of a config group, listed by name
         return _glob(o, key, text)
     if isinstance(o.value(), RangeSweep) and not o.value().step:

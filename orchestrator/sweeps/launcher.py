@@ -243,8 +243,10 @@ def _objective(p: Point) -> float:
 def _status(p: Point) -> str:
     if p.interrupted:
         return "interrupted"
-    if p.error or p.rejected or p.report is None:
-        return "rejected" if p.error or p.rejected else "not run"
+    if p.error or p.rejected:
+        return "rejected"
+    if p.report is None:
+        return "not run"
     if p.report.submitted and not p.report.results:
         return "submitted"
     statuses = {r.status for r in p.report.results.values()}
