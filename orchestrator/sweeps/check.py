@@ -100,6 +100,8 @@ def _count(o: Override) -> int:
     value = o.value()
     if o.is_interval_sweep():
         return 2
+    if isinstance(value, Glob):  # a group's options it matches (a key's glob is refused by _space)
+        return max(1, len(_glob(o, o.get_key_element(), o.input_line.split("=", 1)[1])[0]))
     if isinstance(value, RangeSweep):
         step = value.step or 1  # a step of 0 is refused by _space (counted first, as one of 1)
         return max(0, math.ceil((value.stop - value.start) / step))
