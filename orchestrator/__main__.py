@@ -69,18 +69,15 @@ def main() -> int:
     try:
         _experiment()
         finish_study()
-    except Refused as r:  # the command's check (orchestrator/boundary.py), before Hydra wrote anything
-        print(f"error: {r.error}", file=sys.stderr)
-        return 2
-    except ConfigError as e:  # a sweep with invalid points (the launcher checks them all before starting)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except (Refused, ConfigError) as e:  # the command's check (orchestrator/boundary.py), or a sweep's invalid
+        if interrupt.requested():  # points (the launcher checks them all first): nothing was started. A signal
+            return _stopped_while_checked()  # that came during the check wins over what the check concluded:
+        print(f"error: {e.error if isinstance(e, Refused) else e}", file=sys.stderr)  # a library on the way may
+        return 2  # have swallowed its KeyboardInterrupt (C code that clears errors) and left a half-made config
     except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM), or one before any stage started
         finish_study(interrupted=True)
         if CHECKING:  # the command's check was under way: nothing had started
-            print(f"interrupted ({interrupt.said()}) while the command was checked: nothing was started",
-                  file=sys.stderr)
-            return interrupt.exit_code()
+            return _stopped_while_checked()
         print(f"interrupted ({interrupt.said()}): finished stages are cached and checkpoints kept; run the same "
               "command to continue", file=sys.stderr)
         return interrupt.exit_code()
@@ -92,6 +89,11 @@ def main() -> int:
         print(f"error: {translated}", file=sys.stderr)
         return 2
     return max(EXIT_CODES, default=0)
+
+
+def _stopped_while_checked() -> int:
+    print(f"interrupted ({interrupt.said()}) while the command was checked: nothing was started", file=sys.stderr)
+    return interrupt.exit_code()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from hydra.core.override_parser.types import Glob, Override, RangeSweep
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 
+from orchestrator import interrupt
 from orchestrator.config.errors import ConfigError, Problem
 
 SPREAD = 32  # an optimising sweeper's space past sweep.max_points: at most this many values checked, all keys together
@@ -315,6 +316,8 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
     loader = GlobalHydra.instance().hydra.config_loader
     failures, seen, checked = [], set(), []
     for point in points:
+        if interrupt.requested():  # a signal whose KeyboardInterrupt a library swallowed (C code clears errors)
+            raise KeyboardInterrupt
         overrides = [f"{o}={point[o]}" if o in point else o for o in order]
         if tuple(overrides) in seen:
             continue
