@@ -5,8 +5,9 @@ Per rank (the worst rank of the layout): fp32 parameters, gradients and optimize
 backward. Activations per token and layer are counted tensor by tensor for this decoder (what autograd saves:
 norm inputs, q/k/v, attention output, MLP inputs and hidden units; SDPA keeps no attention matrix, the math kernel
 does), times the tokens in flight (one microbatch without a pipeline; up to pp of them at the first stage of
-1F1B, every microbatch under GPipe), plus the logits and their gradient on the last stage. Recomputation (memory
-level 1, 2) keeps a layer's input (level 1) or the unit inputs (level 2) and one layer's worth during backward.
+1F1B, every microbatch under GPipe), plus the head's and the loss's on the last stage (`_head_bytes`).
+Recomputation (memory level 1, 2) keeps a layer's input (level 1) or the unit inputs (level 2) and one layer's worth
+during backward.
 
 On a GPU the peak comes at the start of backward, when every activation is alive and no gradient yet (gradients
 appear as activations are freed, and the caching allocator gives their blocks to the gradients): parameters +
@@ -47,6 +48,8 @@ class Estimate:
     temporaries: int = 0
     cpu: bool = False
     staging: int = 0  # train.async_checkpoint=async: the host copy of the rank's weights and optimizer state
+    head: int = 0     # of the activations: the head's and the loss's (the last stage's)
+    sparse: bool = False  # train.label_sparsity: the head runs on the labelled positions, in chunks
 
     @property
     def total(self) -> int:
@@ -60,9 +63,10 @@ class Estimate:
 
     def describe(self) -> str:
         gb = 2**30
-        both = (f"activations {self.activations / gb:,.2f}, gradients {self.gradients / gb:,.2f}, step temporaries "
-                f"{self.temporaries / gb:,.2f}") if self.cpu else \
-            f"activations {self.activations / gb:,.2f} or gradients {self.gradients / gb:,.2f}"
+        head = f" (the head and loss {self.head / gb:,.2f}{', labelled positions only' if self.sparse else ''})"
+        both = (f"activations {self.activations / gb:,.2f}{head}, gradients {self.gradients / gb:,.2f}, step "
+                f"temporaries {self.temporaries / gb:,.2f}") if self.cpu else \
+            f"activations {self.activations / gb:,.2f}{head} or gradients {self.gradients / gb:,.2f}"
         # a GPU rank stages a background checkpoint in host memory, beside the device's figure
         staging = "" if not self.staging else f", checkpoint staging {self.staging / gb:,.2f}" if self.cpu else \
             f"; checkpoint staging {self.staging / gb:,.2f} in host memory"
@@ -134,19 +138,35 @@ def estimate(cfg, plan: dict) -> Estimate:
         layer_bytes = layers * 4 * m.d_model / hp * compute + per_token  # unit inputs and outputs, one recomputed
     else:
         layer_bytes = layers * per_token
-    from plugins.models.registry import vocab_rows
-
-    logits = 2 * vocab_rows(m) / (hp if p.loss_parallel else 1) * 4  # log-softmax's output and the logits' gradient
     # rows with their documents (whole documents, or padded rows packed by their rank): SDPA's document mask, a byte
     # per (query, key), shared by a microbatch's layers; FlexAttention's block mask is a few ints per 128 x 128 tile
     mask = seq if document_rows(cfg.data) and cfg.triton.attention != "flex" else 0
-    activations = int(tokens_per_microbatch * (in_flight * (layer_bytes + mask) + logits))
+    head = _head_bytes(cfg, tokens_per_microbatch, compute)
+    activations = int(tokens_per_microbatch * in_flight * (layer_bytes + mask) + head)
     from runtime.machine import ranks_on_cuda
 
     cpu = not ranks_on_cuda(cfg)[0]  # ranks on GPUs: this machine's, or a SLURM job's that asks for them
     staging = parameters + optimizer if cfg.train.get("async_checkpoint", "disabled") == "async" else 0
     return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
-                    int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu, staging)
+                    int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu, staging, int(head), t.label_sparsity)
+
+
+def _head_bytes(cfg, tokens: int, compute: int) -> float:
+    """The last stage's head and loss of one microbatch of `tokens` positions. Dense: the fp32 logits' log-softmax
+    and their gradient, every position (vocabulary-sharded under loss parallelism). Label sparsity
+    (plugins/models/head_loss.py): one chunk's logits (fp32, and the matmul's output), the labelled positions'
+    hidden states and their gradient, and an fp32 gradient buffer of the rank's head shard per microbatch whose
+    backward has not run (every microbatch under a schedule that runs all forwards first). Every position counts as
+    labelled: the share is the data's, and the chunk bounds what grows with it."""
+    from plugins.models.registry import vocab_rows
+
+    p, m, t = cfg.parallel, cfg.model, cfg.train
+    if not t.label_sparsity:
+        return tokens * 2 * vocab_rows(m) / (p.hp if p.loss_parallel else 1) * 4
+    rows = vocab_rows(m) / p.hp  # the sparse head always works on its vocabulary shard
+    waiting = p.microbatches if p.pp > 1 and SCHEDULES[p.pp_schedule].all_forwards_first else 1
+    return min(tokens, t.loss_chunk) * rows * (4 + compute) + tokens * m.d_model * (4 + compute) + \
+        waiting * rows * m.d_model * 4
 
 
 def available_bytes(cfg) -> tuple[int, str]:

@@ -76,6 +76,24 @@ def memory_line(cfg, orchestrator: int = 0) -> str:
             f"{p.stages['aggregate'].writes / GB:,.2f} GB")
 
 
+def compute_line(cfg) -> str:
+    """The plan's line on what the step computes that the loss would throw away: label sparsity's head, and where
+    padded rows lose their padding (runtime/step.py)."""
+    from plugins.engines import get_engine
+    from runtime.step import padding_kept
+
+    t = cfg.train
+    head = (f"compute: the head and the loss on the labelled positions only, {t.loss_chunk:,} at a time "
+            "(train.label_sparsity)") if t.label_sparsity else \
+        "compute: the head and the loss over every position (train.label_sparsity=false)"
+    if cfg.data.packing:
+        return f"{head}; rows are packed, with no padding to leave out"
+    why = padding_kept(cfg, get_engine(cfg.engine.name).one_shape)
+    rows = "padded rows keep their padding: " + why if why else \
+        "padded rows reach the blocks as their real tokens only (each rank packs them into fewer rows)"
+    return f"{head}; {rows}"
+
+
 def time_line(cfg, saving: bool = True) -> str:
     """The plan's lines on time: the step's FLOPs against this machine's matmul rate, measured now, and the saves'
     and the aggregate's bytes against this disk's write rate, measured now. Floors, not forecasts: the rest of a

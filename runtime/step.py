@@ -27,11 +27,27 @@ class StepSettings:
     def of(cfg, one_shape: bool = False) -> "StepSettings":
         """one_shape: the engine's graphs take one input shape (plugins/engines: EngineSpec.one_shape)."""
         p = cfg.parallel
-        repacks = not cfg.data.packing and cfg.data.get("balance_ranks", True) and p.pp == 1 and \
-            not one_shape and not cfg.triton.enabled and cfg.triton.attention != "flex"
+        repacks = not cfg.data.packing and padding_kept(cfg, one_shape) is None
         return StepSettings(cfg.train.grad_clip if cfg.train.grad_clip > 0 else math.inf,
                             cfg.train.seed if cfg.model.dropout > 0 else None, cfg.train.nonfinite == "skip",
                             p.microbatches, math.lcm(8, p.hp if p.sequence_parallel else 1) if repacks else 0)
+
+
+def padding_kept(cfg, one_shape: bool) -> Optional[str]:
+    """Why padded rows (data.packing=false) reach the blocks padded in this layout; None: each rank packs its
+    rows' real tokens into fewer rows with a document mask (plugins/data/packing.repack), so that padding never
+    reaches the blocks. The kinds that keep them want one input shape every step, or take no mask."""
+    if not cfg.data.get("balance_ranks", True):
+        return "data.balance_ranks=false"
+    if cfg.parallel.pp > 1:
+        return "a pipeline's stages exchange activations of one shape (parallel.pp > 1)"
+    if one_shape:
+        return f"engine={cfg.engine.name}'s graphs take one input shape and no document mask"
+    if cfg.triton.enabled:
+        return "compiled blocks (triton.enabled) are compiled for one shape"
+    if cfg.triton.attention == "flex":
+        return "FlexAttention's compiled kernel (triton.attention=flex) wants one shape"
+    return None
 
 
 def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings, probe,

@@ -421,6 +421,13 @@ class TrainConfig:
                                  "log; [] records nothing", content=False)
     profile_ranks: str = key("0", "the ranks that record a profile: 0 (rank 0), or all", choices=("0", "all"),
                              content=False)
+    label_sparsity: bool = key(True, "run the vocabulary head and the cross-entropy only at the positions whose label "
+                                     "enters the loss (gathered before the head; ONNX Runtime's label sparsity, TRL's "
+                                     "chunked NLL): the same loss and gradients to fp32 rounding, without the logits "
+                                     "of masked prompt tokens and padding; false: the dense head over every position")
+    loss_chunk: int = key(1024, "positions the sparse head projects onto the vocabulary at once (its full-width "
+                                "logits exist for this many positions only, in the forward and the backward)",
+                          min=1, max=MAX_TOKENS, read_when=("train.label_sparsity", (True,)))
     log_every: int = key(20, "print a metrics line every N steps; losses are read back from the device this "
                              "often", content=False, min=0)
     progress: bool = key(True, "show a progress bar", content=False)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from plugins.models.head_loss import head_loss
 from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
 from runtime.sdpa import document_block_mask, flex
 from storage.weights import set_constant, set_full
@@ -165,16 +166,20 @@ class Decoder(nn.Module):
         self.wpe = nn.Embedding(cfg.max_seq_len, cfg.d_model) if learned_positions else None
         self.drop = nn.Dropout(cfg.dropout)
         self.attention = "sdpa"  # the kernel set_attention gave the blocks: the document view it needs
+        self.loss_chunk = 1024   # positions per chunk of the sparse head's loss (train.loss_chunk, set by the layout)
         self.layers = nn.ModuleDict({str(i): block() for i in range(cfg.n_layers)})
         self.ln_f = norm()
         self.lm_head = nn.Linear(cfg.d_model, rows, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, h, documents: Optional[torch.Tensor] = None):
+    def forward(self, h, documents: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None):
         """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output.
         documents (B, T): each position's document in rows of whole documents (data.packing_strategy=bfd): attention
-        stays within a document and positions restart at each (every pipeline stage gets them beside its input)."""
+        stays within a document and positions restart at each (every pipeline stage gets them beside its input).
+        labels (B, T) (train.label_sparsity): the stage with the head returns the summed loss of the labelled
+        positions instead of logits, the head run on those positions only (plugins/models/head_loss.py); inside
+        forward, so that data parallelism's gathered weights and hooks see the head as they see every layer."""
         view = None
         if documents is not None and (self.wpe is not None or self.layers):
             view = document_view(documents, self.attention)
@@ -185,6 +190,8 @@ class Decoder(nn.Module):
             h = self.drop(x)
         for layer in self.layers.values():
             h = layer(h) if view is None else layer(h, documents=view)
+        if self.lm_head is not None and labels is not None:
+            return head_loss(self.ln_f(h), self.lm_head.weight, labels, self.vocab_size, self.loss_chunk)
         if self.lm_head is not None:
             h = self.lm_head(self.ln_f(h))
             if h.shape[-1] != self.vocab_size:

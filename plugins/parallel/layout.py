@@ -134,20 +134,23 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         parallelize(module, spec, cfg, mesh, device, engine, kernels if log is not None else None, log, i)
         materialise(module, device)
         spec.init_weights(module, cfg.model, cfg.train.seed)
+        module.loss_chunk = cfg.train.loss_chunk
         parts.append(module)
     check_against_plan(parts, plan)
 
     aliases = tied_aliases(plan)
     loss_rank = coords.hp == 0  # tensor-parallel peers compute the same loss: count it once
+    sparse = cfg.train.label_sparsity  # the head and the loss only where labels count (plugins/models/head_loss.py)
     if p.pp > 1:
         tl = Timeline() if timeline else None
         runner = PipelineRunner(parts, [s["stage"] for s in local_stages], [s["rank"] for s in plan["pipeline"]],
                                 p.pp_schedule,
                                 p.microbatches, spec.loss, mesh.get_group("pp"), device, loss_rank,
-                                p.loss_parallel, p.dp, tl, probe)
+                                p.loss_parallel, p.dp, tl, probe, sparse)
     else:
         tl = None
-        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe)
+        runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe,
+                                  sparse)
     layout = Layout(parts, runner, coords, aliases, device, mesh, None, tl, loss_rank,
                     [s["stage"] for s in local_stages], kernels, fallbacks)
     if p.pp > 1 and aliases:

@@ -4,8 +4,10 @@ Both runners take the rank's share of the global batch and return the rank's con
 loss (already divided by the global label count, detached). The loss they differentiate is that share times
 `grad_scale` (the dp degree: data parallelism averages gradients over dp ranks, the global mean needs their
 sum) times the step's `loss_scale` (fp16's loss scaling; 1 otherwise). The parts cast themselves (parallelize's
-precision step). Ranks whose contribution would repeat another rank's (tensor-parallel peers, stages without
-the loss) contribute zero, so one SUM all-reduce over the world gives the global loss.
+precision step). With label sparsity (`sparse`, train.label_sparsity) the part holding the head is given the
+labels and returns the summed loss itself (plugins/models/head_loss.py); otherwise it returns logits for `loss_fn`.
+Ranks whose contribution would repeat another rank's (tensor-parallel peers, stages without the loss) contribute
+zero, so one SUM all-reduce over the world gives the global loss.
 """
 from __future__ import annotations
 
@@ -39,10 +41,15 @@ class MicrobatchRunner:
     """One stage holds the whole model (dp and/or hp only): accumulate gradients over microbatches."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, microbatches: int, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, probe=None):
+                 loss_parallel: bool, grad_scale: float = 1.0, probe=None, sparse: bool = False):
         self.module, self.loss_fn, self.microbatches = module, loss_fn, microbatches
         self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
-        self.grad_scale = grad_scale
+        self.grad_scale, self.sparse = grad_scale, sparse
+
+    def _loss_sum(self, x, y, d) -> torch.Tensor:
+        if self.sparse:
+            return _forward(self.module, x, d, labels=y)
+        return self.loss_fn(_forward(self.module, x, d), y)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -54,8 +61,7 @@ class MicrobatchRunner:
             set_gradient_sync([self.module], i == len(chunks) - 1)
             self._sample("pre_forward")
             with loss_context(self.loss_parallel):
-                logits = _forward(self.module, x, d)
-                loss = self.loss_fn(logits, y) / n_labels
+                loss = self._loss_sum(x, y, d) / n_labels
                 self._sample("post_forward")
                 (loss * backward_scale if backward_scale != 1 else loss).backward()
             self._sample("post_backward")
@@ -66,8 +72,7 @@ class MicrobatchRunner:
     def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
                  documents: Optional[torch.Tensor] = None) -> torch.Tensor:
         with loss_context(self.loss_parallel):
-            logits = _forward(self.module, inputs, documents)
-            total = _value(self.loss_fn(logits, labels))
+            total = _value(self._loss_sum(inputs, labels, documents))
         return total if self.counts_loss else torch.zeros_like(total)
 
     def _sample(self, phase: str) -> None:
@@ -84,7 +89,8 @@ class PipelineRunner:
 
     def __init__(self, modules: list[nn.Module], stage_ids: list[int], stage_ranks: list[int], schedule: str,
                  microbatches: int, loss_fn: Callable, group, device: torch.device, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None):
+                 loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None,
+                 sparse: bool = False):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         n_stages = len(stage_ranks)
@@ -94,7 +100,7 @@ class PipelineRunner:
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.counts_loss, self.loss_parallel = loss_fn, counts_loss, loss_parallel
-        self.grad_scale = grad_scale
+        self.grad_scale, self.sparse = grad_scale, sparse
         self.scale = 1.0  # what the schedule's loss is multiplied by (its returned losses too)
         chosen = SCHEDULES[schedule]
         cls = getattr(schedules, chosen.torch_class)  # single-stage schedules take the stage, the others a list
@@ -105,7 +111,9 @@ class PipelineRunner:
             timeline.instrument(self.stages)
 
     def _loss(self, output, target):
-        return self.loss_fn(output, target) * self.scale
+        """The schedule's loss of a microbatch: the last stage's output is already the summed loss when sparse
+        (the labels travelled as a keyword input, split into microbatches like the documents)."""
+        return (output if self.sparse else self.loss_fn(output, target)) * self.scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -122,6 +130,8 @@ class PipelineRunner:
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         if documents is not None:
             kwargs["documents"] = documents
+        if self.sparse:  # every stage is given them (keyword inputs go to all); only the head's uses them
+            kwargs["labels"] = labels
         with loss_context(self.loss_parallel):
             self.schedule.step(*args, return_outputs=False, **kwargs)
         if self.timeline is not None:
@@ -153,9 +163,11 @@ class PipelineRunner:
                 if s > 0 and self.stage_ranks[s - 1] != me:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
                 with loss_context(self.loss_parallel):
-                    h = _forward(self.modules[s], h, d)
                     if s == last:
-                        total += _value(self.loss_fn(h, y))
+                        total += _value(_forward(self.modules[s], h, d, labels=y) if self.sparse else
+                                        self.loss_fn(_forward(self.modules[s], h, d), y))
+                    else:
+                        h = _forward(self.modules[s], h, d)
                 if s < last and self.stage_ranks[s + 1] != me:
                     _send(h, self.stage_ranks[s + 1], self.group)
         return total if self.counts_loss and self.has_last else torch.zeros_like(total)
@@ -165,10 +177,10 @@ def _chunks(documents: Optional[torch.Tensor], n: int) -> list:
     return list(documents.chunk(n)) if documents is not None else [None] * n
 
 
-def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tensor]) -> torch.Tensor:
+def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tensor], **labels) -> torch.Tensor:
     """A module's forward, with the rows' documents when they hold whole documents (a call without them otherwise,
-    so a module that never sees them needs no such argument)."""
-    return module(h) if documents is None else module(h, documents=documents)
+    so a module that never sees them needs no such argument), and `labels=` when the head computes the loss."""
+    return module(h, **labels) if documents is None else module(h, documents=documents, **labels)
 
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # activations between stages

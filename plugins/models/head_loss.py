@@ -1,0 +1,102 @@
+"""Label sparsity: the vocabulary head and the cross-entropy only where a label enters the loss.
+
+In a prompt/completion or chat batch most labels are -100, and projecting those positions onto the whole vocabulary
+(in fp32, the step's largest activation) serves nothing (ONNX Runtime's label sparsity; TRL's chunked NLL). Here the
+final hidden states of the labelled positions are gathered first, then the head and the cross-entropy run over them
+`chunk` positions at a time. Each chunk's softmax gives the gradients of its positions at once (softmax minus the
+one-hot target, times the head: Liger's fused linear cross-entropy), so no full-vocabulary logits outlive their
+chunk, in the forward or in the backward, and nothing is recomputed: the backward only scales the gradients the
+forward kept (the gathered positions' hidden-state gradient and one head-sized fp32 buffer).
+
+Under tensor parallelism the head is vocabulary-sharded (a DTensor split by rows) and every rank holds the same
+positions: each computes its columns' logits, and the softmax's max, sum and the target logit are all-reduced over
+hp (Megatron's vocab-parallel cross-entropy), the hidden states' gradient summed over hp. The sum is the dense
+path's to fp32 rounding (tests/test_head_loss.py), in every layout: the head runs inside the model's forward, so
+FSDP's gathered weights and a pipeline's last stage see it as any other layer.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+IGNORED = -100  # the label of a position outside the loss (PyTorch's and Hugging Face's ignore_index)
+
+
+def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
+              chunk: int) -> torch.Tensor:
+    """Summed next-token cross-entropy of the positions whose label is not IGNORED, as the dense
+    cross_entropy(hidden @ weight.T [:, :vocab], labels, reduction="sum") gives it. hidden (..., d): the final
+    norm's output (a DTensor under sequence parallelism: gathered whole); weight (rows, d): the head, rows >= vocab
+    (Megatron's padding) never count; labels (...)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(hidden, DTensor):
+        hidden = hidden.full_tensor()
+    flat = labels.reshape(-1)
+    keep = (flat != IGNORED).nonzero().squeeze(1)
+    h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
+    y = flat.index_select(0, keep)
+    group, first = None, 0
+    if isinstance(weight, DTensor):  # vocabulary-sharded over hp (the layout's 1-D hp mesh)
+        mesh = weight.device_mesh
+        group, local = mesh.get_group(), weight.to_local()
+        first = mesh.get_local_rank() * local.shape[0]
+        weight = local
+    grads = torch.is_grad_enabled()
+    return _ChunkedHeadLoss.apply(h, weight, y, vocab, first, max(1, chunk), group,
+                                  grads and h.requires_grad, grads and weight.requires_grad)
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    """(h (n, d), w (local rows, d), y (n,)) -> summed cross-entropy; gradients computed in the forward."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, vocab: int, first: int, chunk: int, group, need_h: bool, need_w: bool):
+        rows = w.shape[0]
+        columns = torch.arange(first, first + rows, device=w.device)
+        padding = columns >= vocab
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        grad_h = torch.zeros_like(h) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for s in range(0, h.shape[0], chunk):
+            hc, yc = h[s:s + chunk], y[s:s + chunk]
+            logits = (hc @ w.t()).float()  # (c, rows): the only full-width tensor, one chunk's
+            if padding.any():
+                logits.masked_fill_(padding, float("-inf"))
+            top = logits.max(dim=1).values
+            _all_reduce(top, dist.ReduceOp.MAX, group)
+            logits.sub_(top[:, None])
+            mine = (yc >= first) & (yc < first + rows)  # the target's column is in this rank's shard
+            at = (yc - first).clamp(0, rows - 1)
+            target = torch.where(mine, logits.gather(1, at[:, None]).squeeze(1), 0.0)
+            _all_reduce(target, dist.ReduceOp.SUM, group)
+            probs = logits.exp_()
+            norm = probs.sum(dim=1)
+            _all_reduce(norm, dist.ReduceOp.SUM, group)
+            total += (norm.log() - target).sum()
+            if need_h or need_w:  # d(loss)/d(logits) = softmax - one_hot(target)
+                probs.div_(norm[:, None])
+                probs[mine.nonzero().squeeze(1), at[mine]] -= 1.0
+                g = probs.to(w.dtype)
+                if need_h:
+                    grad_h[s:s + chunk] = g @ w
+                if need_w:
+                    grad_w += (g.t() @ hc).float()
+        if need_h:
+            _all_reduce(grad_h, dist.ReduceOp.SUM, group)  # each rank's columns' share of every position's gradient
+        ctx.grads, ctx.w_dtype = (grad_h, grad_w), w.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        grad_h, grad_w = ctx.grads
+        return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
+                None if grad_w is None else (grad_w * grad_total).to(ctx.w_dtype),
+                None, None, None, None, None, None, None)
+
+
+def _all_reduce(t: torch.Tensor, op, group: Optional[object]) -> None:
+    if group is not None:
+        dist.all_reduce(t, op=op, group=group)
