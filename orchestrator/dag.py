@@ -82,7 +82,9 @@ def stage_key(cfg: DictConfig, stage: Stage, input_keys: dict[str, str]) -> tupl
 
 
 def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStage]:
-    """Stages in dependency order, each with its key and whether the cache already holds its output."""
+    """Stages in dependency order, each with its key and whether the cache already holds its output (the stages this
+    config runs: a stage's `enabled`)."""
+    stages = [s for s in stages if s.enabled(cfg)]
     by_name = {s.name: s for s in stages}
     for s in stages:
         missing = [u for u in s.after if u not in by_name]

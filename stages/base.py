@@ -85,6 +85,9 @@ class Stage:
     collective: bool = True
     """its tasks form a process group (torch.distributed) and meet at a barrier before publishing; False: they
     share only files (tokenize: tasks of very different lengths would outwait the group's timeout)."""
+    enabled: Callable[[Any], bool] = lambda cfg: True
+    """whether this config runs the stage at all (evaluate: only with evaluate.tasks); a stage left out is not
+    planned, and nothing after it may need it."""
     adopt: Optional[Callable[..., Optional[int]]] = None
     """(cfg, an earlier attempt's scratch, this attempt's scratch or None, its key) -> the step this attempt would
     continue from (None: nothing usable); given this attempt's scratch, the state is linked into it."""

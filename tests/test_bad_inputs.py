@@ -134,6 +134,11 @@ CATALOGUE = [
     (["train.init_from=/nonexistent"], "train.init_from", "complete checkpoint folder"),
     (["train.profile=[5,3]"], "train.profile", "1 <= first <= last"),
     (["train.init_from=hf:/nonexistent"], "train.init_from", "is not a folder"),
+    # the evaluate stage's tasks (lm-evaluation-harness)
+    (["evaluate.tasks=[arith_mcq]"], "evaluate.tasks", "no such task"),
+    (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/a_file"], "evaluate.include_path", "not a folder"),
+    (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/broken_tasks"], "evaluate.include_path",
+     "does not parse as YAML"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
     (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
      "model.pad_vocab_to=128"),
@@ -275,6 +280,8 @@ def corpus(tmp_path_factory) -> Path:
     Tokenizer(models.WordLevel(vocab={"a": 0, "<unk>": 1, "<|endoftext|>": 2}, unk_token="<unk>")).save(
         str(tmp / "truncated_config" / "tokenizer.json"))
     (tmp / "truncated_config" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "chat_tem')
+    (tmp / "broken_tasks").mkdir()  # an lm-eval task file cut short
+    (tmp / "broken_tasks" / "mine.yaml").write_text("task: mine\ndataset_kwargs: {data_files: {test: [a.jsonl")
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)

@@ -57,6 +57,8 @@ def readers_files(tmp_path_factory) -> Path:
     (tmp / "sft" / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "completion": f" {i + 1}"})
                                                      + "\n" for i in range(3000)))
     (tmp / "sft" / "chats.jsonl").write_text((tmp / "chats.jsonl").read_text())
+    (tmp / "my_tasks").mkdir()  # an lm-eval task of the reader's own (docs/evaluate.md)
+    (tmp / "my_tasks" / "my_task.yaml").write_text("task: my_task\ndataset_path: json\noutput_type: multiple_choice\n")
     return tmp
 
 
@@ -66,7 +68,7 @@ def as_run_here(args: list[str], tmp: Path) -> list[str]:
     llama_tiny's shape (a real 1B folder takes 5 GB)."""
     where = {"/path/to/gpt2": "tiny-llama", "/path/to/llama-instruct": "tiny-llama", "/path/to/llama": "tiny-llama",
              "/data/fineweb-edu": "fineweb", "/shared/fineweb-edu-10BT": "fineweb", "/data/web": "web",
-             "/data/code": "code"}
+             "/data/code": "code", "/data/my_tasks": "my_tasks"}
     out = []
     sweep = "-m" in args
     for a in args:

@@ -20,7 +20,8 @@ PYTHONS = ("3.11", "3.12", "3.13")
 # pip accepts only the exact tags given with --platform: name every manylinux a Linux x86_64 machine takes
 PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(17, 29)] + \
     ["manylinux2014_x86_64", "manylinux2010_x86_64", "manylinux1_x86_64", "linux_x86_64"]
-SOURCE_ONLY = {"antlr4-python3-runtime"}  # pure Python, published as a source archive only (builds anywhere)
+SOURCE_ONLY = {"antlr4-python3-runtime", "rouge_score", "sqlitedict", "word2number"}  # pure Python, published as
+# source archives only (they build anywhere; the last three come with lm-eval)
 
 
 def _pins() -> list[str]:

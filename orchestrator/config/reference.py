@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from orchestrator.config.options import CONF, option_using, options_of
-from orchestrator.config.schema import GROUP_SCHEMAS, Config, AggregateConfig, ExportConfig, SweepConfig, TrainConfig, TransformConfig
+from orchestrator.config.schema import GROUP_SCHEMAS, Config
 
 
 
@@ -70,10 +71,10 @@ def reference_markdown(conf: Path = CONF) -> str:
     for group in GROUP_SCHEMAS:
         lines.append(f"| `{group}` | " + ", ".join(f"`{o}`" for o in options_of(group, conf)) + " |")
     default_cfg = _compose(conf)
-    for section, schemas in [*GROUP_SCHEMAS.items(), ("train", {"train": TrainConfig}),
-                             ("export", {"export": ExportConfig}), ("transform", {"transform": TransformConfig}),
-                             ("aggregate", {"aggregate": AggregateConfig}),
-                             ("sweep", {"sweep": SweepConfig})]:
+    hints = typing.get_type_hints(Config)  # every section without a config group (train, ..., evaluate, sweep)
+    own = [(f.name, {f.name: hints[f.name]}) for f in dataclasses.fields(Config)
+           if f.name not in GROUP_SCHEMAS and dataclasses.is_dataclass(hints[f.name])]
+    for section, schemas in [*GROUP_SCHEMAS.items(), *own]:
         lines += _table(conf, default_cfg, section, schemas)
     top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir", "cache_verify")]
     lines += ["", "**top level**", "", "| key | default | meaning |", "| --- | --- | --- |"]

@@ -457,6 +457,21 @@ class AggregateConfig:
 
 
 @dataclass
+class EvaluateConfig:
+    tasks: List[str] = key([], "lm-evaluation-harness tasks the evaluate stage scores the aggregate's hf/ folder on, "
+                               "after aggregate: ones the project ships (plugins/evaluate/tasks: arith_mc), ones in "
+                               "evaluate.include_path, or lm-eval's own where their data is reachable; [] runs no "
+                               "evaluate stage")
+    include_path: Optional[str] = key(None, "a folder of lm-eval task YAML files (lm-eval's --include_path); its "
+                                            "files enter the stage's key, as data files do")
+    num_fewshot: int = key(0, "examples of the task put before each question (lm-eval's --num_fewshot)", min=0,
+                           max=64)
+    limit: Optional[int] = key(None, "score only the first N examples of each task (None: all)", min=1)
+    batch_size: int = key(8, "examples scored at once", min=1, max=4096)
+    seed: int = key(1234, "lm-eval's seeds (few-shot draws, sampling)", min=0, max=MAX_SEED)
+
+
+@dataclass
 class TransformConfig:
     passes: List[str] = key(["layernorm_stats_outputs"], "ONNX passes applied in order (plugins/onnx/passes.py)")
 
@@ -477,6 +492,7 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
     aggregate: AggregateConfig = field(default_factory=AggregateConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     tune: TuneConfig = MISSING
     dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)

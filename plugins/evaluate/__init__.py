@@ -1,0 +1,1 @@
+"""Scoring a trained model on tasks (the evaluate stage's library: lm-evaluation-harness)."""

@@ -1,0 +1,168 @@
+"""EleutherAI's lm-evaluation-harness (lm-eval) on a Hugging Face folder: the tasks, their files, the scores.
+
+Tasks are lm-eval's own YAML. Three kinds of name:
+- shipped: the YAML files in plugins/evaluate/tasks (not conf/: Hydra reads every YAML there as a config option),
+  with their data beside them; a relative `data_files` is made absolute here (lm-eval reads it from the working
+  directory), so they run from any folder;
+- the user's: YAML files in `evaluate.include_path` (lm-eval's --include_path), read by lm-eval as its CLI reads
+  them (their relative paths, as there, from the working directory);
+- lm-eval's own (`hellaswag`, ...): their data is on the Hugging Face Hub, so they are refused before launch when
+  the Hub cannot be reached.
+Every file of the shipped folder and of include_path enters the stage's key (`fingerprint`), with lm-eval's version.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+from pathlib import Path
+from typing import Any, Optional
+
+from common.problem import Problem
+
+SHIPPED = Path(__file__).resolve().with_name("tasks")
+HUB = ("huggingface.co", 443)
+INSTALL = "pip install -e '.[eval]' -c constraints.txt (lm-eval with its hf model)"
+
+
+def installed() -> bool:
+    return importlib.util.find_spec("lm_eval") is not None and importlib.util.find_spec("accelerate") is not None
+
+
+def version() -> str:
+    from importlib.metadata import version as of
+
+    return of("lm_eval")
+
+
+def _yaml(path: Path) -> Any:
+    """A task file as data; lm-eval's own tags (`!function utils.process`) read as their text."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, tag, node: f"{tag} {getattr(node, 'value', '')}")
+    return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
+
+
+def local_tasks(folder: Path) -> dict[str, Path]:
+    """The tasks a folder's YAML files define: name -> file (a group's file, or one without `task:`, names none)."""
+    found: dict[str, Path] = {}
+    for path in sorted(Path(folder).rglob("*.yaml")):
+        data = _yaml(path)
+        if isinstance(data, dict) and isinstance(data.get("task"), str):
+            found.setdefault(data["task"], path)
+    return found
+
+
+def shipped_config(path: Path) -> dict:
+    """A shipped task's config with its data files' paths made absolute."""
+    config = _yaml(path)
+    files = (config.get("dataset_kwargs") or {}).get("data_files")
+    if isinstance(files, dict):
+        config["dataset_kwargs"]["data_files"] = {split: str((path.parent / f).resolve()) for split, f in files.items()}
+    return config
+
+
+def hub_reachable(timeout_s: float = 2.0) -> bool:
+    """Whether the Hub answers (Hugging Face's HF_HUB_OFFLINE=1 says it must not be asked)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        with socket.create_connection(HUB, timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def builtin_task(name: str) -> bool:
+    """Whether lm-eval ships a task of this name (its task files, read as text: its TaskManager takes 15-40 s)."""
+    import lm_eval
+
+    root = Path(lm_eval.__file__).parent / "tasks"
+    needle = f"task: {name}\n"
+    return any(needle in p.read_text(encoding="utf-8", errors="replace") for p in root.rglob("*.yaml"))
+
+
+def problems(ev) -> list[Problem]:
+    """evaluate.* before launch: lm-eval installed, the folder there and readable, every task found."""
+    if not ev.tasks:
+        return []
+    if not installed():
+        return [Problem("evaluate.tasks", list(ev.tasks), "the evaluate stage runs lm-evaluation-harness, which is not "
+                        "installed", INSTALL)]
+    out: list[Problem] = []
+    include: dict[str, Path] = {}
+    if ev.include_path is not None:
+        folder = Path(ev.include_path).expanduser()
+        if not ev.include_path.strip() or not folder.is_dir():
+            return [Problem("evaluate.include_path", ev.include_path, "not a folder", "a folder of lm-eval task YAML "
+                            "files (lm-eval's --include_path)")]
+        for path in sorted(folder.rglob("*.yaml")):
+            try:
+                _yaml(path)
+            except Exception as e:  # noqa: BLE001 (yaml's errors: said with the file)
+                out.append(Problem("evaluate.include_path", str(path), f"does not parse as YAML: {e}",
+                                   "correct the file (lm-eval's task format), or move it out of the folder"))
+        if out:
+            return out
+        include = local_tasks(folder)
+    shipped = local_tasks(SHIPPED)
+    for name in ev.tasks:
+        if name in shipped or name in include:
+            continue
+        if not builtin_task(name):
+            known = ", ".join(sorted({*shipped, *include}))
+            out.append(Problem("evaluate.tasks", name, f"no such task: not shipped ({known}), not in "
+                               "evaluate.include_path and not one of lm-eval's", "a task name a YAML file defines "
+                               "(`task: <name>`), with its folder as evaluate.include_path"))
+        elif not hub_reachable():
+            out.append(Problem("evaluate.tasks", name, "lm-eval's own task reads its data from the Hugging Face Hub, "
+                               f"which cannot be reached from here ({HUB[0]})", "copy the task's YAML into a folder, "
+                               "point its dataset_path/data_files at local files, and give the folder as "
+                               "evaluate.include_path"))
+    return out
+
+
+def fingerprint(ev) -> Optional[dict]:
+    """What decides the scores besides the weights and evaluate.*: lm-eval's version and every task file's bytes."""
+    if not ev.tasks:
+        return None
+    from storage.file_hashes import sha256
+
+    folders = [SHIPPED] + ([Path(ev.include_path).expanduser()] if ev.include_path else [])
+    return {"lm_eval": version() if installed() else None,
+            "files": {f"{i}/{p.relative_to(folder)}": sha256(p) for i, folder in enumerate(folders)
+                      for p in sorted(folder.rglob("*")) if p.is_file()}}
+
+
+def score(hf_folder: Path, ev, device: str) -> dict:
+    """lm-eval's results for the tasks on the folder's model (its `hf` model type, fp32, the tokenizer beside it)."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    shipped = local_tasks(SHIPPED)
+    folder = Path(ev.include_path).expanduser() if ev.include_path else None
+    include = local_tasks(folder) if folder else {}
+    tasks = [shipped_config(shipped[n]) if n in shipped else n for n in ev.tasks]
+    builtin = any(n not in shipped and n not in include for n in ev.tasks)  # lm-eval's index takes 15-40 s
+    manager = TaskManager(include_path=str(folder) if folder else None, include_defaults=builtin)
+    return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(hf_folder), "dtype": "float32"},
+                                   tasks=tasks, task_manager=manager, num_fewshot=ev.num_fewshot or None,
+                                   limit=ev.limit, batch_size=ev.batch_size, device=device,
+                                   random_seed=ev.seed, numpy_random_seed=ev.seed, torch_random_seed=ev.seed,
+                                   fewshot_random_seed=ev.seed)
+
+
+def metrics(results: dict) -> dict[str, float]:
+    """Each task's numeric results as `<task>/<metric>` (lm-eval's `acc,none` -> `acc`; another filter's name kept:
+    `exact_match,strict-match` -> `exact_match_strict-match`; its stderr as `<metric>_stderr`)."""
+    out: dict[str, float] = {}
+    for task, values in results["results"].items():
+        for k, v in values.items():
+            if "," not in k or not isinstance(v, (int, float)) or isinstance(v, bool):
+                continue
+            metric, filt = k.split(",", 1)
+            out[f"{task}/{metric}" + ("" if filt == "none" else f"_{filt}")] = float(v)
+    return out
