@@ -45,7 +45,7 @@ def _experiment(cfg: DictConfig) -> Optional[float]:
             return None
         report = orchestrate(cfg, Path(hc.runtime.output_dir), task_overrides(hc))
         EXIT_CODES.append(report.exit_code)
-        return objective.value(cfg.sweep.objective, report.train_summary(cfg))
+        return objective.value(cfg.sweep.objective, report.train_summary(cfg), report.scores(cfg), cfg)
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line
         print(f"error: {e}", file=sys.stderr)
         EXIT_CODES.append(2)

@@ -52,16 +52,24 @@ class Report:
         statuses = {r.status for r in self.results.values()}
         return interrupt.exit_code() if "interrupted" in statuses else 1 if statuses & {"failed", "not run"} else 0
 
+    def scores(self, cfg) -> dict:
+        """The evaluate stage's `<task>/<metric>` values ({} when it did not run or finish)."""
+        return self._output(cfg, "evaluate", "metrics.json").get("metrics", {})
+
     def train_summary(self, cfg) -> dict:
         """The train stage's summary.json ({} when it did not finish: failed, not run, or still on SLURM)."""
+        return self._output(cfg, "train", "summary.json")
+
+    def _output(self, cfg, stage: str, name: str) -> dict:
+        """A finished stage's JSON output file ({} when the stage failed, did not run or is still on SLURM)."""
         from orchestrator.cache.store import Cache
         from storage.fsio import read_json
 
-        r = self.results.get("train")
+        r = self.results.get(stage)
         if r is None or r.status not in ("ran", "cached"):
             return {}
         try:
-            return read_json(Cache(Path(cfg.cache_dir).resolve()).entry("train", r.key) / "summary.json")
+            return read_json(Cache(Path(cfg.cache_dir).resolve()).entry(stage, r.key) / name)
         except (OSError, ValueError):
             return {}
 

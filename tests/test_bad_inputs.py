@@ -28,7 +28,7 @@ CATALOGUE = [
     (["+foo=1"], "foo", "has no key 'foo'"),
     (["+model.n_head=2"], "model.n_head", "did you mean model.n_heads?"),
     (["precision.name=fp8"], "precision.name", "one of auto, fp32, bf16, fp16"),
-    (["sweep.objective=speed"], "sweep.objective", "one of eval_loss, loss, tokens_per_s, peak_memory"),
+    (["sweep.objective=speed"], "sweep.objective", "one of eval_loss, loss, tokens_per_s, peak_memory, or <task>/"),
     (["optimizer.name=lion"], "optimizer.name", "the optimizers there are: adamw, sgd"),
     (["trian.steps=4"], "trian.steps", "did you mean train?"),
     (["cluster.partition=gpu"], "cluster.partition", "is a key of cluster=slurm"),
@@ -136,6 +136,9 @@ CATALOGUE = [
     (["train.init_from=hf:/nonexistent"], "train.init_from", "is not a folder"),
     # the evaluate stage's tasks (lm-evaluation-harness)
     (["evaluate.tasks=[arith_mcq]"], "evaluate.tasks", "no such task"),
+    (["sweep.objective=arith_mc/acc"], "sweep.objective", "arith_mc is not scored"),
+    (["evaluate.tasks=[arith_mc]", "sweep.objective=arith_mc/f1"], "sweep.objective",
+     "the task arith_mc produces acc, acc_norm"),
     (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/a_file"], "evaluate.include_path", "not a folder"),
     (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/broken_tasks"], "evaluate.include_path",
      "does not parse as YAML"),

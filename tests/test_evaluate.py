@@ -4,44 +4,60 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import mlflow
 import pytest
 
 from plugins.evaluate.harness import SHIPPED
-from tests.conftest import cli_env, run_cli, run_folder
+from tests.conftest import cli_env, run_cli
 
 pytestmark = pytest.mark.e2e
 
-RUN = ["train.steps=4", "train.batch_size=4", "train.seq_len=32", "train.progress=false", "evaluate.tasks=[arith_mc]",
-       "evaluate.limit=40"]
+RUN = ["train.batch_size=4", "train.seq_len=32", "train.progress=false", "evaluate.tasks=[arith_mc]",
+       "evaluate.limit=40", "sweep.objective=arith_mc/acc"]
 
 
-def test_a_run_scores_its_model_as_lm_eval_does_and_a_rerun_is_cached(tmp_path):
-    first = run_cli(RUN, tmp_path)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    out = run_folder(first) / "stages" / "evaluate" / "output"
-    results, metrics = (json.loads((out / f).read_text()) for f in ("results.json", "metrics.json"))
-    assert set(metrics["metrics"]) >= {"arith_mc/acc", "arith_mc/acc_stderr", "arith_mc/acc_norm"}
+def test_a_sweep_scores_its_points_as_lm_eval_does_ranks_them_by_a_score_and_a_rerun_is_cached(tmp_path):
+    """Two points (4 and 5 steps) each scored on arith_mc, the sweep ranked by its accuracy (higher is better, as
+    the task says); the same command again reuses everything; lm-eval's own CLI on a point's folder agrees."""
+    sweep = run_cli(["-m", "train.steps=4,5", *RUN], tmp_path)
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    folder = Path(re.search(r"^sweep in (\S+)$", sweep.stdout, re.M).group(1))
+    ranked = json.loads((folder / "sweep_summary.json").read_text())
+    assert ranked["objective"] == "arith_mc/acc" and ranked["direction"] == "maximize"
+    scores = []
+    for point in ranked["points"]:
+        out = Path(point["run_dir"]) / "stages" / "evaluate" / "output"
+        metrics = json.loads((out / "metrics.json").read_text())
+        assert set(metrics["metrics"]) >= {"arith_mc/acc", "arith_mc/acc_stderr", "arith_mc/acc_norm"}
+        assert point["objective"] == metrics["metrics"]["arith_mc/acc"]
+        manifest = Path(point["run_dir"]) / "stages" / "aggregate" / "output" / "manifest.json"
+        assert metrics["scored"] == hashlib.sha256(manifest.read_bytes()).hexdigest()  # the weights it scored
+        scores.append(metrics)
+    assert [p["objective"] for p in ranked["points"]] == sorted((p["objective"] for p in ranked["points"]),
+                                                                reverse=True)
+    assert scores[0]["scored"] != scores[1]["scored"]  # other weights, another key
+    run_dir = Path(ranked["points"][0]["run_dir"])
+    results = json.loads((run_dir / "stages" / "evaluate" / "output" / "results.json").read_text())
     assert results["results"]["arith_mc"]["sample_len"] == 40
-    manifest = run_folder(first) / "stages" / "aggregate" / "output" / "manifest.json"
-    assert metrics["scored"] == hashlib.sha256(manifest.read_bytes()).hexdigest()  # the weights it scored
 
     store = next((tmp_path / "runs").glob("mlflow.db"))  # the stage's run holds the metrics, the tag, the results
     client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}")
-    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()],
-                                "tags.`orchestrator.stage` = 'evaluate'")
-    assert run.data.metrics["arith_mc/acc"] == metrics["metrics"]["arith_mc/acc"]
-    assert run.data.tags["evaluate.scored"] == metrics["scored"]
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()],
+                              "tags.`orchestrator.stage` = 'evaluate'")
+    by_weights = {r.data.tags["evaluate.scored"]: r.data.metrics["arith_mc/acc"] for r in runs}
+    assert by_weights == {m["scored"]: m["metrics"]["arith_mc/acc"] for m in scores}
 
-    again = run_cli(RUN, tmp_path)
-    assert again.returncode == 0 and "│ evaluate   │ cached" in again.stdout, again.stdout[-3000:]
+    again = run_cli(["-m", "train.steps=4,5", *RUN], tmp_path)
+    assert again.returncode == 0 and again.stdout.count("│ evaluate   │ cached") == 2, again.stdout[-3000:]
 
     # lm-eval's own command line on the same folder, the shipped task from its folder (its data files are relative)
-    hf = run_folder(first) / "stages" / "aggregate" / "output" / "hf"
+    hf = run_dir / "stages" / "aggregate" / "output" / "hf"
     by_hand = subprocess.run([shutil.which("lm_eval") or sys.executable, "--model", "hf", "--model_args",
                               f"pretrained={hf},dtype=float32", "--tasks", "arith_mc", "--include_path", str(SHIPPED),
                               "--batch_size", "8", "--device", "cpu", "--limit", "40", "--seed", "1234",

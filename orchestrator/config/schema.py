@@ -369,6 +369,9 @@ class TuneConfig:
                          content=False, read_when=LAYOUT_TUNING)
 
 
+TRAIN_OBJECTIVES = ("eval_loss", "loss", "tokens_per_s", "peak_memory")  # sweep.objective from the train stage
+
+
 @dataclass
 class SweepConfig:
     parallelism: int = key(1, "-m sweeps on local/debug clusters: points run at once (SLURM runs all points at "
@@ -378,8 +381,9 @@ class SweepConfig:
                                "each value validated alone", content=False, min=1, max=10**7)
     objective: str = key("eval_loss", "what a point returns to Hydra's sweeper (Optuna, Nevergrad, Ax optimise it) and "
                                       "what ranks the sweep's summary: eval_loss, loss (final train loss), tokens_per_s "
-                                      "or peak_memory (MB, the worst rank's)",
-                         choices=("eval_loss", "loss", "tokens_per_s", "peak_memory"), content=False)
+                                      "or peak_memory (MB, the worst rank's), or <task>/<metric>: a score of the "
+                                      "evaluate stage (e.g. arith_mc/acc, a task in evaluate.tasks; its direction the "
+                                      "task's)", content=False)
 
 
 @dataclass

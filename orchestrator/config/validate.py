@@ -66,6 +66,17 @@ def refusing(key: str, value, what: str):
         raise ConfigError([check_failed(key, value, what, e)]) from None
 
 
+def objective_problems(cfg: DictConfig) -> list[Problem]:
+    """sweep.objective: one of the train stage's, or a metric an evaluate task produces."""
+    from orchestrator.config.schema import TRAIN_OBJECTIVES
+
+    if cfg.sweep.objective in TRAIN_OBJECTIVES:
+        return []
+    from plugins.evaluate.harness import objective_problems as evaluate_objective
+
+    return evaluate_objective(cfg.sweep.objective, cfg.evaluate, TRAIN_OBJECTIVES)
+
+
 # The owners' checks: the model and its layout first (the partition plan is built from them), then everything
 # else in the order a reader meets the config: data, training, the cluster, the engine, the machine. Imported when
 # the schema holds: they bring torch (1.5 s), which a config refused by its schema never waits for.
@@ -75,7 +86,7 @@ OTHERS = (Check("data", "plugins.data.rules"), Check("engine", "plugins.onnx.rul
           Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),
           Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),
           Check("tracking", "orchestrator.tracking.tracker"), Check("cache_dir", "orchestrator.cache.store"),
-          Check("evaluate", "plugins.evaluate.rules"))
+          Check("evaluate", "plugins.evaluate.rules"), Check("sweep.objective", __name__, "objective_problems"))
 INIT_FROM = Check("train.init_from", "storage.init_from")  # with the partition plan's parameters
 PLAN = Check("train", "planning.plan")  # memory and disk, from the partition plan
 CHECKS = (*STRUCTURAL, *OTHERS, INIT_FROM, PLAN)

@@ -170,7 +170,7 @@ def _check_direction(cfg: DictConfig, hydra_cfg: DictConfig) -> None:
     if wanted is None:
         return
     wanted = [str(w).lower().rsplit(".", 1)[-1] for w in (wanted if OmegaConf.is_list(wanted) else [wanted])]
-    natural = objective.direction(cfg.sweep.objective)  # Optuna's config holds an enum: Direction.minimize
+    natural = objective.direction(cfg.sweep.objective, cfg)  # Optuna's config holds an enum: Direction.minimize
     if len(wanted) == 1 and wanted[0] != natural:
         other = next(o for o in objective.OBJECTIVES if objective.direction(o) != natural)
         raise ConfigError([Problem("hydra.sweeper.direction", str(wanted[0]),
@@ -235,9 +235,13 @@ def _train_summary(p: Point) -> dict:
     return p.report.train_summary(p.cfg) if p.report else {}
 
 
+def _scores(p: Point) -> dict:
+    return p.report.scores(p.cfg) if p.report else {}
+
+
 def _objective(p: Point) -> float:
     """What the point returns to the sweeper (sweep.objective; the worst value when it did not train)."""
-    return objective.value(p.cfg.sweep.objective, _train_summary(p))
+    return objective.value(p.cfg.sweep.objective, _train_summary(p), _scores(p), p.cfg)
 
 
 def _status(p: Point) -> str:
@@ -267,12 +271,12 @@ def summary_rows(points: list[Point]) -> list[dict]:
         par = p.cfg.parallel
         rows.append({"point": p.index, "overrides": " ".join(o for o in p.overrides if o not in common) or
                      " ".join(p.overrides), "all_overrides": p.overrides, "layout": f"dp{par.dp} hp{par.hp} pp{par.pp}",
-                     "objective": objective.value(p.cfg.sweep.objective, s),
+                     "objective": objective.value(p.cfg.sweep.objective, s, _scores(p), p.cfg),
                      "final_loss": s.get("final_loss"), "final_eval_loss": s.get("final_eval_loss"),
                      "tokens_per_s": s.get("tokens_per_s"), "peak_memory_mb": s.get("peak_memory_mb"),
                      "status": _status(p), "run_dir": str(p.run_dir),
                      "mlflow_run_id": p.report.parent_run_id if p.report else None})
-    return objective.best_first(rows, points[0].cfg.sweep.objective) if points else rows
+    return objective.best_first(rows, points[0].cfg.sweep.objective, points[0].cfg) if points else rows
 
 
 def _table(rows: list[dict], name: str, seconds: float) -> Table:
@@ -302,7 +306,7 @@ def write_summary(points: list[Point], sweep_dir: Path, seconds: float) -> tuple
     table = _table(rows, name, seconds)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(sweep_dir / "sweep_summary.json", {
-        "wall_s": seconds, "objective": name, "direction": objective.direction(name),
+        "wall_s": seconds, "objective": name, "direction": objective.direction(name, points[0].cfg),
         "best": _best(rows), "points": rows})
     with console.capture() as cap:
         console.print(table)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-# objective -> (the train summary's field, the direction that improves it)
+# the train stage's objectives (orchestrator/config/schema.TRAIN_OBJECTIVES) -> (its summary's field, the direction
+# that improves it); any other is an evaluate score, <task>/<metric>
 OBJECTIVES = {
     "eval_loss": ("final_eval_loss", "minimize"),
     "loss": ("final_loss", "minimize"),
@@ -15,21 +16,27 @@ OBJECTIVES = {
 }
 
 
-def direction(objective: str) -> str:
-    return OBJECTIVES[objective][1]
+def direction(objective: str, cfg=None) -> str:
+    """minimize or maximize; an evaluate score (<task>/<metric>) as its task says (cfg: the point's config)."""
+    if objective in OBJECTIVES:
+        return OBJECTIVES[objective][1]
+    from plugins.evaluate.harness import higher_is_better
+
+    return "maximize" if higher_is_better(objective, cfg.evaluate) else "minimize"
 
 
-def worst(objective: str) -> float:
-    return math.inf if direction(objective) == "minimize" else -math.inf
+def worst(objective: str, cfg=None) -> float:
+    return math.inf if direction(objective, cfg) == "minimize" else -math.inf
 
 
-def value(objective: str, train_summary: dict) -> float:
-    """The objective from a finished train stage's summary.json (the worst value when there is none)."""
-    found: Optional[float] = train_summary.get(OBJECTIVES[objective][0])
-    return float(found) if found is not None and math.isfinite(float(found)) else worst(objective)
+def value(objective: str, train_summary: dict, scores: Optional[dict] = None, cfg=None) -> float:
+    """The objective from a finished train stage's summary.json, or from the evaluate stage's scores
+    (metrics.json's `metrics`); the worst value when there is none."""
+    found = train_summary.get(OBJECTIVES[objective][0]) if objective in OBJECTIVES else (scores or {}).get(objective)
+    return float(found) if found is not None and math.isfinite(float(found)) else worst(objective, cfg)
 
 
-def best_first(rows: list[dict], objective: str) -> list[dict]:
+def best_first(rows: list[dict], objective: str, cfg=None) -> list[dict]:
     """Rows with an "objective" field, best first (failed points last, in their order)."""
-    sign = 1 if direction(objective) == "minimize" else -1
+    sign = 1 if direction(objective, cfg) == "minimize" else -1
     return sorted(rows, key=lambda r: sign * r["objective"])

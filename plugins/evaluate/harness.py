@@ -125,6 +125,59 @@ def problems(ev) -> list[Problem]:
     return out
 
 
+def task_file(name: str, ev) -> Optional[Path]:
+    """The YAML file that defines a task: shipped, in evaluate.include_path, or lm-eval's own."""
+    found = {**local_tasks(SHIPPED), **(local_tasks(Path(ev.include_path).expanduser()) if ev.include_path else {})}
+    if name in found:
+        return found[name]
+    if not installed():
+        return None
+    import lm_eval
+
+    needle = f"task: {name}\n"
+    return next((p for p in sorted((Path(lm_eval.__file__).parent / "tasks").rglob("*.yaml"))
+                 if needle in p.read_text(encoding="utf-8", errors="replace")), None)
+
+
+def task_metrics(name: str, ev) -> dict[str, Optional[bool]]:
+    """A task's metrics as metrics() names them (a filter's name appended where the task has several), each with
+    whether it is better higher (None: the task does not say; lm-eval's registry does)."""
+    path = task_file(name, ev)
+    config = _yaml(path) if path is not None else {}
+    listed = {m["metric"]: m.get("higher_is_better") for m in config.get("metric_list") or []
+              if isinstance(m, dict) and isinstance(m.get("metric"), str)}
+    filters = [f["name"] for f in config.get("filter_list") or [] if isinstance(f, dict) and f.get("name")]
+    return {f"{m}_{f}": better for m, better in listed.items() for f in filters} if filters else listed
+
+
+def higher_is_better(objective: str, ev) -> bool:
+    task, _, metric = objective.partition("/")
+    better = task_metrics(task, ev).get(metric)
+    if better is None:
+        from lm_eval.api.registry import is_higher_better
+
+        better = is_higher_better(metric.split("_")[0] if metric not in ("acc_norm", "exact_match") else metric)
+    return bool(better)
+
+
+def objective_problems(objective: str, ev, plain: tuple[str, ...]) -> list[Problem]:
+    """sweep.objective=<task>/<metric>: an evaluate task's metric that the task produces (plain: the train
+    stage's objectives, named in the fix)."""
+    task, _, metric = objective.partition("/")
+    choices = f"one of {', '.join(plain)}, or <task>/<metric> of a task in evaluate.tasks (e.g. arith_mc/acc)"
+    if not metric or not task:
+        return [Problem("sweep.objective", objective, f"not an objective: {choices}", f"sweep.objective={plain[0]}")]
+    if task not in ev.tasks:
+        return [Problem("sweep.objective", objective, f"{task} is not scored: evaluate.tasks=[{', '.join(ev.tasks)}]",
+                        f"evaluate.tasks=[{task}] (its scores are the objective), or {choices}")]
+    produced = task_metrics(task, ev)
+    if metric.endswith("_stderr") or metric not in produced:
+        return [Problem("sweep.objective", objective, f"the task {task} produces {', '.join(produced) or 'no metric'}"
+                        + (" (a stderr is not an objective)" if metric.endswith("_stderr") else ""),
+                        f"sweep.objective={task}/{next(iter(produced), 'acc')}")]
+    return []
+
+
 def fingerprint(ev) -> Optional[dict]:
     """What decides the scores besides the weights and evaluate.*: lm-eval's version and every task file's bytes."""
     if not ev.tasks:
