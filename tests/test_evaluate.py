@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -56,9 +55,9 @@ def test_a_sweep_scores_its_points_as_lm_eval_does_ranks_them_by_a_score_and_a_r
     again = run_cli(["-m", "train.steps=4,5", *RUN], tmp_path)
     assert again.returncode == 0 and again.stdout.count("│ evaluate   │ cached") == 2, again.stdout[-3000:]
 
-    # lm-eval's own command line on the same folder, the shipped task from its folder (its data files are relative)
+    # lm-eval's own command line (`lm_eval` is its script) on the same folder, the shipped task from its folder (its data files are relative)
     hf = run_dir / "stages" / "aggregate" / "output" / "hf"
-    by_hand = subprocess.run([shutil.which("lm_eval") or sys.executable, "--model", "hf", "--model_args",
+    by_hand = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
                               f"pretrained={hf},dtype=float32", "--tasks", "arith_mc", "--include_path", str(SHIPPED),
                               "--batch_size", "8", "--device", "cpu", "--limit", "40", "--seed", "1234",
                               "--output_path", str(tmp_path / "by_hand")], cwd=SHIPPED, capture_output=True,
