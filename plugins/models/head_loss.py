@@ -57,13 +57,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         rows = w.shape[0]
         columns = torch.arange(first, first + rows, device=w.device)
         padding = columns >= vocab
+        padded = bool(padding.any())  # once: on a GPU each read of it waits for the device
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         for s in range(0, h.shape[0], chunk):
             hc, yc = h[s:s + chunk], y[s:s + chunk]
             logits = (hc @ w.t()).float()  # (c, rows): the only full-width tensor, one chunk's
-            if padding.any():
+            if padded:
                 logits.masked_fill_(padding, float("-inf"))
             top = logits.max(dim=1).values
             _all_reduce(top, dist.ReduceOp.MAX, group)
