@@ -69,11 +69,15 @@ def main() -> int:
     try:
         _experiment()
         finish_study()
-    except (Refused, ConfigError) as e:  # the command's check (orchestrator/boundary.py), or a sweep's invalid
-        if interrupt.requested():  # points (the launcher checks them all first): nothing was started. A signal
-            return _stopped_while_checked()  # that came during the check wins over what the check concluded:
-        print(f"error: {e.error if isinstance(e, Refused) else e}", file=sys.stderr)  # a library on the way may
-        return 2  # have swallowed its KeyboardInterrupt (C code that clears errors) and left a half-made config
+    # The command's check refused it (orchestrator/boundary.py), or a sweep's invalid points (the launcher checks
+    # them all first): nothing was started. A signal that came during the check wins over what the check concluded:
+    # a library on the way may have swallowed its KeyboardInterrupt (C code that clears errors) and left a half-made
+    # config behind.
+    except (Refused, ConfigError) as e:
+        if interrupt.requested():
+            return _stopped_while_checked()
+        print(f"error: {e.error if isinstance(e, Refused) else e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM), or one before any stage started
         finish_study(interrupted=True)
         if CHECKING:  # the command's check was under way: nothing had started

@@ -12,6 +12,7 @@ Every file of the shipped folder and of include_path enters the stage's key (`fi
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import socket
@@ -76,13 +77,21 @@ def hub_reachable(timeout_s: float = 2.0) -> bool:
         return False
 
 
-def builtin_task(name: str) -> bool:
-    """Whether lm-eval ships a task of this name (its task files, read as text: its TaskManager takes 15-40 s)."""
+@functools.lru_cache(maxsize=None)
+def builtin_file(name: str) -> Optional[Path]:
+    """The file of lm-eval's that defines a task of this name (its task files, read as text: its TaskManager takes
+    15-40 s), None if none does. Once per name and process: the installed package does not change, and a sweep's
+    summary asks for a score's direction at every row."""
     import lm_eval
 
-    root = Path(lm_eval.__file__).parent / "tasks"
     needle = f"task: {name}\n"
-    return any(needle in p.read_text(encoding="utf-8", errors="replace") for p in root.rglob("*.yaml"))
+    return next((p for p in sorted((Path(lm_eval.__file__).parent / "tasks").rglob("*.yaml"))
+                 if needle in p.read_text(encoding="utf-8", errors="replace")), None)
+
+
+def local_tasks_of(ev) -> dict[str, Path]:
+    """The shipped tasks and evaluate.include_path's (its own win a name both define, as lm-eval's include does)."""
+    return {**local_tasks(SHIPPED), **(local_tasks(Path(ev.include_path).expanduser()) if ev.include_path else {})}
 
 
 def problems(ev) -> list[Problem]:
@@ -112,7 +121,7 @@ def problems(ev) -> list[Problem]:
     for name in ev.tasks:
         if name in shipped or name in include:
             continue
-        if not builtin_task(name):
+        if builtin_file(name) is None:
             known = ", ".join(sorted({*shipped, *include}))
             out.append(Problem("evaluate.tasks", name, f"no such task: not shipped ({known}), not in "
                                "evaluate.include_path and not one of lm-eval's", "a task name a YAML file defines "
@@ -127,16 +136,10 @@ def problems(ev) -> list[Problem]:
 
 def task_file(name: str, ev) -> Optional[Path]:
     """The YAML file that defines a task: shipped, in evaluate.include_path, or lm-eval's own."""
-    found = {**local_tasks(SHIPPED), **(local_tasks(Path(ev.include_path).expanduser()) if ev.include_path else {})}
+    found = local_tasks_of(ev)
     if name in found:
         return found[name]
-    if not installed():
-        return None
-    import lm_eval
-
-    needle = f"task: {name}\n"
-    return next((p for p in sorted((Path(lm_eval.__file__).parent / "tasks").rglob("*.yaml"))
-                 if needle in p.read_text(encoding="utf-8", errors="replace")), None)
+    return builtin_file(name) if installed() else None
 
 
 def task_metrics(name: str, ev) -> dict[str, Optional[bool]]:
@@ -195,12 +198,11 @@ def score(hf_folder: Path, ev, device: str) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    shipped = local_tasks(SHIPPED)
-    folder = Path(ev.include_path).expanduser() if ev.include_path else None
-    include = local_tasks(folder) if folder else {}
+    shipped, local = local_tasks(SHIPPED), local_tasks_of(ev)
     tasks = [shipped_config(shipped[n]) if n in shipped else n for n in ev.tasks]
-    builtin = any(n not in shipped and n not in include for n in ev.tasks)  # lm-eval's index takes 15-40 s
-    manager = TaskManager(include_path=str(folder) if folder else None, include_defaults=builtin)
+    builtin = any(n not in local for n in ev.tasks)  # lm-eval's index of its own tasks takes 15-40 s
+    manager = TaskManager(include_path=str(Path(ev.include_path).expanduser()) if ev.include_path else None,
+                          include_defaults=builtin)
     return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(hf_folder), "dtype": "float32"},
                                    tasks=tasks, task_manager=manager, num_fewshot=ev.num_fewshot or None,
                                    limit=ev.limit, batch_size=ev.batch_size, device=device,

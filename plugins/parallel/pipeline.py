@@ -47,9 +47,7 @@ class MicrobatchRunner:
         self.grad_scale, self.sparse = grad_scale, sparse
 
     def _loss_sum(self, x, y, d) -> torch.Tensor:
-        if self.sparse:
-            return _forward(self.module, x, d, labels=y)
-        return self.loss_fn(_forward(self.module, x, d), y)
+        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -164,8 +162,7 @@ class PipelineRunner:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
                 with loss_context(self.loss_parallel):
                     if s == last:
-                        total += _value(_forward(self.modules[s], h, d, labels=y) if self.sparse else
-                                        self.loss_fn(_forward(self.modules[s], h, d), y))
+                        total += _value(_loss_sum(self.modules[s], h, y, d, self.sparse, self.loss_fn))
                     else:
                         h = _forward(self.modules[s], h, d)
                 if s < last and self.stage_ranks[s + 1] != me:
@@ -181,6 +178,15 @@ def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tenso
     """A module's forward, with the rows' documents when they hold whole documents (a call without them otherwise,
     so a module that never sees them needs no such argument), and `labels=` when the head computes the loss."""
     return module(h, **labels) if documents is None else module(h, documents=documents, **labels)
+
+
+def _loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor, documents: Optional[torch.Tensor], sparse: bool,
+              loss_fn: Callable) -> torch.Tensor:
+    """The summed loss of the part that holds the head: computed by the part itself when sparse (label sparsity),
+    else loss_fn on its logits."""
+    if sparse:
+        return _forward(module, x, documents, labels=y)
+    return loss_fn(_forward(module, x, documents), y)
 
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # activations between stages
