@@ -240,6 +240,7 @@ STAGE_RUNTIME = 320 * 2**20  # a one-process stage: torch, onnx and ONNX Runtime
 READ_GROUP = 64 * 2**20     # storage.safetensors_shards.READ_BYTES: tensors each aggregate writer holds at once
 EXPORT_CHECK = 1.75          # the export check, per byte of the weights it runs with (1.5-1.75x measured)
 ORT_COPY = 1.2               # ONNX Runtime checking model.onnx, per byte of its weights (1.15-1.2x measured)
+EVALUATE_RUNTIME = 256 * 2**20  # lm-eval, transformers and datasets imported and a task built (0.14 GB measured)
 
 
 @dataclass(frozen=True)
@@ -285,7 +286,7 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
     from plugins.onnx.exporter import CHECK_WEIGHTS_BYTES
 
     checked = weights if weights <= CHECK_WEIGHTS_BYTES else weights - max(m.n_layers - 2, 0) * block
-    return {
+    costs = {
         "export": StageCost(STAGE_RUNTIME + int(EXPORT_CHECK * checked), "the model checked in ONNX Runtime"
                             if checked == weights else "a two-layer twin checked in ONNX Runtime; the graph traced "
                                                        "on the meta device"),
@@ -295,3 +296,19 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
                                "two writers' read groups, or one block of the piece-by-piece evaluation beside one",
                                checkpoint + (weights if onnx else 0)),
     }
+    if cfg.evaluate.tasks:
+        costs["evaluate"] = evaluate_cost(cfg, weights)
+    return costs
+
+
+def evaluate_cost(cfg, weights: int) -> StageCost:
+    """The evaluate stage: lm-eval's hf model (the weights in fp32, as it loads them), one batch's logits and their
+    log-softmax over the model's longest sequence (evaluate.batch_size x model.max_seq_len x the vocabulary), and
+    with evaluate.onnx ONNX Runtime's copy of the weights beside the hf model (it scores the same batches)."""
+    from plugins.models.registry import vocab_rows
+
+    ev = cfg.evaluate
+    logits = 2 * ev.batch_size * cfg.model.max_seq_len * vocab_rows(cfg.model) * 4
+    onnx = int(ORT_COPY * weights) if ev.onnx else 0
+    what = "the weights in fp32 and a batch's logits" + (", and ONNX Runtime's copy of the weights" if onnx else "")
+    return StageCost(STAGE_RUNTIME + EVALUATE_RUNTIME + weights + logits + onnx, what)

@@ -110,7 +110,23 @@ def time_line(cfg, saving: bool = True) -> str:
         floor, rate, where = step_floor(cfg)
         steps = (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
                  f"least {duration(floor)} and {cfg.train.steps} steps at least {duration(floor * cfg.train.steps)}")
-    return f"{steps}\n  {saves_line(cfg)}" if saving else steps
+    evaluate = f"\n  {evaluate_time(cfg)}" if cfg.evaluate.tasks and cfg.cluster.name != "slurm" else ""
+    return (f"{steps}\n  {saves_line(cfg)}" if saving else steps) + evaluate
+
+
+def evaluate_time(cfg) -> str:
+    """The evaluate stage's floor: a forward pass (2 FLOPs per parameter and token) over its tasks' local data, at
+    least a token per 4 bytes (a byte tokenizer's 1, a BPE's 3-4), in fp32 on one GPU or this machine's cores."""
+    import torch
+
+    from plugins.evaluate.harness import data_bytes
+
+    nbytes, unknown = data_bytes(cfg.evaluate)
+    rate = matmul_rate("cuda", "fp32", 1) if torch.cuda.is_available() else matmul_rate("cpu", "fp32", usable_cores())
+    flops = 2.0 * partition_plan(cfg)["n_parameters"] * nbytes / 4
+    others = f" ({', '.join(unknown)}: data not known before it is read)" if unknown else ""
+    return (f"evaluate: at least {duration(flops / rate)} for its tasks' {size_text(nbytes)} of local data"
+            f"{others}, each multiple-choice answer a pass of its own")
 
 
 def saves_line(cfg) -> str:
@@ -213,6 +229,11 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
     elif agg.peak > avail:
         problems.append(Problem("model", cfg.model.name, f"the aggregate stage needs about {agg.peak / GB:,.1f} GB "
                                 f"({agg.what}), more than the {avail / GB:,.1f} GB it may use ({where})", more))
+    evaluate = plan.stages.get("evaluate")
+    if evaluate is not None and evaluate.peak > avail:
+        problems.append(Problem("evaluate.batch_size", cfg.evaluate.batch_size, f"the evaluate stage needs about "
+                                f"{evaluate.peak / GB:,.1f} GB ({evaluate.what}), more than the {avail / GB:,.1f} GB "
+                                f"it may use ({where})", f"a smaller evaluate.batch_size, evaluate.onnx=false, or {more}"))
     return problems
 
 

@@ -31,6 +31,9 @@ class Tracker:
 
     def set_tags(self, tags: dict[str, Any]) -> None: ...
 
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        """Columns of equal length, shown as a table (MLflow's log_table: the evaluate stage's generations)."""
+
     def flush(self) -> None: ...
 
     def end(self, status: str) -> None: ...

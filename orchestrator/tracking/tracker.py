@@ -216,6 +216,9 @@ class MlflowStageTracker(Degradable, Tracker):
     def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
         self._safely(log_artifact, self.client, self.run_id, path, artifact_path, self.max_bytes)
 
+    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
+        self._safely(self.client.log_table, self.run_id, data, artifact_file)
+
     def set_tags(self, tags: dict[str, Any]) -> None:
         for k, v in tags.items():
             self._safely(self.client.set_tag, self.run_id, k, str(v))

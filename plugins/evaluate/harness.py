@@ -193,21 +193,86 @@ def fingerprint(ev) -> Optional[dict]:
                       for p in sorted(folder.rglob("*")) if p.is_file()}}
 
 
-def score(hf_folder: Path, ev, device: str) -> dict:
-    """lm-eval's results for the tasks on the folder's model (its `hf` model type, fp32, the tokenizer beside it)."""
+def data_bytes(ev) -> tuple[int, list[str]]:
+    """The bytes of the local tasks' data files (the first evaluate.limit lines of each), and the tasks whose data
+    is not a local file (lm-eval's own, val_perplexity's documents written by the stage): the plan's time floor."""
+    total, unknown = 0, []
+    for name in ev.tasks:
+        path = local_tasks_of(ev).get(name)
+        config = _yaml(path) if path is not None else {}
+        files = (config.get("dataset_kwargs") or {}).get("data_files")
+        found = [path.parent / f for f in (files.values() if isinstance(files, dict) else [])] if files else []
+        if not found or not all(f.is_file() for f in found):
+            unknown.append(name)
+            continue
+        for f in found:
+            with open(f, "rb") as lines:
+                total += sum(len(line) for i, line in enumerate(lines) if ev.limit is None or i < ev.limit)
+    return total, unknown
+
+
+def task_configs(ev, data: dict[str, Path]) -> list:
+    """The tasks as lm-eval takes them: a shipped one as its config (its data files' paths absolute; `data`: files
+    the stage wrote for a task, val_perplexity's documents), the others by name."""
+    shipped = local_tasks(SHIPPED)
+    out: list = []
+    for name in ev.tasks:
+        if name not in shipped:
+            out.append(name)
+            continue
+        config = shipped_config(shipped[name])
+        if name in data:
+            config["dataset_kwargs"]["data_files"] = {config["test_split"]: str(data[name])}
+        out.append(config)
+    return out
+
+
+def score(lm, ev, tasks: list) -> dict:
+    """lm-eval's results for the tasks (task_configs) on a model of plugins/evaluate/models.py, with every
+    example's responses (`samples`)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    shipped, local = local_tasks(SHIPPED), local_tasks_of(ev)
-    tasks = [shipped_config(shipped[n]) if n in shipped else n for n in ev.tasks]
-    builtin = any(n not in local for n in ev.tasks)  # lm-eval's index of its own tasks takes 15-40 s
+    builtin = any(isinstance(t, str) and t not in local_tasks_of(ev) for t in tasks)  # lm-eval's index: 15-40 s
     manager = TaskManager(include_path=str(Path(ev.include_path).expanduser()) if ev.include_path else None,
                           include_defaults=builtin)
-    return lm_eval.simple_evaluate(model="hf", model_args={"pretrained": str(hf_folder), "dtype": "float32"},
-                                   tasks=tasks, task_manager=manager, num_fewshot=ev.num_fewshot or None,
-                                   limit=ev.limit, batch_size=ev.batch_size, device=device,
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=ev.num_fewshot or None,
+                                   limit=ev.limit, apply_chat_template=ev.apply_chat_template, log_samples=True,
                                    random_seed=ev.seed, numpy_random_seed=ev.seed, torch_random_seed=ev.seed,
                                    fewshot_random_seed=ev.seed)
+
+
+LOGLIKELIHOOD = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
+
+
+def loglikelihood_tasks(results: dict) -> list[str]:
+    """The scored tasks whose examples are loglikelihoods (the ones a forward pass alone decides)."""
+    return [t for t, c in results.get("configs", {}).items() if c.get("output_type") in LOGLIKELIHOOD]
+
+
+def _numbers(value) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, (int, float)):
+        return [float(value)]
+    if isinstance(value, (list, tuple)):
+        return [x for v in value for x in _numbers(v)]
+    return []
+
+
+def loglikelihood_gap(ours: dict, theirs: dict, task: str) -> float:
+    """The largest difference between two results' loglikelihoods of one task, example by example (relative to
+    the loglikelihood where it is above 1 in size: a document's rolling sum is large)."""
+    a, b = ours["samples"][task], theirs["samples"][task]
+    if len(a) != len(b):
+        raise RuntimeError(f"{task}: {len(a)} examples scored against {len(b)}")
+    gap = 0.0
+    for x, y in zip(a, b):
+        xs, ys = _numbers(x["filtered_resps"]), _numbers(y["filtered_resps"])
+        if len(xs) != len(ys):
+            raise RuntimeError(f"{task}: example {x.get('doc_id')} has {len(xs)} responses against {len(ys)}")
+        gap = max([gap, *(abs(p - q) / max(1.0, abs(q)) for p, q in zip(xs, ys))])
+    return gap
 
 
 def metrics(results: dict) -> dict[str, float]:

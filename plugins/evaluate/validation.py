@@ -1,0 +1,66 @@
+"""The run's own data, for the evaluate stage: its validation documents as text (the shipped val_perplexity task
+scores the model on them, lm-eval's loglikelihood_rolling) and the prompts of its first validation records (the
+generations' prompts, with the answers the records give), both read from the tokenize stage's output.
+
+The documents are the token shards' (plugins/data/shards.py), decoded with the tokenizer that made them, in the
+order the shards hold them (a mixture: its sources' in data.mix's order); a chat template's markers are kept as
+their text, which the tokenizer reads back as the same special tokens, so the text is what trained (the closing
+<eos> left to lm-eval's rolling windows, which begin with their own). The prompts are token ids, not
+text: a chat record's prompt is its rendering up to the first token the model learns (the template's assistant
+header included), so the model answers what it was trained to answer, with nothing tokenized twice.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+
+from plugins.data.corpus import TOKENIZER_DIR, TOKENS_DIR
+from plugins.data.shards import read_all
+from plugins.data.tokenizer import load_saved
+from storage.fsio import atomic_write_bytes
+
+TASK = "val_perplexity"
+
+
+def _validation(tokenize_out: Path) -> Iterator[tuple[np.ndarray, Optional[np.ndarray]]]:
+    """Each validation document's tokens, with which of them the model learns (None: the corpus says not)."""
+    for corpus in read_all(Path(tokenize_out) / TOKENS_DIR, packed=False):
+        for i in range(len(corpus.val)):
+            yield np.asarray(corpus.val[i]), None if corpus.val_mask is None else np.asarray(corpus.val_mask[i])
+
+
+def write_documents(tokenize_out: Path, path: Path, limit: Optional[int]) -> int:
+    """The validation documents as JSON Lines ({"text": ...}), the first `limit` (None: all); their number."""
+    saved = load_saved(Path(tokenize_out) / TOKENIZER_DIR)
+    tok, lines = saved.with_offsets(), []
+    for ids, _ in _validation(tokenize_out):
+        ids = ids[:-1] if len(ids) and ids[-1] == saved.eos else ids  # lm-eval's rolling windows put their own
+        text = tok.decode([int(i) for i in ids], skip_special_tokens=False)
+        if text.strip():
+            lines.append(json.dumps({"text": text}, ensure_ascii=False))
+        if limit is not None and len(lines) >= limit:
+            break
+    if not lines:
+        raise RuntimeError(f"{TASK}: the validation split holds no text to score (tokenize output {tokenize_out})")
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
+    return len(lines)
+
+
+def prompts(tokenize_out: Path, n: int) -> list[tuple[list[int], list[int]]]:
+    """The first n validation records that have a prompt (a chat or prompt-completion corpus): (its ids up to the
+    first learned token, the learned ids from there to the next unlearned one: the record's own answer)."""
+    out = []
+    for ids, learned in _validation(tokenize_out):
+        if len(out) >= n or learned is None:
+            break
+        at = np.flatnonzero(learned)
+        if not len(at) or at[0] == 0:
+            continue
+        first = int(at[0])
+        gaps = np.flatnonzero(learned[first:] == 0)
+        last = first + int(gaps[0]) if len(gaps) else len(ids)
+        out.append(([int(i) for i in ids[:first]], [int(i) for i in ids[first:last]]))
+    return out
