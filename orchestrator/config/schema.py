@@ -314,7 +314,7 @@ class ClusterConfig:
                             choices=("forkserver", "exec"), content=False)
 
 
-STAGE_TIMES_MIN = {"tokenize": 60, "export": 10, "transform": 10, "train": 60, "checkpoint": 10, "aggregate": 20}
+STAGE_TIMES_MIN = {"tokenize": 60, "export": 10, "transform": 10, "train": 60, "checkpoint": 10, "aggregate": 20, "evaluate": 60}
 
 
 @dataclass
