@@ -32,6 +32,8 @@ def evaluate(ctx: StageContext) -> None:
         raise RuntimeError(f"the aggregate wrote no Hugging Face folder ({said}): lm-eval's hf model reads one")
     scored = hashlib.sha256((aggregate / "manifest.json").read_bytes()).hexdigest()
     os.environ["HF_DATASETS_CACHE"] = str(ctx.scratch / "datasets")  # the tasks' prepared data: not in $HOME
+    if not ctx.interactive:  # lm-eval's and datasets' progress bars, redrawn line after line into a log file
+        os.environ.update(TQDM_DISABLE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,7 +51,7 @@ def evaluate(ctx: StageContext) -> None:
     table = _generations(ctx, lm)
     kept = {k: results[k] for k in KEPT if k in results}
     atomic_write_json(ctx.out / "results.json", {**kept, "scored": scored, "lm_eval": harness.version(),
-                                                 **({"onnx": onnx} if onnx else {})})
+                                                 **({"onnx": onnx} if onnx else {}), "peak_rss_mb": _peak_mb()})
     atomic_write_json(ctx.out / "metrics.json", {"scored": scored, "metrics": values,
                                                  **({"onnx": onnx["metrics"]} if onnx else {})})
     ctx.tracker.set_tags({"evaluate.scored": scored})
@@ -84,8 +86,8 @@ def _onnx_scores(ctx: StageContext, results: dict, tasks: list, device: str) -> 
 
 
 def _generations(ctx: StageContext, lm) -> Optional[dict]:
-    """The model's answers to evaluate.prompts, else to the first validation prompts (a chat or prompt-completion
-    corpus); None where there are none."""
+    """The model's answers to evaluate.prompts, else to the first validation prompts (plugins/evaluate/validation);
+    None where there are none (evaluate.generations=0)."""
     ev = ctx.cfg.evaluate
     if ev.prompts:
         prompts = generations.user_prompts(lm.tokenizer, list(ev.prompts))
@@ -96,6 +98,12 @@ def _generations(ctx: StageContext, lm) -> Optional[dict]:
     table = generations.answer(lm.model, lm.tokenizer, prompts, ev.max_new_tokens)
     atomic_write_json(ctx.out / "generations.json", table)
     return table
+
+
+def _peak_mb() -> float:
+    """This process's peak resident memory (VmHWM: the plan's evaluate figure is checked against it)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
 
 def _summary(out) -> str:

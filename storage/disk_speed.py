@@ -96,4 +96,6 @@ def _records(store: Path) -> list[dict]:
 
 
 def size_text(nbytes: float) -> str:
+    if nbytes < 2**20:
+        return f"{nbytes / 2**10:,.1f} KB"
     return f"{nbytes / 2**30:,.2f} GB" if nbytes >= 2**30 else f"{nbytes / 2**20:,.1f} MB"

@@ -22,6 +22,26 @@ def test_the_plan_states_the_estimate():
     assert line.startswith("memory: ") and "GB per rank at its peak" in line and "available RAM" in line
 
 
+def test_the_plan_states_the_evaluate_stage_s_memory_and_time_and_refuses_what_cannot_fit():
+    """lm-eval's runtime, the fp32 weights, a batch's logits and log-softmax over the longest sequence, ONNX Runtime's
+    copy with evaluate.onnx; the time floor over the shipped task's data file."""
+    plain = make_cfg("evaluate.tasks=[arith_mc]")
+    onnx = make_cfg("evaluate.tasks=[arith_mc]", "evaluate.onnx=true")
+    weights = 4 * partition_plan(plain)["n_parameters"]
+    logits = 2 * 8 * plain.model.max_seq_len * plain.model.vocab_size * 4
+    assert plan_of(onnx).stages["evaluate"].peak - plan_of(plain).stages["evaluate"].peak == int(1.2 * weights)
+    assert plan_of(plain).stages["evaluate"].peak >= weights + logits
+    assert "evaluate " in memory_line(onnx) and "ONNX Runtime's copy" in memory_line(onnx)
+    assert "evaluate" not in memory_line(make_cfg())
+    evaluate = time_line(plain, saving=False).split("\n")[-1]
+    assert re.match(r"  evaluate: at least [\d.,]+ m?s for its tasks' [\d.]+ KB of local data, each", evaluate), evaluate
+    from planning.plan import check
+
+    huge = make_cfg("evaluate.tasks=[arith_mc]", "evaluate.batch_size=4096", "model.max_seq_len=4096",
+                    "model.vocab_size=65536")
+    assert any(p.key == "evaluate.batch_size" for p in check(huge, disk=False))
+
+
 def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     cache = tmp_path / "cache"
     cfg = make_cfg("model=gpt_small", "train.steps=1000", "train.checkpoint_every=300", f"cache_dir={cache}")

@@ -478,7 +478,8 @@ class EvaluateConfig:
                                            "(lm-eval's --apply_chat_template; arith_chat is made for it)")
     prompts: List[str] = key([], "prompts the trained model answers (greedy) after scoring, logged as the MLflow "
                                  "table generations.json (in the chat template where the tokenizer has one); []: the "
-                                 "first evaluate.generations validation prompts of a chat or prompt-completion corpus")
+                                 "first evaluate.generations validation prompts of a chat or prompt-completion corpus "
+                                 "(a text corpus: a document's first 32 tokens)")
     generations: int = key(4, "how many validation prompts are answered when evaluate.prompts is empty (0: none)",
                            min=0, max=1000)
     max_new_tokens: int = key(64, "the longest answer generated for a prompt, in tokens", min=1, max=MAX_TOKENS)

@@ -1,6 +1,7 @@
 """The run's own data, for the evaluate stage: its validation documents as text (the shipped val_perplexity task
 scores the model on them, lm-eval's loglikelihood_rolling) and the prompts of its first validation records (the
-generations' prompts, with the answers the records give), both read from the tokenize stage's output.
+generations' prompts, with the answers the records give; a text document's opening and what follows it), both read
+from the tokenize stage's output.
 
 The documents are the token shards' (plugins/data/shards.py), decoded with the tokenizer that made them, in the
 order the shards hold them (a mixture: its sources' in data.mix's order); a chat template's markers are kept as
@@ -49,13 +50,19 @@ def write_documents(tokenize_out: Path, path: Path, limit: Optional[int]) -> int
     return len(lines)
 
 
-def prompts(tokenize_out: Path, n: int) -> list[tuple[list[int], list[int]]]:
-    """The first n validation records that have a prompt (a chat or prompt-completion corpus): (its ids up to the
-    first learned token, the learned ids from there to the next unlearned one: the record's own answer)."""
+def prompts(tokenize_out: Path, n: int, opening: int = 32) -> list[tuple[list[int], list[int]]]:
+    """The first n validation records' prompts, with the answers the records give: in a chat or prompt-completion
+    corpus a record's ids up to its first learned token and the learned ids from there to the next unlearned one;
+    in a text corpus a document's first `opening` tokens (at most half of it) and the next `opening`."""
     out = []
     for ids, learned in _validation(tokenize_out):
-        if len(out) >= n or learned is None:
+        if len(out) >= n:
             break
+        if learned is None:
+            first = min(opening, len(ids) // 2)
+            if first:
+                out.append(([int(i) for i in ids[:first]], [int(i) for i in ids[first:2 * first]]))
+            continue
         at = np.flatnonzero(learned)
         if not len(at) or at[0] == 0:
             continue
