@@ -20,9 +20,7 @@ the ratio is the median over rounds). Memory: each variant again in a fresh proc
 """
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.cli import arguments  # noqa: E402
+from benchmarks.support.fresh import one_spec, peak_gb, print_peak  # noqa: E402
 from plugins.data.batcher import Batch  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
@@ -96,24 +95,15 @@ def transform_dir(model: str, tmp: Path, rows: int, seq: int) -> str:
     return str(tmp / "runs" / "cache" / "transform" / report.results["transform"].key)
 
 
-def peak_in_fresh_process(model, engine, variant, kind, rows, seq, transform, args) -> float:
-    """GB: the variant's peak RSS over its steps, alone in a process."""
-    spec = json.dumps([model, engine, variant, kind, rows, seq, transform, args])
-    out = subprocess.run([sys.executable, __file__, f"--one={spec}"], capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def one(spec: str) -> None:
-    model, engine, variant, kind, rows, seq, transform, args = json.loads(spec)
+def one(spec: list) -> None:
+    model, engine, variant, kind, rows, seq, transform, args = spec
     torch.set_num_threads(args["threads"])
     steps_of(setup(model, engine, variant, rows, seq, transform), kind, args, 0, args["steps"])
-    # VmHWM, this process image's high-water mark (ru_maxrss would carry the parent's over fork and exec)
-    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    print(int(hwm.split()[1]) / 2**20)
+    print_peak()
 
 
 def main(argv: list[str]) -> None:
-    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--one=")), None)
+    spec = one_spec(argv)
     if spec is not None:
         return one(spec)
     a = arguments(argv, __doc__)
@@ -137,7 +127,7 @@ def main(argv: list[str]) -> None:
                         for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
                             times[v].append(statistics.median(steps_of(states[v], kind, args, r * 10, args["steps"])))
                         ratios.append(times["dense"][-1] / times["sparse"][-1])
-                    peaks = {v: peak_in_fresh_process(model, engine, v, kind, rows, seq, transform, args)
+                    peaks = {v: peak_gb(__file__, [model, engine, v, kind, rows, seq, transform, args])
                              for v in VARIANTS}
                     print(f"| {model} | {engine} | {kind} | {statistics.median(times['dense']) * 1e3:,.0f} | "
                           f"{statistics.median(times['sparse']) * 1e3:,.0f} | {statistics.median(ratios):.2f}x "

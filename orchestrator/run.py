@@ -29,7 +29,7 @@ from orchestrator.tracking import later as tracking_later
 from orchestrator.tracking.tracker import Invocation, process_alive
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import refusing, validate, warnings
-from planning.plan import compute_line, memory_line, time_line
+from planning.plan import compute_line, memory_line, peft_line, time_line
 from plugins.data.corpus import plan_lines
 from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores
@@ -68,7 +68,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
     with refusing("overrides", " ".join(overrides), "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"):
         data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
-        estimates = [memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
+        estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
                      time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run)))]
 
     run_dir = run_dir.resolve()

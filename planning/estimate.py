@@ -74,13 +74,16 @@ class Estimate:
                 f"state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f}{staging})")
 
 
-def _held_by_rank(plan: dict) -> dict[int, int]:
-    """Parameter elements each pipeline rank holds (tensor-parallel shards). A tied copy counts where it lives apart
-    from the weight it copies (the last pipeline stage's head); in the stage that holds both, the two names are one
-    tensor (gpt2_124m's head, counted twice before, put 0.6 GB too many in the plan of one process)."""
+def _held_by_rank(plan: dict, trained: bool = False) -> dict[int, int]:
+    """Parameter elements each pipeline rank holds (tensor-parallel shards); trained: only those that train (LoRA's
+    frozen base has no gradient and no optimizer state). A tied copy counts where it lives apart from the weight it
+    copies (the last pipeline stage's head); in the stage that holds both, the two names are one tensor (gpt2_124m's
+    head, counted twice before, put 0.6 GB too many in the plan of one process)."""
     stage_rank = {s["stage"]: s["rank"] for s in plan["pipeline"]}
-    held: dict[int, int] = {}
+    held: dict[int, int] = dict.fromkeys(stage_rank.values(), 0)
     for p in plan["parameters"].values():
+        if trained and not p.get("trainable", True):
+            continue
         n = 1
         for d in p["shard_shape"]:
             n *= d
@@ -107,16 +110,18 @@ def activation_bytes_per_token(m, hp: int, sp: bool, compute: int) -> float:
 def estimate(cfg, plan: dict) -> Estimate:
     """The worst rank of the layout in cfg.parallel for the model in cfg.model (plan: build_plan's)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
-    held = max(_held_by_rank(plan).values())
+    held, trained = _held_by_rank(plan), _held_by_rank(plan, trained=True)
+    worst = max(held, key=lambda r: (held[r], trained[r]))
+    held = held[worst]
     shard = p.dp if p.dp_mode == "shard" else 1
     parameters = held * 4 // shard
-    gradients = parameters
+    gradients = trained[worst] * 4 // shard  # peft=lora: the adapters' only
     # data parallelism reduces unsharded gradients through a buffer of their size: the rank's all of them under
     # replicate (one unit), one FSDP unit at a time under shard (a block, or what the root keeps: embedding, head)
     block = 4 * sum(math.prod(q["shard_shape"]) for name, q in plan["parameters"].items() if name.startswith("layers.0."))
     unit = max(block, held * 4 - (m.n_layers // p.pp) * block) if p.dp_mode == "shard" else held * 4
     reduce_buffer = unit if p.dp > 1 else 0
-    optimizer = parameters * OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
+    optimizer = gradients * OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
 
     compute = BYTES.get(cfg.precision.name, 4)
     seq, hp = t.seq_len, p.hp
@@ -146,9 +151,9 @@ def estimate(cfg, plan: dict) -> Estimate:
     from runtime.machine import ranks_on_cuda
 
     cpu = not ranks_on_cuda(cfg)[0]  # ranks on GPUs: this machine's, or a SLURM job's that asks for them
-    staging = parameters + optimizer if cfg.train.get("async_checkpoint", "disabled") == "async" else 0
+    staging = gradients + optimizer if cfg.train.get("async_checkpoint", "disabled") == "async" else 0
     return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
-                    int(parameters * STEP_TEMPORARIES) if cpu else 0, cpu, staging, int(head), t.label_sparsity)
+                    int(gradients * STEP_TEMPORARIES) if cpu else 0, cpu, staging, int(head), t.label_sparsity)
 
 
 def _head_bytes(cfg, tokens: int, compute: int) -> float:
@@ -271,7 +276,8 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
     plus STAGE_RUNTIME each. onnx: whether the aggregate makes the ONNX model (default: aggregate.onnx)."""
     params = plan["parameters"]
     weights = sum(_bytes_of(p["shape"]) for p in params.values() if not p["tied_to"])
-    checkpoint = weights * (1 + OPTIMIZER_STATES.get(cfg.optimizer.name, 2))
+    trained = sum(_bytes_of(p["shape"]) for p in params.values() if not p["tied_to"] and p.get("trainable", True))
+    checkpoint = trained * (1 + OPTIMIZER_STATES.get(cfg.optimizer.name, 2))  # what trains (peft=lora: adapters)
     largest = max(_bytes_of(p["shape"]) for p in params.values())
     block = sum(_bytes_of(p["shape"]) for name, p in params.items() if name.startswith("layers.0."))
     m, t = cfg.model, cfg.train
@@ -296,7 +302,7 @@ def stage_costs(cfg, plan: dict, onnx: Optional[bool] = None) -> dict[str, Stage
         "aggregate": StageCost(STAGE_RUNTIME + max(onnx, streaming),
                                "ONNX Runtime's copy of the weights" if onnx > streaming else
                                "two writers' read groups, or one block of the piece-by-piece evaluation beside one",
-                               checkpoint + (weights if onnx else 0)),
+                               weights + checkpoint - trained + (weights if onnx else 0)),
     }
     if cfg.evaluate.tasks:
         costs["evaluate"] = evaluate_cost(cfg, weights)

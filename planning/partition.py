@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+from plugins.models.lora import apply_lora
 from plugins.models import build_on_meta, get_model
 from plugins.parallel.schedules import SCHEDULES
 
@@ -25,9 +26,12 @@ def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[
     return stages
 
 
-def build_plan(model_cfg, parallel_cfg) -> dict:
+def build_plan(model_cfg, parallel_cfg, peft_cfg=None) -> dict:
+    """peft_cfg (peft=lora): the adapters are parameters of the plan, and each parameter says whether it trains."""
     spec = get_model(model_cfg.name)
     full = build_on_meta(spec, model_cfg)
+    if peft_cfg is not None and peft_cfg.name == "lora":
+        apply_lora(full, peft_cfg)
     stages = pipeline_stages(model_cfg.n_layers, parallel_cfg.pp, parallel_cfg.pp_chunks, parallel_cfg.pp_schedule)
     holders: dict[str, list[int]] = {}
     for st in stages:
@@ -48,7 +52,7 @@ def build_plan(model_cfg, parallel_cfg) -> dict:
         params[name] = {
             "shape": list(p.shape), "partition_axis": part.axis, "partition_name": part.style,
             "is_partitioned": partitioned, "shard_shape": shard, "pp_stages": holders.get(name, []),
-            "tied_to": tied_to if tied_to != name else None,
+            "tied_to": tied_to if tied_to != name else None, "trainable": p.requires_grad,
         }
     return {
         "layout": {"dp": parallel_cfg.dp, "hp": hp, "pp": parallel_cfg.pp, "dp_mode": parallel_cfg.dp_mode,

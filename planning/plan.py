@@ -7,6 +7,7 @@ run needs."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +47,10 @@ def partition_plan(cfg) -> dict:
     """The layout's partition plan (built on the meta device: no memory), once per model and layout."""
     from planning.partition import build_plan
 
-    key = json.dumps([OmegaConf.to_container(cfg.model, resolve=True),
-                      OmegaConf.to_container(cfg.parallel, resolve=True)], sort_keys=True)
+    key = json.dumps([OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "parallel", "peft")],
+                     sort_keys=True)
     if key not in _PARTITIONS:
-        _PARTITIONS[key] = build_plan(cfg.model, cfg.parallel)
+        _PARTITIONS[key] = build_plan(cfg.model, cfg.parallel, cfg.peft)
     return _PARTITIONS[key]
 
 
@@ -74,6 +75,16 @@ def memory_line(cfg, orchestrator: int = 0) -> str:
     return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}{itself}\n  disk: checkpoints "
             f"{p.stages['checkpoint'].writes / GB:,.2f} GB each, the aggregate's files "
             f"{p.stages['aggregate'].writes / GB:,.2f} GB")
+
+
+def peft_line(cfg) -> list[str]:
+    """peft=lora: what trains, and what stays frozen (no gradient, no optimizer state, not in the checkpoints)."""
+    from plugins.models.lora import describe
+
+    params = partition_plan(cfg)["parameters"]
+    trained = sum(math.prod(p["shape"]) for p in params.values() if p.get("trainable", True) and not p["tied_to"])
+    line = describe(cfg.peft, trained, sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"]))
+    return [line] if line else []
 
 
 def compute_line(cfg) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -20,11 +20,13 @@ ADOPTED = "adopted.json"  # in the scratch folder: the checkpoint an earlier att
 
 class Checkpointer:
     """vocab_rows: the model's embedding rows (model.pad_vocab_to's padding included): Hugging Face weights
-    (train.init_from=hf:) are padded to them."""
+    (train.init_from=hf:) are padded to them. adapters: the names a base model's weights do not have (LoRA's, which
+    then train alone: the base is read from train.init_from's folder, the rest from the checkpoint); None: none."""
 
-    def __init__(self, ctx, layout, parts, scaler, meta: dict, history, vocab_rows: int):
+    def __init__(self, ctx, layout, parts, scaler, meta: dict, history, vocab_rows: int,
+                 adapters: Optional[Callable[[str], bool]] = None):
         self.ctx, self.layout, self.parts, self.scaler = ctx, layout, parts, scaler
-        self.meta, self.history, self.vocab_rows = meta, history, vocab_rows
+        self.meta, self.history, self.vocab_rows, self.adapters = meta, history, vocab_rows, adapters
         self.folder = ctx.scratch / "checkpoints"
         self.keep = max(ctx.cfg.train.keep_checkpoints, 1)
         self.background = ctx.cfg.train.get("async_checkpoint", "disabled") == "async"
@@ -97,9 +99,10 @@ class Checkpointer:
             choice = box[0]
         if choice is None:
             return 0
+        if self.adapters is not None and not hf.folder_of(choice):  # the frozen base first: the checkpoint holds the adapters only
+            self._load_base(hf.folder_of(init_from))
         if hf.folder_of(choice):  # weights only: a fresh optimizer, step 0
-            ckpt.load_full_weights(self.parts, hf.load_state(hf.folder_of(choice), self.vocab_rows),
-                                   self.layout.aliases)
+            self._load_base(hf.folder_of(choice))
             ctx.log.info("starting from the Hugging Face weights in %s", hf.folder_of(choice))
             ctx.tracker.set_tags({"resumed_from_step": 0, "resumed_from": choice})
             return 0
@@ -111,6 +114,11 @@ class Checkpointer:
                      written_by.get("dp"), written_by.get("hp"), written_by.get("pp"))
         ctx.tracker.set_tags({"resumed_from_step": step, "resumed_from": choice})
         return step
+
+    def _load_base(self, folder: Path) -> None:
+        """A Hugging Face folder's weights into every parameter it has (LoRA's adapters keep their initial values)."""
+        ckpt.load_full_weights(self.parts, hf.load_state(folder, self.vocab_rows), self.layout.aliases,
+                               leave=self.adapters)
 
     def _choose(self, init_from: Optional[str]) -> Optional[str]:
         ckpt.sweep_partials(self.folder)

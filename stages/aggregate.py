@@ -29,13 +29,15 @@ import torch
 
 from storage import checkpoint as ckpt
 from storage import consolidate
-from storage import disk_speed
+from storage import adapters, disk_speed, hf
+from storage.adapters import MergedSource
 from plugins.data import build_batcher
 from plugins.engines import get_engine
 from storage.dcp_reader import CheckpointReader
 from runtime.evaluate import eval_loss_by_piece, piece_budgets
 from storage.fsio import atomic_write_json, link_tree, read_json, tree_bytes
 from plugins.models import get_model
+from plugins.models.lora import apply_lora
 from plugins.models.registry import build_on_meta, materialise, vocab_rows
 from plugins.onnx.exporter import check_shape, save_inference
 from plugins.onnx.io_schema import IOSchema
@@ -55,7 +57,14 @@ def aggregate(ctx: StageContext) -> None:
     source = ctx.inputs["checkpoint"]
     manifest = ckpt.read_manifest(source)
     aliases = tied_aliases(manifest["partition_plan"])
-    order = [name for name, _ in build_on_meta(spec, cfg.model).named_parameters()]
+    base_model = build_on_meta(spec, cfg.model)
+    order = [name for name, _ in base_model.named_parameters()]
+    reader = CheckpointReader(source)
+    if cfg.peft.name == "lora":  # the checkpoint holds the adapters: the whole model is the base's with them merged
+        order = [name for name, _ in apply_lora(build_on_meta(spec, cfg.model), cfg.peft).named_parameters()]
+        base = hf.load_state(hf.folder_of(cfg.train.init_from), vocab_rows(cfg.model))
+        reader = MergedSource(reader, base, {n: (tuple(p.shape), torch.float32) for n, p in
+                                             base_model.named_parameters()}, cfg.peft.alpha / cfg.peft.rank)
 
     seconds: dict[str, float] = {}
     peak_rss_mb: dict[str, float] = {}  # the process's peak so far after each phase (the phases run in this order)
@@ -133,7 +142,7 @@ def aggregate(ctx: StageContext) -> None:
     # weights checked (2, 3) as soon as they are written, while the optimizer state's writing goes on
     index = read_json(ctx.inputs["tokenize"] / "tokens" / "index.json")
     broken: list[str] = []
-    files = consolidate.write_from_checkpoint(ctx.out, CheckpointReader(source), order,
+    files = consolidate.write_from_checkpoint(ctx.out, reader, order,
                                               {"step": manifest["step"], "model": cfg.model.name},
                                               int(a.shard_size_mb * MB),
                                               inspect=lambda name, t: broken.append(name) if nonfinite(t) else None,
@@ -143,6 +152,9 @@ def aggregate(ctx: StageContext) -> None:
                                                          if index[t] < cfg.model.vocab_size},
                                               with_weights=check_weights, known=ctx.hashes)
     lap("optimizer state")  # what its writing took beyond the checks
+    if cfg.peft.name == "lora":  # and the adapters alone, as peft's folder
+        files[adapters.PEFT] = adapters.write_peft_folder(ctx.out / adapters.PEFT, CheckpointReader(source), cfg.peft,
+                                                          cfg.model, str(hf.folder_of(cfg.train.init_from).resolve()))
     hf_note = files.pop("hf_note", None)
     loss, trained, onnx_record = checked["loss"], checked["trained"], checked.get("onnx")
 
@@ -180,7 +192,7 @@ STAGE = Stage(
     name="aggregate",
     run=aggregate,
     after=("checkpoint", "train", "tokenize", "export"),
-    reads=("model", "optimizer", "data", "train", "export", "aggregate", "engine.opset", "engine.name",
+    reads=("model", "optimizer", "data", "train", "export", "aggregate", "engine.opset", "engine.name", "peft",
            "precision.name"),
     summary=_summary,
 )

@@ -18,6 +18,7 @@ from plugins.data import build_batcher
 from plugins.data.packing import whole_documents
 from plugins.engines import get_engine
 from plugins.models import get_model
+from plugins.models.lora import is_adapter
 from plugins.models.registry import vocab_rows
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
@@ -61,8 +62,11 @@ def train(ctx: StageContext) -> None:
                         "dp_mode": plan["layout"]["dp_mode"], "optimizer": cfg.optimizer.name, "seed": t.seed,
                         "precision": cfg.precision.name},
             "config_key": ctx.key, "partition_plan": plan}
+    if cfg.peft.name != "none":  # the checkpoints hold what trains: the adapters, applied to this base
+        meta["peft"] = {"config": dict(cfg.peft), "base": {"init_from": t.init_from,
+                                                           "stamps_sha256": _fingerprint(cfg)["init_from"]}}
     checkpointer = Checkpointer(ctx, layout, list(zip(layout.parts, optimizers)), scaler, meta, history,
-                                vocab_rows(cfg.model))
+                                vocab_rows(cfg.model), is_adapter if cfg.peft.name == "lora" else None)
     if not t.resume:
         checkpointer.forget()
         if ctx.is_rank0:
@@ -182,11 +186,11 @@ STAGE = Stage(
     name="train",
     run=train,
     after=("transform", "tokenize"),
-    reads=("model", "parallel", "optimizer", "memory", "precision", "triton", "engine", "data", "train"),
+    reads=("model", "parallel", "optimizer", "memory", "precision", "triton", "engine", "data", "train", "peft"),
     resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),
     fingerprint=_fingerprint,
     progress=progress_hint,
-    lineage=("model", "data", "optimizer", "precision", "train"),
+    lineage=("model", "data", "optimizer", "precision", "train", "peft"),
     adopt=adopt,
     summary=_summary,
 )

@@ -27,7 +27,7 @@ def transform(ctx: StageContext) -> None:
     for name, result in results.items():
         ctx.log.info("pass %s: %s", name, result)
 
-    plan = build_plan(ctx.cfg.model, ctx.cfg.parallel)
+    plan = build_plan(ctx.cfg.model, ctx.cfg.parallel, ctx.cfg.peft)
     atomic_write_json(ctx.out / "partition_plan.json", plan)
     engine = get_engine(ctx.cfg.engine.name)
     if engine.prepare is not None:
@@ -51,6 +51,6 @@ STAGE = Stage(
     name="transform",
     run=transform,
     after=("export",),
-    reads=("model", "parallel", "transform", "engine"),
+    reads=("model", "parallel", "transform", "engine", "peft"),
     summary=_summary,
 )

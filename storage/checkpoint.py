@@ -35,7 +35,19 @@ from storage.fsio import (atomic_write_json, file_table, kept_aside, publish_dir
 
 MANIFEST = "manifest.json"
 FORMAT = "orchestrator-dcp-v1"
-_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# frozen parameters (LoRA's base weights: train.init_from's, read from there) are not a checkpoint's: it holds what
+# trains, and names the base it applies to
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True)
+# set_model_state_dict is strict about frozen parameters even so: the state given is every entry training_state
+# names (each looked up), so nothing trained is left out by not being strict
+_LOADING = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
+
+
+def _trained(module: nn.Module, state: dict) -> dict:
+    """A module's state without its frozen parameters: get_model_state_dict keeps a frozen weight's tied copy (a
+    head tied to a frozen embedding) under the copy's name."""
+    frozen = {n for n, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 SINGLE_PROCESS = "torch.distributed is disabled"  # DCP's warning on every call without a process group
 
@@ -81,7 +93,7 @@ def training_state(parts: Parts, aliases: Optional[dict[str, str]] = None) -> di
     model: dict = {}
     optim: dict = {}
     for module, optimizer in parts:
-        for k, v in get_model_state_dict(module, options=_OPTIONS).items():
+        for k, v in _trained(module, get_model_state_dict(module, options=_OPTIONS)).items():
             model.setdefault(aliases.get(k, k), v)
         if optimizer is not None:
             for k, v in get_optimizer_state_dict(module, optimizer, options=_OPTIONS).items():
@@ -93,8 +105,8 @@ def apply_training_state(parts: Parts, state: dict, aliases: Optional[dict[str, 
     """Copy loaded values into every module and optimizer (each tied copy gets the canonical entry)."""
     aliases = aliases or {}
     for module, optimizer in parts:
-        own = get_model_state_dict(module, options=_OPTIONS)
-        set_model_state_dict(module, {k: state["model"][aliases.get(k, k)] for k in own}, options=_OPTIONS)
+        own = _trained(module, get_model_state_dict(module, options=_OPTIONS))
+        set_model_state_dict(module, {k: state["model"][aliases.get(k, k)] for k in own}, options=_LOADING)
         if optimizer is not None:
             own = get_optimizer_state_dict(module, optimizer, options=_OPTIONS)
             set_optimizer_state_dict(module, optimizer, {k: state["optim"][_canonical_optim_key(k, aliases)]
@@ -230,13 +242,13 @@ def _explained(error: BaseException, path: Path, needed: int) -> BaseException:
     return error
 
 
-def load_full_weights(parts: Parts, weights: Mapping[str, torch.Tensor], aliases: Optional[dict[str, str]] = None
-                      ) -> None:
+def load_full_weights(parts: Parts, weights: Mapping[str, torch.Tensor], aliases: Optional[dict[str, str]] = None,
+                      leave=None) -> None:
     """Load full (unsharded) weights, keyed by our parameter names, into this rank's modules in whatever layout
     they are: each keeps what it holds (its pipeline stage; its tensor- and data-parallel shards). `weights` may
     read each tensor when asked (storage.hf.Weights): only the rank's own parameters are read, one at a time."""
     for module, _ in parts:
-        load_full(module, weights, aliases)
+        load_full(module, weights, aliases, leave)
 
 
 def load(path: Path, parts: Parts, aliases: Optional[dict[str, str]] = None) -> dict:

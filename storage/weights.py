@@ -3,7 +3,7 @@ FSDP's, a pipeline stage), one tensor at a time; tied parameters found under any
 (a weight drawn in full, then sharded), to import Hugging Face weights and to load aggregated checkpoints."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -40,14 +40,18 @@ def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
     param.copy_(full)
 
 
-def load_full(module: nn.Module, weights, aliases: Optional[dict[str, str]] = None) -> None:
+def load_full(module: nn.Module, weights, aliases: Optional[dict[str, str]] = None,
+              leave: Optional[Callable[[str], bool]] = None) -> None:
     """Each parameter of module (whole or a shard of any layout) from full weights keyed by parameter name, read one
     at a time (weights may read each tensor when asked); a tied parameter from whichever of its names the weights
     hold, or from the weight it copies (aliases: a pipeline stage's head is `lm_head.weight`, stored as the
-    `wte.weight` it is tied to). Every parameter must be found: none is left uninitialised."""
+    `wte.weight` it is tied to). Every parameter must be found (none is left uninitialised) but those `leave` names
+    (LoRA's adapters, which a base model's weights do not have)."""
     aliases = aliases or {}
     found, missing = [], []
     for names, param in tie_groups(module):
+        if leave is not None and leave(names[0]):
+            continue
         candidates = [*names, *(aliases[n] for n in names if n in aliases)]
         stored = next((n for n in candidates if n in weights), None)
         (missing if stored is None else found).append((names, stored, param))

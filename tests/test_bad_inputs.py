@@ -148,6 +148,12 @@ CATALOGUE = [
      "writes no ONNX model"),
     (["evaluate.tasks=[val_perplexity]", "data.name=synthetic"], "evaluate.tasks", "lm-eval scores text"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
+    # LoRA (peft=lora)
+    (["peft=lora"], "train.init_from", "the base must be named"),
+    (["peft=lora", "peft.targets=[wz]"], "peft.targets", "has no Linear of that name"),
+    (["peft=lora", "peft.rank=100"], "peft.rank", "no longer low-rank"),
+    (["peft=lora", "peft.trainable=[lm_hed.weight]"], "peft.trainable", "has no parameter of that name"),
+    (["peft=lora", "parallel=megatron_hp2"], "parallel.hp", "not split for tensor parallelism yet"),
     (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
      "model.pad_vocab_to=128"),
     # engine and precision

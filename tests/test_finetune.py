@@ -107,6 +107,25 @@ def hf_inputs(documents: torch.Tensor) -> dict:
             "attention_mask": torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)[:, None]}
 
 
+def plain_loop(model, batcher, steps: int, lr: float) -> list[float]:
+    """transformers' model trained by plain SGD on the batcher's rows of whole records (what requires a gradient),
+    the prompts' labels -100, position_ids restarting per document, a block-diagonal causal mask: its losses."""
+    model.train()
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    losses = []
+    for step in range(steps):
+        batch = batcher.train_batch(step)
+        assert (batch.labels != -100).sum() < (batch.labels != PAD).sum() - (batch.inputs == PAD).sum()
+        assert batch.documents.max() >= 1  # rows of several records
+        logits = model(batch.inputs, **hf_inputs(batch.documents)).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_ten_steps_of_packed_records_equal_a_transformers_loop(tmp_path, family):
     """The whole pipeline (tokenize, train from the Hugging Face weights, in this process) on rows of whole records
@@ -128,20 +147,7 @@ def test_ten_steps_of_packed_records_equal_a_transformers_loop(tmp_path, family)
     ours = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
     batcher = build_batcher(make_cfg(*overrides, runs_dir=tmp_path / "plain"))
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    model.train()
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
-    theirs = []
-    for step in range(steps):
-        batch = batcher.train_batch(step)
-        assert (batch.labels != -100).sum() < (batch.labels != PAD).sum() - (batch.inputs == PAD).sum()
-        assert batch.documents.max() >= 1  # rows of several records
-        logits = model(batch.inputs, **hf_inputs(batch.documents)).logits
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch.labels.reshape(-1), ignore_index=-100)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        theirs.append(loss.item())
+    theirs = plain_loop(transformers.AutoModelForCausalLM.from_pretrained(folder), batcher, steps, lr)
     assert len(ours) == steps
     assert max(abs(a - b) for a, b in zip(ours, theirs)) <= 1e-5, (ours, theirs)
     assert theirs[-1] < theirs[0]

@@ -76,7 +76,7 @@ def test_partition_plan_for_hp2_pp2():
     p = plan["parameters"]
     assert p["layers.0.attn.wq.weight"] == {"shape": [64, 64], "partition_axis": 0, "partition_name": "colwise",
                                              "is_partitioned": True, "shard_shape": [32, 64], "pp_stages": [0],
-                                             "tied_to": None}
+                                             "tied_to": None, "trainable": True}
     assert p["layers.7.mlp.fc2.weight"]["shard_shape"] == [64, 128] and p["layers.7.mlp.fc2.weight"]["pp_stages"] == [1]
     assert p["layers.0.mlp.fc2.bias"]["is_partitioned"] is False
     assert p["lm_head.weight"]["tied_to"] == "wte.weight" and p["lm_head.weight"]["pp_stages"] == [1]

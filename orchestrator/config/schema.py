@@ -488,6 +488,27 @@ class EvaluateConfig:
                             "by more than 1e-4, and records both scores (needs aggregate.onnx)")
 
 
+LORA = ("peft.name", ("lora",))
+
+
+@dataclass
+class PeftConfig:
+    name: str = key("none", "none: every weight trains; lora: low-rank adapters on the target Linears train, the "
+                            "base weights (train.init_from's) stay frozen: no gradient, no optimizer state, not in "
+                            "the checkpoints", choices=("none", "lora"))
+    rank: int = key(8, "the adapters' rank r (LoRA's A is r x in, B is out x r)", min=1, max=MAX_WIDTH,
+                    read_when=LORA)
+    alpha: float = key(16.0, "the adapters' scale is alpha / rank (peft's lora_alpha)", min=0, read_when=LORA)
+    dropout: float = key(0.0, "dropout on the adapters' input (peft's lora_dropout)", min=0, max=0.99,
+                         read_when=LORA)
+    targets: List[str] = key(["attention", "mlp"], "the Linears that get adapters, by the model family's own names "
+                                                   "(wq, wk, wv, wo, fc1, fc2, and fc3 in Llama's MLP), or "
+                                                   "`attention` (wq, wk, wv, wo) and `mlp` (its Linears)",
+                             read_when=LORA)
+    trainable: List[str] = key([], "weights that train beside the adapters: `bias` (every bias), or parameter names "
+                                   "ending so (lm_head.weight, ln_f.weight)", read_when=LORA)
+
+
 @dataclass
 class TransformConfig:
     passes: List[str] = key(["layernorm_stats_outputs"], "ONNX passes applied in order (plugins/onnx/passes.py)")
@@ -505,6 +526,7 @@ class Config:
     data: DataConfig = MISSING
     cluster: ClusterConfig = MISSING
     tracking: TrackingConfig = MISSING
+    peft: PeftConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
@@ -538,6 +560,7 @@ GROUP_SCHEMAS = {
     "cluster": {"cluster_schema": ClusterConfig, "slurm_schema": SlurmClusterConfig},
     "tracking": {"tracking_schema": TrackingConfig},
     "tune": {"tune_schema": TuneConfig},
+    "peft": {"peft_schema": PeftConfig},
 }
 
 

@@ -80,7 +80,8 @@ def objective_problems(cfg: DictConfig) -> list[Problem]:
 # The owners' checks: the model and its layout first (the partition plan is built from them), then everything
 # else in the order a reader meets the config: data, training, the cluster, the engine, the machine. Imported when
 # the schema holds: they bring torch (1.5 s), which a config refused by its schema never waits for.
-STRUCTURAL = (Check("model", "plugins.models.registry"), Check("parallel", "plugins.parallel.rules"))
+STRUCTURAL = (Check("model", "plugins.models.registry"), Check("parallel", "plugins.parallel.rules"),
+              Check("peft", "plugins.models.lora_rules"))
 OTHERS = (Check("data", "plugins.data.rules"), Check("engine", "plugins.onnx.rules"),
           Check("optimizer", "runtime.optim"), Check("train.profile", "runtime.profiling"),
           Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from plugins.data.packing import rank_tokens, repack
 from plugins.engines import get_engine
+from plugins.models.lora import apply_lora, init_adapters
 from plugins.models.registry import build_on_meta, materialise
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
@@ -129,11 +130,15 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         # structure first, on the meta device: split and transformed there, so that only this rank's shards are
         # ever allocated (materialise), then filled with the values every layout shares
         module = build_on_meta(spec, cfg.model)
+        if cfg.peft.name == "lora":  # adapters first: every layout then places them as the Linears beside them
+            apply_lora(module, cfg.peft)
         if p.pp > 1:
             module = spec.split(module, st["layers"], st["embedding"], st["head"])
         parallelize(module, spec, cfg, mesh, device, engine, kernels if log is not None else None, log, i)
         materialise(module, device)
         spec.init_weights(module, cfg.model, cfg.train.seed)
+        if cfg.peft.name == "lora":
+            init_adapters(module, cfg.train.seed)
         module.loss_chunk = cfg.train.loss_chunk
         parts.append(module)
     check_against_plan(parts, plan)

@@ -1,0 +1,107 @@
+"""LoRA (Hu et al., 2021; `peft`'s LoraModel): low-rank adapters beside a model family's own Linears, the base weights
+frozen.
+
+A target Linear keeps its name and its weight (`layers.0.attn.wq.weight` stays what the checkpoints, the Hugging Face
+mapping and the ONNX graph know) and gains two parameters beside it, `lora_A` (r x in) and `lora_B` (out x r): its
+forward is the Linear's plus dropout(x) A^T B^T * alpha / r, as peft's. Everything else is frozen (requires_grad
+False: no gradient, no optimizer state, left out of the checkpoints), except peft.trainable's. The adapters are added
+on the meta device before the layout splits and shards the model, so every layout places them as it places the
+Linear they sit beside (a pipeline stage holds its blocks' adapters; data parallelism shards them with the rest).
+
+Initial values as peft's: A kaiming-uniform (a = sqrt(5), torch's Linear default), B zero, so the first step's loss
+is the base model's. A is drawn in full from a generator of its own name and the seed, then each rank keeps its
+shard: the values do not depend on the layout.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from storage.weights import set_constant, set_full
+
+ADAPTERS = ("lora_A", "lora_B")
+GROUPS = {"attention": ("wq", "wk", "wv", "wo"), "mlp": ("fc1", "fc2", "fc3")}
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with adapters (a module's class is swapped to this one: its parameters and name stay)."""
+
+    rank: int
+    scaling: float
+    lora_dropout: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.weight, self.bias)
+        return base + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+
+
+def target_names(peft_cfg) -> set[str]:
+    """The Linear names (their last component) peft.targets names: groups expanded."""
+    return {n for t in peft_cfg.targets for n in GROUPS.get(t, (t,))}
+
+
+def targets(model: nn.Module, peft_cfg) -> list[tuple[str, nn.Linear]]:
+    """The model's Linears that get adapters (the head never: it is peft.trainable's to train)."""
+    wanted = target_names(peft_cfg)
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted and not name.endswith("lm_head")]
+
+
+def apply_lora(model: nn.Module, peft_cfg) -> nn.Module:
+    """Adapters on the targets (on whatever device the weights are: the meta device for plans and layouts), every
+    other parameter frozen but peft.trainable's."""
+    for _, linear in targets(model, peft_cfg):
+        out_features, in_features = linear.weight.shape
+        device = linear.weight.device
+        linear.lora_A = nn.Parameter(torch.empty(peft_cfg.rank, in_features, device=device))
+        linear.lora_B = nn.Parameter(torch.empty(out_features, peft_cfg.rank, device=device))
+        linear.rank, linear.scaling = peft_cfg.rank, peft_cfg.alpha / peft_cfg.rank
+        linear.lora_dropout = nn.Dropout(peft_cfg.dropout) if peft_cfg.dropout > 0 else nn.Identity()
+        linear.__class__ = LoRALinear
+    for name, p in model.named_parameters():
+        p.requires_grad_(is_trained(name, peft_cfg))
+    return model
+
+
+def is_adapter(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ADAPTERS
+
+
+def is_trained(name: str, peft_cfg) -> bool:
+    """Whether a parameter trains under LoRA: an adapter, or one peft.trainable names."""
+    if is_adapter(name):
+        return True
+    return any(name.endswith(".bias") if t == "bias" else (name == t or name.endswith("." + t))
+               for t in peft_cfg.trainable)
+
+
+def _seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(("lora:" + name).encode())) % (2**63)
+
+
+def initial_A(name: str, shape: tuple, seed: int) -> torch.Tensor:
+    """lora_A's initial value: kaiming-uniform with a = sqrt(5) (torch's and peft's), from its own generator."""
+    bound = 1.0 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in)
+    g = torch.Generator().manual_seed(_seed(seed, name))
+    return torch.rand(shape, generator=g).mul_(2 * bound).sub_(bound)
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """A as initial_A (each rank its shard), B zero: the model computes what its base does."""
+    for name, p in model.named_parameters():
+        if name.endswith(".lora_A"):
+            set_full(p, initial_A(name, tuple(p.shape), seed).to(p.dtype))
+        elif name.endswith(".lora_B"):
+            set_constant(p, 0.0)
+
+
+def describe(peft_cfg, trained: int, total: int) -> Optional[str]:
+    if peft_cfg.name != "lora":
+        return None
+    return (f"peft: LoRA r={peft_cfg.rank} alpha={peft_cfg.alpha:g} on {', '.join(sorted(target_names(peft_cfg)))}: "
+            f"{trained:,} of {total:,} parameters train ({100 * trained / max(total, 1):.2f}%), the rest frozen")
