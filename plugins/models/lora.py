@@ -33,11 +33,32 @@ class LoRALinear(nn.Linear):
 
     rank: int
     scaling: float
-    lora_dropout: nn.Module
+    lora_dropout: float  # a probability, not a submodule: tensor parallelism's styles treat every submodule as a Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = F.linear(x, self.weight, self.bias)
-        return base + F.linear(F.linear(self.lora_dropout(x), self.lora_A), self.lora_B) * self.scaling
+        x = F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
+        return base + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+
+def shard_adapters(model: nn.Module) -> None:
+    """After tensor parallelism split the Linears (transformer.parallelize): each adapter as Megatron's LoRA splits
+    it. A column-split Linear (weight Shard(0)) keeps B split by output, as torch's ColwiseParallel left it, and A
+    whole; a row-split one (weight Shard(1)) has A split by input and B whole (RowwiseParallel leaves both plain).
+    Then x A^T is whole (column) or a partial sum (row), and the adapter's output is placed as the Linear's own."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    for module in model.modules():
+        if not isinstance(module, LoRALinear) or not isinstance(module.weight, DTensor):
+            continue
+        mesh, (split,) = module.weight.device_mesh, module.weight.placements
+        column = split == Shard(0)
+        for name, placement in (("lora_A", Replicate() if column else Shard(1)),
+                                ("lora_B", Shard(0) if column else Replicate())):
+            full = getattr(module, name)
+            if isinstance(full, DTensor):
+                full = full.full_tensor() if full.device.type != "meta" else torch.empty(full.shape, device="meta")
+            setattr(module, name, nn.Parameter(distribute_tensor(full, mesh, [placement])))
 
 
 def target_names(peft_cfg) -> set[str]:
@@ -61,7 +82,7 @@ def apply_lora(model: nn.Module, peft_cfg) -> nn.Module:
         linear.lora_A = nn.Parameter(torch.empty(peft_cfg.rank, in_features, device=device))
         linear.lora_B = nn.Parameter(torch.empty(out_features, peft_cfg.rank, device=device))
         linear.rank, linear.scaling = peft_cfg.rank, peft_cfg.alpha / peft_cfg.rank
-        linear.lora_dropout = nn.Dropout(peft_cfg.dropout) if peft_cfg.dropout > 0 else nn.Identity()
+        linear.lora_dropout = float(peft_cfg.dropout)
         linear.__class__ = LoRALinear
     for name, p in model.named_parameters():
         p.requires_grad_(is_trained(name, peft_cfg))

@@ -328,8 +328,10 @@ def parallelize(model: Decoder, hp_mesh, parallel) -> Decoder:
     return model
 
 
-_COLWISE = re.compile(rf"\.({'|'.join(COLWISE)})\.(weight|bias)$")
-_ROWWISE = re.compile(rf"\.({'|'.join(ROWWISE)})\.weight$")
+# LoRA's adapters (plugins/models/lora.py) follow their Linear: a column-split one's B is split by output as its weight
+# (A whole), a row-split one's A by input (B whole)
+_COLWISE = re.compile(rf"\.({'|'.join(COLWISE)})\.(weight|bias|lora_B)$")
+_ROWWISE = re.compile(rf"\.({'|'.join(ROWWISE)})\.(weight|lora_A)$")
 _VOCAB = re.compile(r"^(wte|lm_head)\.weight$")
 
 

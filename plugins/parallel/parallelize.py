@@ -24,6 +24,7 @@ from typing import Optional
 from torch import nn
 
 from plugins.engines import get_engine
+from plugins.models.lora import shard_adapters
 from plugins.parallel.data import apply_dp as _fsdp
 from runtime import precision as mixed
 from runtime.kernels import KernelReport, apply_kernels
@@ -52,6 +53,7 @@ def apply_memory(module: nn.Module, spec, memory_cfg) -> None:
 def apply_hp(module: nn.Module, spec, mesh, parallel_cfg) -> None:
     if parallel_cfg.hp > 1:
         spec.parallelize(module, mesh["hp"], parallel_cfg)
+        shard_adapters(module)  # LoRA's, as their Linear is split (none without peft=lora)
 
 
 def apply_engine(module: nn.Module, spec, runs_on, engine) -> None:
