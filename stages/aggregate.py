@@ -152,7 +152,12 @@ def aggregate(ctx: StageContext) -> None:
                                                          if index[t] < cfg.model.vocab_size},
                                               with_weights=check_weights, known=ctx.hashes)
     lap("optimizer state")  # what its writing took beyond the checks
-    if cfg.peft.name == "lora":  # and the adapters alone, as peft's folder
+    peft_note = None
+    if cfg.peft.name == "lora" and cfg.peft.trainable:  # peft's folder would hold the adapters without them
+        peft_note = (f"no peft/ folder: peft.trainable={list(cfg.peft.trainable)} trained besides the adapters, and "
+                     "peft's folder holds adapters only; hf/ holds every trained weight, merged")
+        ctx.log.warning("%s", peft_note)
+    elif cfg.peft.name == "lora":  # and the adapters alone, as peft's folder
         files[adapters.PEFT] = adapters.write_peft_folder(ctx.out / adapters.PEFT, CheckpointReader(source), cfg.peft,
                                                           cfg.model, str(hf.folder_of(cfg.train.init_from).resolve()))
     hf_note = files.pop("hf_note", None)
@@ -166,7 +171,8 @@ def aggregate(ctx: StageContext) -> None:
                                "onnx_max_abs_diff": onnx_diff,
                                "onnx_check_runtime": onnx_record["check"]["runtime"] if onnx_record else None},
               "safetensors": files, "onnx": onnx_record or "skipped (aggregate.onnx=false)",
-              "hf": hf_note or "hf/", "seconds": seconds, "peak_rss_mb": peak_rss_mb}
+              "hf": hf_note or "hf/", "seconds": seconds, "peak_rss_mb": peak_rss_mb,
+              **({"peft": peft_note or "peft/"} if cfg.peft.name == "lora" else {})}
     atomic_write_json(ctx.out / "manifest.json", record)
     ctx.tracker.log_metrics({"eval_loss": loss, **({"onnx_max_abs_diff": onnx_diff} if onnx_record else {})})
     ctx.tracker.log_artifact(ctx.out / "manifest.json")
