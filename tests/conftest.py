@@ -181,7 +181,7 @@ def pytest_sessionfinish(session):
 LONGEST_FIRST = ("test_layouts.py", "test_slurm_recovery.py", "test_slurm.py", "test_kernels.py",
                  "test_readme_examples.py", "test_cli_e2e.py", "test_disks.py", "test_install.py", "test_hpo.py",
                  "test_tune.py", "test_sweep_and_slurm_config.py", "test_first_hour.py", "test_hf.py",
-                 "test_evaluate.py", "test_recovery.py")
+                 "test_evaluate.py", "test_lora.py", "test_recovery.py")
 
 
 def pytest_collection_modifyitems(items):
