@@ -207,6 +207,9 @@ def _rank_problems(cfg, plan: Plan) -> list[Problem]:
     if cfg.memory.level == 0:
         fixes.append("memory=level1 (recompute activations)")
     fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
+    lora = _lora_fits(cfg, plan.rank_limit)
+    if lora:
+        fixes.insert(0, lora)
     m = cfg.model
     model = f"model.n_layers={m.n_layers}, model.d_model={m.d_model}, model.d_ff={m.d_ff}, " \
             f"model.vocab_size={m.vocab_size}"
@@ -214,6 +217,17 @@ def _rank_problems(cfg, plan: Plan) -> list[Problem]:
                     f"{plan.rank.describe()}, "
                     f"exceeds the {plan.rank_limit / GB:,.1f} GB a rank may use ({plan.rank_limit_where})",
                     "; ".join(fixes))]
+
+
+def _lora_fits(cfg, limit: int) -> str:
+    """A full fine-tune of an imported model that does not fit a rank: whether LoRA's (peft=lora's defaults) does,
+    its frozen base holding no gradient and no optimizer state."""
+    if cfg.peft.name != "none" or not (cfg.train.init_from or "").startswith("hf:"):
+        return ""
+    lora = OmegaConf.merge(cfg, {"peft": {"name": "lora"}})
+    need = plan_of(lora).rank.total
+    return f"peft=lora (a LoRA fine-tune of this model needs about {need / GB:,.1f} GB a rank: the frozen weights " \
+           "have no gradients and no optimizer state)" if need <= limit else ""
 
 
 def _stage_problems(cfg, plan: Plan) -> list[Problem]:

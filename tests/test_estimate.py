@@ -42,6 +42,20 @@ def test_the_plan_states_the_evaluate_stage_s_memory_and_time_and_refuses_what_c
     assert any(p.key == "evaluate.batch_size" for p in check(huge, disk=False))
 
 
+def test_lora_s_frozen_base_is_counted_without_gradients_or_state_and_offered_where_a_full_fine_tune_does_not_fit():
+    """llama_1b on a 16 GB SLURM task: a full fine-tune (29 GB) is refused with peft=lora among the fixes, which the
+    plan then counts at 13 GB (the base's weights and the adapters, the adapters' gradients and AdamW state only)."""
+    from planning.plan import check
+
+    args = ("model=llama_1b", "train.init_from=hf:/x", "cluster=slurm", "cluster.mem_per_task_gb=16", "dry_run=true")
+    (refused,) = [p for p in check(make_cfg(*args), disk=False) if p.key == "parallel"]
+    assert refused.fix.startswith("peft=lora (a LoRA fine-tune of this model needs about 13."), refused.fix
+    lora = plan_of(make_cfg(*args, "peft=lora")).rank
+    full = plan_of(make_cfg(*args)).rank
+    assert lora.parameters == full.parameters + lora.gradients and lora.optimizer < full.optimizer / 100
+    assert lora.gradients < full.gradients / 100 and check(make_cfg(*args, "peft=lora"), disk=False) == []
+
+
 def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     cache = tmp_path / "cache"
     cfg = make_cfg("model=gpt_small", "train.steps=1000", "train.checkpoint_every=300", f"cache_dir={cache}")
