@@ -153,8 +153,6 @@ CATALOGUE = [
     (["peft=lora", "peft.targets=[wz]"], "peft.targets", "has no Linear of that name"),
     (["peft=lora", "peft.rank=100"], "peft.rank", "no longer low-rank"),
     (["peft=lora", "peft.trainable=[lm_hed.weight]"], "peft.trainable", "has no parameter of that name"),
-    (["peft=lora", "parallel=megatron_hp2", "parallel.sequence_parallel=true"], "parallel.sequence_parallel",
-     "do not give one process's gradients yet"),
     (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
      "model.pad_vocab_to=128"),
     # engine and precision

@@ -87,14 +87,14 @@ def test_lora_trains_as_peft_does_on_the_transformers_model_and_peft_loads_what_
 @pytest.mark.e2e  # up to eight ranks through `python -m orchestrator`, per layout
 def test_lora_in_every_layout_gives_one_process_losses(tmp_path):
     """GPT with adapters on q, k, v too (peft's folder then holds c_attn's, of rank 3r): replicated data
-    parallelism, tensor parallelism with loss parallelism (a column-split Linear's B split by output,
+    parallelism, tensor parallelism with sequence and loss parallelism (a column-split Linear's B split by output,
     a row-split one's A by input), and dp2 x hp2 x pp2 sharded give the single process's losses; peft loads the
     folder to the merged logits."""
     folder = saved("gpt", tmp_path / "hf")
     runs = {layout: _losses(_run(tmp_path, "gpt", folder, "[attention,mlp]", f"parallel={layout}", *extra,
                                  work=layout)[1])
             for layout, extra in (("single", ()), ("ddp2", ()),
-                                  ("megatron_hp2", ("parallel.loss_parallel=true",)),
+                                  ("megatron_hp2", ("parallel.sequence_parallel=true", "parallel.loss_parallel=true")),
                                   ("dp2_hp2_pp2", ("parallel.dp_mode=shard",)))}
     for layout in ("ddp2", "megatron_hp2", "dp2_hp2_pp2"):
         assert max(abs(a - b) for a, b in zip(runs["single"], runs[layout])) <= 1e-5, (layout, runs)

@@ -52,8 +52,11 @@ def apply_memory(module: nn.Module, spec, memory_cfg) -> None:
 
 def apply_hp(module: nn.Module, spec, mesh, parallel_cfg) -> None:
     if parallel_cfg.hp > 1:
+        trains = {name: p.requires_grad for name, p in module.named_parameters()}
         spec.parallelize(module, mesh["hp"], parallel_cfg)
         shard_adapters(module)  # LoRA's, as their Linear is split (none without peft=lora)
+        for name, p in module.named_parameters():  # torch's SequenceParallel makes its Parameters trainable anew
+            p.requires_grad_(trains[name])
 
 
 def apply_engine(module: nn.Module, spec, runs_on, engine) -> None:
