@@ -99,8 +99,8 @@ class Checkpointer:
             choice = box[0]
         if choice is None:
             return 0
-        if self.adapters is not None and not hf.folder_of(choice):  # the frozen base first: the checkpoint holds the adapters only
-            self._load_base(hf.folder_of(init_from))
+        if self.adapters is not None and not hf.folder_of(choice):
+            self._load_base(hf.folder_of(init_from))  # the frozen base first: the checkpoint holds the adapters only
         if hf.folder_of(choice):  # weights only: a fresh optimizer, step 0
             self._load_base(hf.folder_of(choice))
             ctx.log.info("starting from the Hugging Face weights in %s", hf.folder_of(choice))

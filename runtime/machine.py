@@ -46,3 +46,10 @@ def ort_has_triton() -> bool:
         return ort_has_cuda() and importlib.util.find_spec("triton") is not None
     except ImportError:
         return False
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory: VmHWM, its image's high-water mark (ru_maxrss would carry the parent's
+    over fork and exec)."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024

@@ -17,6 +17,7 @@ import os
 from typing import Optional
 
 from plugins.evaluate import generations, harness, models, validation
+from runtime.machine import peak_rss_bytes
 from stages.base import Stage, StageContext
 from storage.fsio import atomic_write_json, read_json
 
@@ -51,7 +52,8 @@ def evaluate(ctx: StageContext) -> None:
     table = _generations(ctx, lm)
     kept = {k: results[k] for k in KEPT if k in results}
     atomic_write_json(ctx.out / "results.json", {**kept, "scored": scored, "lm_eval": harness.version(),
-                                                 **({"onnx": onnx} if onnx else {}), "peak_rss_mb": _peak_mb()})
+                                                 **({"onnx": onnx} if onnx else {}),
+                                                 "peak_rss_mb": peak_rss_bytes() / 2**20})  # the plan's is checked by it
     atomic_write_json(ctx.out / "metrics.json", {"scored": scored, "metrics": values,
                                                  **({"onnx": onnx["metrics"]} if onnx else {})})
     ctx.tracker.set_tags({"evaluate.scored": scored})
@@ -98,12 +100,6 @@ def _generations(ctx: StageContext, lm) -> Optional[dict]:
     table = generations.answer(lm.model, lm.tokenizer, prompts, ev.max_new_tokens)
     atomic_write_json(ctx.out / "generations.json", table)
     return table
-
-
-def _peak_mb() -> float:
-    """This process's peak resident memory (VmHWM: the plan's evaluate figure is checked against it)."""
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
 
 
 def _summary(out) -> str:

@@ -1,12 +1,10 @@
 """A variant's peak memory measured alone: the benchmark runs itself again in a fresh process with `--one=<json>`,
-which prints the process's VmHWM (this process image's high-water mark; ru_maxrss would carry the parent's over fork
-and exec) after the variant's steps."""
+which prints the process's peak (runtime.machine.peak_rss_bytes: VmHWM) after the variant's steps."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any, Optional
 
 
@@ -17,8 +15,9 @@ def one_spec(argv: list[str]) -> Optional[list]:
 
 
 def print_peak() -> None:
-    hwm = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
-    print(int(hwm.split()[1]) / 2**20)
+    from runtime.machine import peak_rss_bytes
+
+    print(peak_rss_bytes() / 2**30)
 
 
 def peak_gb(script: str, spec: list[Any]) -> float:

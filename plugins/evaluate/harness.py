@@ -197,11 +197,13 @@ def data_bytes(ev) -> tuple[int, list[str]]:
     """The bytes of the local tasks' data files (the first evaluate.limit lines of each), and the tasks whose data
     is not a local file (lm-eval's own, val_perplexity's documents written by the stage): the plan's time floor."""
     total, unknown = 0, []
+    local, shipped = local_tasks_of(ev), local_tasks(SHIPPED)
     for name in ev.tasks:
-        path = local_tasks_of(ev).get(name)
-        config = _yaml(path) if path is not None else {}
+        path = local.get(name)
+        # as lm-eval reads them: a shipped task's files beside it (shipped_config), the user's from the working folder
+        config = {} if path is None else shipped_config(path) if shipped.get(name) == path else _yaml(path)
         files = (config.get("dataset_kwargs") or {}).get("data_files")
-        found = [path.parent / f for f in (files.values() if isinstance(files, dict) else [])] if files else []
+        found = [Path(f).expanduser() for f in (files.values() if isinstance(files, dict) else [])]
         if not found or not all(f.is_file() for f in found):
             unknown.append(name)
             continue
@@ -233,7 +235,8 @@ def score(lm, ev, tasks: list) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    builtin = any(isinstance(t, str) and t not in local_tasks_of(ev) for t in tasks)  # lm-eval's index: 15-40 s
+    local = local_tasks_of(ev)
+    builtin = any(isinstance(t, str) and t not in local for t in tasks)  # lm-eval's index: 15-40 s
     manager = TaskManager(include_path=str(Path(ev.include_path).expanduser()) if ev.include_path else None,
                           include_defaults=builtin)
     return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=ev.num_fewshot or None,

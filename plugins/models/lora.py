@@ -66,9 +66,9 @@ def target_names(peft_cfg) -> set[str]:
     return {n for t in peft_cfg.targets for n in GROUPS.get(t, (t,))}
 
 
-def targets(model: nn.Module, peft_cfg) -> list[tuple[str, nn.Linear]]:
-    """The model's Linears that get adapters (the head never: it is peft.trainable's to train)."""
-    wanted = target_names(peft_cfg)
+def targets(model: nn.Module, wanted: set[str]) -> list[tuple[str, nn.Linear]]:
+    """The model's Linears of these names (target_names) that get adapters (the head never: it is peft.trainable's
+    to train)."""
     return [(name, m) for name, m in model.named_modules()
             if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in wanted and not name.endswith("lm_head")]
 
@@ -76,7 +76,7 @@ def targets(model: nn.Module, peft_cfg) -> list[tuple[str, nn.Linear]]:
 def apply_lora(model: nn.Module, peft_cfg) -> nn.Module:
     """Adapters on the targets (on whatever device the weights are: the meta device for plans and layouts), every
     other parameter frozen but peft.trainable's."""
-    for _, linear in targets(model, peft_cfg):
+    for _, linear in targets(model, target_names(peft_cfg)):
         out_features, in_features = linear.weight.shape
         device = linear.weight.device
         linear.lora_A = nn.Parameter(torch.empty(peft_cfg.rank, in_features, device=device))

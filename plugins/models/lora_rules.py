@@ -3,7 +3,7 @@ named (train.init_from=hf:), in a layout and an engine that train them."""
 from __future__ import annotations
 
 from common.problem import Problem
-from plugins.models.lora import GROUPS, targets
+from plugins.models.lora import GROUPS, target_names, targets
 
 
 def check(cfg) -> list[Problem]:
@@ -13,7 +13,8 @@ def check(cfg) -> list[Problem]:
     from plugins.models.registry import build_on_meta, get_model
 
     model = build_on_meta(get_model(cfg.model.name), cfg.model)
-    block = {name.split(".", 2)[2] for name, m in targets(model, _every(p)) if name.startswith("layers.0.")}
+    every = {n for group in GROUPS.values() for n in group}
+    block = {name.split(".", 2)[2] for name, m in targets(model, every) if name.startswith("layers.0.")}
     have = sorted({n.rsplit(".", 1)[-1] for n in block})
     out = []
     for t in p.targets:
@@ -21,7 +22,7 @@ def check(cfg) -> list[Problem]:
             out.append(Problem("peft.targets", t, f"model={cfg.model.name} has no Linear of that name in its blocks "
                                f"(it has {', '.join(have)}; groups: attention, mlp)", f"peft.targets=[{have[0]}] "
                                "or peft.targets=[attention,mlp]"))
-    chosen = targets(model, p)
+    chosen = targets(model, target_names(p))
     if not chosen and not out:
         out.append(Problem("peft.targets", list(p.targets), "no Linear of the model is targeted",
                            "peft.targets=[attention,mlp]"))
@@ -46,9 +47,3 @@ def check(cfg) -> list[Problem]:
                            "their parameters: the adapters beside them are not in the graphs", "engine=torch"))
     return out
 
-
-def _every(p):
-    """peft settings targeting every Linear group (to list what the model has)."""
-    class Every:
-        targets = list(GROUPS)
-    return Every
