@@ -9,7 +9,11 @@ ratio is the median over rounds). Memory: each variant again in a fresh process,
 steps. Checkpoint: the bytes of one checkpoint the train stage would write (storage/checkpoint.save: what trains and
 its optimizer state).
 
-    python benchmarks/lora.py [models=gpt2_124m] [rank=16] [batch=4] [seq=256] [steps=3] [rounds=3] [threads=2]
+    python benchmarks/lora.py [models=gpt2_124m,llama_0.5b] [rank=16] [batch=4] [seq=256] [steps=3] [rounds=3]
+                              [threads=2]
+
+`models` are the project's model configs, or llama_0.5b: Qwen2.5-0.5B's sizes in the Llama family (0.49B parameters,
+without Qwen's q/k/v biases).
 """
 from __future__ import annotations
 
@@ -37,11 +41,13 @@ from storage.fsio import tree_bytes  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 VARIANTS = ("full", "lora")
+SHAPES = {"llama_0.5b": ["model=llama_1b", "model.vocab_size=151936", "model.d_model=896", "model.n_layers=24",
+                         "model.n_heads=14", "model.n_kv_heads=2", "model.d_ff=4864"]}
 
 
 def setup(model: str, variant: str, rank: int, rows: int, seq: int):
     peft = ["peft=lora", f"peft.rank={rank}", f"peft.alpha={2 * rank}"] if variant == "lora" else []
-    cfg = make_cfg(f"model={model}", f"train.batch_size={rows}", f"train.seq_len={seq}", "model.dropout=0", *peft)
+    cfg = make_cfg(*SHAPES.get(model, [f"model={model}"]), f"train.batch_size={rows}", f"train.seq_len={seq}", "model.dropout=0", *peft)
     layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), get_model(cfg.model.name),
                           torch.device("cpu"))
     return cfg, layout, [build_optimizer(cfg.optimizer, p) for p in layout.parts], StepSettings.of(cfg)
@@ -83,7 +89,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(threads)
     print(f"batch {rows}x{seq}, {threads} thread(s), LoRA r={rank} on attention and MLP")
     print("| model | trained params full / lora | ms/step full | ms/step lora | tokens/s lora/full | peak GB full | "
-          "peak GB lora | checkpoint MB full | checkpoint MB lora (share) |\n|---|---|---|---|---|---|---|---|---|")
+          "peak GB lora | peak drop GB (the frozen weights' AdamW state) | checkpoint MB full | checkpoint MB lora (share) |"
+          "\n|---|---|---|---|---|---|---|---|---|---|")
     for model in a.get("models", "gpt2_124m").split(","):
         states = {v: setup(model, v, rank, rows, seq) for v in VARIANTS}
         times, ratios = {v: [] for v in VARIANTS}, []
@@ -94,11 +101,13 @@ def main(argv: list[str]) -> None:
         trained = {v: sum(p.numel() for part in states[v][1].parts for p in part.parameters() if p.requires_grad)
                    for v in VARIANTS}
         sizes = {v: checkpoint_bytes(states[v]) for v in VARIANTS}
+        frozen_adamw = 2 * 4 * (trained["full"] - trained["lora"]) / 2**30  # two fp32 moments per frozen weight
         del states
         peaks = {v: peak_gb(__file__, [model, v, rank, rows, seq, steps, threads]) for v in VARIANTS}
         print(f"| {model} | {trained['full']:,} / {trained['lora']:,} | {statistics.median(times['full']) * 1e3:,.0f} | "
               f"{statistics.median(times['lora']) * 1e3:,.0f} | {statistics.median(ratios):.2f}x "
               f"({min(ratios):.2f}-{max(ratios):.2f}) | {peaks['full']:.2f} | {peaks['lora']:.2f} | "
+              f"{peaks['full'] - peaks['lora']:.2f} ({frozen_adamw:.2f}) | "
               f"{sizes['full'] / 1e6:,.1f} | {sizes['lora'] / 1e6:,.1f} ({sizes['lora'] / sizes['full']:.1%}) |")
 
 

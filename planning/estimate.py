@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from plugins.data.packing import document_rows
+from plugins.models.lora import in_compute_dtype
 from plugins.parallel import world_size
 from plugins.parallel.schedules import SCHEDULES
 
@@ -74,15 +75,15 @@ class Estimate:
                 f"state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f}{staging})")
 
 
-def _held_by_rank(plan: dict, trained: bool = False) -> dict[int, int]:
+def _held_by_rank(plan: dict, trained: bool = False, which=None) -> dict[int, int]:
     """Parameter elements each pipeline rank holds (tensor-parallel shards); trained: only those that train (LoRA's
-    frozen base has no gradient and no optimizer state). A tied copy counts where it lives apart from the weight it
+    frozen base has no gradient and no optimizer state); which(name, entry): only those it accepts. A tied copy counts where it lives apart from the weight it
     copies (the last pipeline stage's head); in the stage that holds both, the two names are one tensor (gpt2_124m's
     head, counted twice before, put 0.6 GB too many in the plan of one process)."""
     stage_rank = {s["stage"]: s["rank"] for s in plan["pipeline"]}
     held: dict[int, int] = dict.fromkeys(stage_rank.values(), 0)
-    for p in plan["parameters"].values():
-        if trained and not p.get("trainable", True):
+    for name, p in plan["parameters"].items():
+        if trained and not p.get("trainable", True) or which is not None and not which(name, p):
             continue
         n = 1
         for d in p["shard_shape"]:
@@ -114,16 +115,21 @@ def estimate(cfg, plan: dict) -> Estimate:
     worst = max(held, key=lambda r: (held[r], trained[r]))
     held = held[worst]
     shard = p.dp if p.dp_mode == "shard" else 1
-    parameters = held * 4 // shard
+    compute = BYTES.get(cfg.precision.name, 4)
+    # peft=lora under bf16/fp16: the frozen Linears of the blocks are stored in the compute dtype (lora.store_frozen)
+    halved = _held_by_rank(plan, which=lambda n, q: in_compute_dtype(n, q["shape"], q.get("trainable", True)))
+    parameters = (held * 4 - halved.get(worst, 0) * (4 - compute)) // shard
     gradients = trained[worst] * 4 // shard  # peft=lora: the adapters' only
     # data parallelism reduces unsharded gradients through a buffer of their size: the rank's all of them under
     # replicate (one unit), one FSDP unit at a time under shard (a block, or what the root keeps: embedding, head)
-    block = 4 * sum(math.prod(q["shard_shape"]) for name, q in plan["parameters"].items() if name.startswith("layers.0."))
-    unit = max(block, held * 4 - (m.n_layers // p.pp) * block) if p.dp_mode == "shard" else held * 4
+    # (what trains only: a frozen weight has no gradient to reduce)
+    block = 4 * sum(math.prod(q["shard_shape"]) for name, q in plan["parameters"].items()
+                    if name.startswith("layers.0.") and q.get("trainable", True))
+    unit = max(block, trained[worst] * 4 - (m.n_layers // p.pp) * block) if p.dp_mode == "shard" else \
+        trained[worst] * 4
     reduce_buffer = unit if p.dp > 1 else 0
     optimizer = gradients * OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
 
-    compute = BYTES.get(cfg.precision.name, 4)
     seq, hp = t.seq_len, p.hp
     tokens_per_microbatch = t.batch_size // p.dp // p.microbatches * seq
     if p.pp == 1:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from storage import checkpoint as ckpt
 from storage import disk_speed
-from storage import hf
+from storage import adapters, hf
 from storage.fsio import atomic_write_json, link_tree, read_json, remove_tree, tree_bytes
 
 ADOPTED = "adopted.json"  # in the scratch folder: the checkpoint an earlier attempt under another key left
@@ -100,7 +100,9 @@ class Checkpointer:
         if choice is None:
             return 0
         if self.adapters is not None and not hf.folder_of(choice):
-            self._load_base(hf.folder_of(init_from))  # the frozen base first: the checkpoint holds the adapters only
+            # the frozen base first (the checkpoint holds the adapters only): init_from's, or the one a continued
+            # LoRA checkpoint names
+            self._load_base(adapters.base_folder(init_from))
         if hf.folder_of(choice):  # weights only: a fresh optimizer, step 0
             self._load_base(hf.folder_of(choice))
             ctx.log.info("starting from the Hugging Face weights in %s", hf.folder_of(choice))

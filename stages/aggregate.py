@@ -62,7 +62,7 @@ def aggregate(ctx: StageContext) -> None:
     reader = CheckpointReader(source)
     if cfg.peft.name == "lora":  # the checkpoint holds the adapters: the whole model is the base's with them merged
         order = [name for name, _ in apply_lora(build_on_meta(spec, cfg.model), cfg.peft).named_parameters()]
-        base = hf.load_state(hf.folder_of(cfg.train.init_from), vocab_rows(cfg.model))
+        base = hf.load_state(adapters.base_folder(cfg.train.init_from), vocab_rows(cfg.model))
         reader = MergedSource(reader, base, {n: (tuple(p.shape), torch.float32) for n, p in
                                              base_model.named_parameters()}, cfg.peft.alpha / cfg.peft.rank)
 
@@ -159,7 +159,7 @@ def aggregate(ctx: StageContext) -> None:
         ctx.log.warning("%s", peft_note)
     elif cfg.peft.name == "lora":  # and the adapters alone, as peft's folder
         files[adapters.PEFT] = adapters.write_peft_folder(ctx.out / adapters.PEFT, CheckpointReader(source), cfg.peft,
-                                                          cfg.model, str(hf.folder_of(cfg.train.init_from).resolve()))
+                                                          cfg.model, str(adapters.base_folder(cfg.train.init_from).resolve()))
     hf_note = files.pop("hf_note", None)
     loss, trained, onnx_record = checked["loss"], checked["trained"], checked.get("onnx")
 

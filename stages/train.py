@@ -8,11 +8,11 @@ batch's labels / their count) do not depend on the layout, so every layout compu
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from plugins.data import build_batcher
 from plugins.data.packing import whole_documents
@@ -36,7 +36,7 @@ from runtime.train_report import (Diverged, divergence, first_nonfinite, gather_
                                   report_profile, write_summary)
 from stages.base import Resources, Stage, StageContext
 from storage import checkpoint as ckpt
-from storage import hf
+from storage import adapters, hf
 from storage.fsio import link_tree, read_json
 
 
@@ -63,8 +63,9 @@ def train(ctx: StageContext) -> None:
                         "precision": cfg.precision.name},
             "config_key": ctx.key, "partition_plan": plan}
     if cfg.peft.name != "none":  # the checkpoints hold what trains: the adapters, applied to this base
-        meta["peft"] = {"config": dict(cfg.peft), "base": {"init_from": t.init_from,
-                                                           "stamps_sha256": _fingerprint(cfg)["init_from"]}}
+        base = adapters.base_of(t.init_from)  # a continued LoRA checkpoint's base is the one it names
+        meta["peft"] = {"config": OmegaConf.to_container(cfg.peft, resolve=True), "base": {"init_from": base,
+                                                           "stamps_sha256": hf.stamps(hf.folder_of(base))}}
     checkpointer = Checkpointer(ctx, layout, list(zip(layout.parts, optimizers)), scaler, meta, history,
                                 vocab_rows(cfg.model), is_adapter if cfg.peft.name == "lora" else None)
     if not t.resume:
@@ -174,8 +175,7 @@ def _fingerprint(cfg) -> dict:
     start = None
     folder = hf.folder_of(cfg.train.init_from)
     if folder:  # the folder's files as they are now (names, sizes, modification times)
-        start = hashlib.sha256(json.dumps(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
-                                                 for p in folder.iterdir() if p.is_file())).encode()).hexdigest()
+        start = hf.stamps(folder)
     elif cfg.train.init_from:
         manifest = Path(cfg.train.init_from) / ckpt.MANIFEST
         start = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else "missing"

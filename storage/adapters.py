@@ -1,7 +1,8 @@
 """A LoRA checkpoint read as a whole model, and written as the folder `peft` loads.
 
 A LoRA run's checkpoint holds what trained (the adapters, peft.trainable's weights, their optimizer state) and names
-the base it applies to (train.init_from's Hugging Face folder). `MergedSource` reads like the checkpoint's own
+the base it applies to (train.init_from's Hugging Face folder; `base_of`: a run that continues the checkpoint, in any
+layout, starts from the base it names). `MergedSource` reads like the checkpoint's own
 reader (storage.dcp_reader.CheckpointReader: tensors, objects, read) but gives the whole model's weights: each base
 weight from the folder, the checkpoint's where it trained, the adapters folded in where the weight has them
 (W + B A * alpha / r, peft's merge_and_unload); the optimizer state is the checkpoint's. So the aggregate writes,
@@ -16,16 +17,34 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 from safetensors.torch import save_file
 
-from storage.fsio import atomic_write_json, fsync_dir
+from storage import hf
+from storage.fsio import atomic_write_json, fsync_dir, read_json
 from storage.hf import GPT2_CONV, LLAMA_NAMES
 
 PEFT = "peft"
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+def base_of(init_from: Optional[str]) -> Optional[str]:
+    """The base (`hf:<folder>`) a LoRA run's adapters apply to: train.init_from where it names a Hugging Face folder;
+    where it names a LoRA checkpoint (its adapters continued, in this run's layout), the base its manifest names;
+    None where it names neither (no init_from, a full fine-tune's checkpoint, no folder)."""
+    if not init_from or hf.folder_of(init_from):
+        return init_from or None
+    from storage.checkpoint import MANIFEST  # torch's DCP, only when a checkpoint is named
+
+    manifest = Path(init_from) / MANIFEST
+    return read_json(manifest).get("peft", {}).get("base", {}).get("init_from") if manifest.is_file() else None
+
+
+def base_folder(init_from: Optional[str]) -> Path:
+    """The folder of base_of(init_from) (a LoRA run's, checked before launch: it exists)."""
+    return hf.folder_of(base_of(init_from))
 
 
 def merged(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ Llama's q/k projections are stored by Hugging Face in the layout its rotate-half
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
@@ -35,6 +36,13 @@ class HFError(ValueError):
 def folder_of(init_from: Optional[str]) -> Optional[Path]:
     """The folder of `train.init_from=hf:<folder>` (None for any other value)."""
     return Path(init_from[len(PREFIX):]).expanduser() if init_from and init_from.startswith(PREFIX) else None
+
+
+def stamps(folder: Path) -> str:
+    """A digest of the folder's files as they are now (names, sizes, modification times): what a run keyed on it, or
+    adapters trained on it, saw; a stat per file, no read."""
+    return hashlib.sha256(json.dumps(sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns)
+                                            for p in folder.iterdir() if p.is_file())).encode()).hexdigest()
 
 
 def read_config(folder: Path) -> tuple[str, dict]:

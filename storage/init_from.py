@@ -15,7 +15,7 @@ def check(cfg, parameters: dict) -> list[Problem]:
     if not path:
         return []
     if path.startswith(hf.PREFIX):
-        return _hf_problems(cfg)
+        return hf_problems(cfg, path)
     from storage.checkpoint import MANIFEST  # torch's DCP: 0.7 s of imports, only when a checkpoint is named
 
     manifest_path = Path(path) / MANIFEST
@@ -28,6 +28,10 @@ def check(cfg, parameters: dict) -> list[Problem]:
     if damaged:
         return [Problem("train.init_from", path, f"the checkpoint does not match its manifest: {damaged}",
                         "copy it again from where it was written, or choose another checkpoint")]
+    if manifest.get("peft") and cfg.peft.name == "none":
+        return [Problem("train.init_from", path, "the checkpoint holds LoRA adapters, without the base they apply to",
+                        "peft=lora to continue them, or train.init_from=hf:<its aggregate's hf/ folder> to fine-tune "
+                        "the merged model in full")]
     theirs_opt = manifest.get("trainer", {}).get("optimizer")
     if theirs_opt and theirs_opt != cfg.optimizer.name:
         return [Problem("train.init_from", path, f"the checkpoint holds {theirs_opt}'s state; this run's optimizer "
@@ -63,8 +67,9 @@ def _damage(cfg, folder: Path, manifest: dict) -> str:
     return problems[0] if problems else ""
 
 
-def _hf_problems(cfg) -> list[Problem]:
-    path, folder = cfg.train.init_from, hf.folder_of(cfg.train.init_from)
+def hf_problems(cfg, path: str) -> list[Problem]:
+    """`hf:<folder>` (train.init_from, or the base a LoRA checkpoint names): a folder of model.*'s model."""
+    folder = hf.folder_of(path)
     if not folder.is_dir():
         return [Problem("train.init_from", path, f"{folder} is not a folder", "hf:<a save_pretrained folder>")]
     try:

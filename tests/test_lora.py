@@ -4,6 +4,7 @@ folder, which peft loads to the merged folder's logits; data and pipeline parall
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -14,6 +15,8 @@ from plugins.data.batcher import build_batcher
 from plugins.models.lora import initial_A
 from storage.dcp_reader import CheckpointReader
 from storage.hf import GPT2_CONV, LLAMA_NAMES
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.validate import validate
 from tests.conftest import make_cfg, run_cli
 from tests.test_finetune import args, plain_loop, records
 from tests.test_hf import FAMILIES, saved
@@ -32,12 +35,12 @@ def _losses(work: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 
 
-def _run(tmp_path: Path, family: str, folder: Path, targets: str, *extra: str, work: str = "work"
-         ) -> tuple[list[str], Path]:
+def _run(tmp_path: Path, family: str, folder: Path, targets: str, *extra: str, work: str = "work",
+         steps: int = STEPS, start: str = "") -> tuple[list[str], Path]:
     records(tmp_path / "qa.jsonl")
     overrides = [*FAMILIES[family][0], *args(tmp_path / "qa.jsonl", packing=True, seq_len=96),
-                 f"train.init_from=hf:{folder}", "peft=lora", f"peft.targets={targets}", "peft.rank=4",
-                 "peft.alpha=8", f"train.steps={STEPS}", "train.eval_every=0", "train.checkpoint_every=4",
+                 f"train.init_from={start or f'hf:{folder}'}", "peft=lora", f"peft.targets={targets}", "peft.rank=4",
+                 "peft.alpha=8", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=4",
                  "train.grad_clip=0", "optimizer=sgd", f"optimizer.lr={LR}", "optimizer.momentum=0",
                  "optimizer.schedule=constant", "optimizer.weight_decay=0", "optimizer.warmup_steps=0",
                  "tracking=none", f"train.seed={SEED}", *extra]
@@ -86,18 +89,29 @@ def test_lora_trains_as_peft_does_on_the_transformers_model_and_peft_loads_what_
 
 @pytest.mark.e2e  # up to eight ranks through `python -m orchestrator`, per layout
 def test_lora_in_every_layout_gives_one_process_losses(tmp_path):
-    """GPT with adapters on q, k, v too (peft's folder then holds c_attn's, of rank 3r): replicated data
-    parallelism, tensor parallelism with sequence and loss parallelism (a column-split Linear's B split by output,
-    a row-split one's A by input), and dp2 x hp2 x pp2 sharded give the single process's losses; peft loads the
-    folder to the merged logits."""
+    """GPT with adapters on q, k, v too (peft's folder then holds c_attn's, of rank 3r): tensor parallelism with
+    sequence and loss parallelism (a column-split Linear's B split by output, a row-split one's A by input) and
+    dp2 x hp2 x pp2 sharded give the single process's losses; replicated data parallelism continues dp2_hp2_pp2's
+    checkpoint of step 4 (train.init_from=<a LoRA checkpoint>: the base it names, its adapters resharded) with the
+    single process's steps 5-8. peft loads the folder to the merged logits."""
     folder = saved("gpt", tmp_path / "hf")
-    runs = {layout: _losses(_run(tmp_path, "gpt", folder, "[attention,mlp]", f"parallel={layout}", *extra,
-                                 work=layout)[1])
-            for layout, extra in (("single", ()), ("ddp2", ()),
-                                  ("megatron_hp2", ("parallel.sequence_parallel=true", "parallel.loss_parallel=true")),
-                                  ("dp2_hp2_pp2", ("parallel.dp_mode=shard",)))}
-    for layout in ("ddp2", "megatron_hp2", "dp2_hp2_pp2"):
-        assert max(abs(a - b) for a, b in zip(runs["single"], runs[layout])) <= 1e-5, (layout, runs)
+    runs = {layout: _run(tmp_path, "gpt", folder, "[attention,mlp]", f"parallel={layout}", *extra, work=layout,
+                         steps=steps)
+            for layout, steps, extra in (("single", STEPS, ()), ("dp2_hp2_pp2", 4, ("parallel.dp_mode=shard",)),
+                                         ("megatron_hp2", STEPS, ("parallel.sequence_parallel=true",
+                                                                  "parallel.loss_parallel=true")))}
+    losses = {layout: _losses(work) for layout, (_, work) in runs.items()}
+    (four,) = (tmp_path / "dp2_hp2_pp2" / "runs" / "cache" / "checkpoint").glob("*/manifest.json")
+    overrides, work = _run(tmp_path, "gpt", folder, "[attention,mlp]", "parallel=ddp2", work="ddp2",
+                           start=f"{four.parent}")
+    losses["ddp2"] = _losses(work)
+    for layout, first in (("megatron_hp2", 0), ("dp2_hp2_pp2", 0), ("ddp2", 4)):
+        want = losses["single"][first:first + len(losses[layout])]
+        assert len(losses[layout]) == (4 if layout != "megatron_hp2" else STEPS), (layout, losses)
+        assert max(abs(a - b) for a, b in zip(want, losses[layout])) <= 1e-5, (layout, losses)
+    assert json.loads(next((work / "runs" / "cache" / "checkpoint").glob("*/manifest.json")).read_text())[
+        "peft"]["base"]["init_from"] == f"hf:{folder}"  # the base, not the checkpoint it continued
+
     (out,) = (tmp_path / "single" / "runs" / "cache" / "aggregate").glob("*/peft")
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["rank_pattern"] and set(config["rank_pattern"].values()) == {12}
@@ -106,3 +120,57 @@ def test_lora_in_every_layout_gives_one_process_losses(tmp_path):
     ids = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (loaded(ids).logits - merged(ids).logits).abs().max().item() <= 1e-5
+
+    def refused(*changes: str, drop: tuple[str, ...] = ("parallel=",)) -> dict[str, str]:  # before launch
+        with pytest.raises(ConfigError) as e:
+            validate(make_cfg(*[o for o in overrides if not o.startswith(drop)], *changes,
+                              runs_dir=tmp_path / "refused"))
+        return {p.key: f"{p.rule} | {p.fix}" for p in e.value.problems}
+
+    assert "trained with peft.rank=4" in refused("peft.rank=8")["peft.rank"]
+    assert "peft=lora to continue them" in refused("peft=none", drop=("parallel=", "peft"))["train.init_from"]
+    weights = next(folder.glob("*.safetensors"))
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    assert f"trained on hf:{folder}, whose files have changed" in refused()["train.init_from"]
+
+
+def test_lora_in_bf16_holds_the_frozen_base_in_bf16_and_the_plan_counts_what_it_holds(monkeypatch):
+    """precision=bf16: the blocks' frozen Linears are stored in bf16, which autocast computes them in anyway (the
+    losses equal those of an fp32-stored base under the same autocast, and fp32's to bf16's 2e-2); the adapters,
+    norms and embeddings stay fp32; the plan's parameter bytes are the bytes the layout holds."""
+    import plugins.parallel.layout as layout_module
+    from planning.estimate import estimate
+    from planning.partition import build_plan
+    from plugins.data.batcher import Batch
+    from plugins.models import get_model
+    from plugins.parallel.layout import build_layout
+    from runtime.metrics import MemoryProbe
+    from runtime.optim import build_optimizer
+    from runtime.step import StepSettings, train_step
+
+    def losses(precision: str) -> tuple[list[float], dict, int, int]:
+        cfg = make_cfg("model=gpt_tiny", "train.batch_size=4", "train.seq_len=32", "peft=lora", "model.dropout=0",
+                       f"precision={precision}")
+        plan = build_plan(cfg.model, cfg.parallel, cfg.peft)
+        layout = build_layout(cfg, plan, get_model("gpt"), torch.device("cpu"))
+        dtypes = {name: p.dtype for name, p in layout.parts[0].named_parameters()}
+        held = sum(p.numel() * p.element_size() for p in layout.parts[0].parameters())
+        optimizers, settings = [build_optimizer(cfg.optimizer, part) for part in layout.parts], StepSettings.of(cfg)
+        out = []
+        for step in range(3):
+            tokens = torch.randint(0, cfg.model.vocab_size, (4, 33), generator=torch.Generator().manual_seed(step))
+            row = train_step(layout, optimizers, Batch(tokens[:, :-1], tokens[:, 1:], 1.0, 1.0), step, 1e-2,
+                             settings, MemoryProbe(torch.device("cpu")))
+            out.append(row["loss"].item())
+        return out, dtypes, held, estimate(cfg, plan).parameters
+
+    fp32, _, _, _ = losses("fp32")
+    bf16, dtypes, held, planned = losses("bf16")
+    assert {n for n, d in dtypes.items() if d == torch.bfloat16} == \
+        {n for n in dtypes if n.startswith("layers.") and n.endswith(("wq.weight", "wk.weight", "wv.weight",
+                                                                      "wo.weight", "fc1.weight", "fc2.weight"))}
+    assert dtypes["layers.0.attn.wq.lora_A"] == dtypes["wte.weight"] == dtypes["layers.0.ln1.weight"] == torch.float32
+    assert planned == held
+    assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) <= 2e-2
+    monkeypatch.setattr(layout_module, "store_frozen", lambda module, dtype: None)  # the base kept in fp32
+    assert losses("bf16")[0] == bf16

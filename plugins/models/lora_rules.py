@@ -1,8 +1,14 @@
 """peft.*'s checks before launch: adapters on Linears the model has, of a rank the layer can hold, on a base that is
-named (train.init_from=hf:), in a layout and an engine that train them."""
+named (train.init_from=hf:, or a LoRA checkpoint, which names its base: its adapters go on, in any layout), in an
+engine that trains them."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from common.problem import Problem
+from storage import hf, init_from
+from storage.adapters import base_of
+from storage.fsio import read_json
 from plugins.models.lora import GROUPS, target_names, targets
 
 
@@ -38,12 +44,57 @@ def check(cfg) -> list[Problem]:
         elif t == "bias" and not any(n.endswith(".bias") for n in names):
             out.append(Problem("peft.trainable", t, f"model={cfg.model.name} has no biases (model.bias=false)",
                                "peft.trainable=[]"))
-    if not (cfg.train.init_from or "").startswith("hf:"):
-        out.append(Problem("train.init_from", cfg.train.init_from, "LoRA trains adapters beside a base model's "
-                           "frozen weights: the base must be named (a Hugging Face folder)",
-                           "train.init_from=hf:<the base model's folder>"))
+    out += _base_problems(cfg)
     if cfg.engine.name != "torch":
         out.append(Problem("engine.name", cfg.engine.name, "ONNX Runtime's exported units take the base weights as "
                            "their parameters: the adapters beside them are not in the graphs", "engine=torch"))
     return out
 
+
+
+# what a continued LoRA checkpoint's adapters were trained as: another value is another function of the same weights
+SHAPING = ("rank", "alpha", "targets", "trainable")
+
+
+def _base_problems(cfg) -> list[Problem]:
+    """The base: named, and, where a LoRA checkpoint is continued, the one its adapters were trained on (its files as
+    they were) and the adapters' settings as they were."""
+    start, base = cfg.train.init_from, base_of(cfg.train.init_from)
+    if not base:
+        return [Problem("train.init_from", start, "LoRA trains adapters beside a base model's frozen weights: the base "
+                        "must be named, a Hugging Face folder (or a LoRA checkpoint, which names its own)"
+                        + (": this checkpoint holds a full fine-tune" if start else ""),
+                        "train.init_from=hf:<the base model's folder>"
+                        + (" (a full fine-tune's aggregate writes one: its hf/ folder)" if start else ""))]
+    if base == start:
+        return []  # the folder itself is checked with train.init_from's rules
+    problems = [Problem(p.key, p.value, f"the checkpoint's base, {base}: {p.rule}", p.fix)
+                for p in init_from.hf_problems(cfg, base)]
+    if problems:
+        return problems
+    from storage.checkpoint import MANIFEST
+
+    trained = read_json(Path(start) / MANIFEST)["peft"]
+    if hf.stamps(hf.folder_of(base)) != trained["base"]["stamps_sha256"]:
+        problems.append(Problem("train.init_from", start, f"the checkpoint's adapters were trained on {base}, whose "
+                                "files have changed since (names, sizes or modification times): on other weights "
+                                "they are another model", f"put the base back as it was, or train adapters afresh "
+                                f"on it: train.init_from={base}"))
+    for key in SHAPING:
+        was, now = trained["config"].get(key), _plain(cfg.peft[key])
+        if was is not None and was != now:
+            problems.append(Problem(f"peft.{key}", now, f"the checkpoint's adapters were trained with peft.{key}="
+                                    f"{_override(was)}", f"peft.{key}={_override(was)} to continue them (or "
+                                    f"train.init_from={base} to start afresh)"))
+    return problems
+
+
+def _plain(value):
+    """A config list as a plain list (to compare with the manifest's), other values as they are."""
+    return list(value) if hasattr(value, "__iter__") and not isinstance(value, str) else value
+
+
+def _override(value) -> str:
+    """A value as it is written on the command line: [a,b] for a list."""
+    return f"[{','.join(value)}]" if isinstance(value, list) else f"{value:g}" if isinstance(value, float) else \
+        f"{value}"

@@ -20,13 +20,14 @@ from torch.distributed.tensor import DTensor
 
 from plugins.data.packing import rank_tokens, repack
 from plugins.engines import get_engine
-from plugins.models.lora import apply_lora, init_adapters
+from plugins.models.lora import apply_lora, init_adapters, store_frozen
 from plugins.models.registry import build_on_meta, materialise
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
 from plugins.parallel.mesh import Coordinates, build_mesh
 from plugins.parallel.parallelize import parallelize
 from plugins.parallel.pipeline import MicrobatchRunner, PipelineRunner, Timeline
 from storage.weights import tied_aliases
+from runtime import precision as mixed
 from runtime.kernels import KernelReport
 
 
@@ -125,6 +126,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         hp_group = mesh.get_group("hp") if coords.hp_size > 1 else None
         engine, fallbacks = runs_on.build(spec, prepared, cfg.engine, hp_group, device, dist.get_rank() if mesh else 0)
     kernels = KernelReport()
+    precision = mixed.of(cfg, device, runs_on.mixed_precision)
     parts = []
     for i, st in enumerate(local_stages):
         # structure first, on the meta device: split and transformed there, so that only this rank's shards are
@@ -132,6 +134,8 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         module = build_on_meta(spec, cfg.model)
         if cfg.peft.name == "lora":  # adapters first: every layout then places them as the Linears beside them
             apply_lora(module, cfg.peft)
+            if precision.mixed:  # the frozen base in bf16/fp16, the adapters in fp32
+                store_frozen(module, precision.dtype)
         if p.pp > 1:
             module = spec.split(module, st["layers"], st["embedding"], st["head"])
         parallelize(module, spec, cfg, mesh, device, engine, kernels if log is not None else None, log, i)
