@@ -1,6 +1,7 @@
 """What the user sees: the plan before anything runs and the stage table at the end."""
 from __future__ import annotations
 
+import io
 import os
 import sys
 from dataclasses import dataclass, field
@@ -98,6 +99,13 @@ def result_table(results: list[StageResult], total_s: float, title: str = "stage
 
 
 def plan_text(plan: list[PlannedStage], where: dict[str, str]) -> str:
-    with console.capture() as cap:
-        console.print(plan_table(plan, where))
-    return cap.get()
+    return plain_text(plan_table(plan, where))
+
+
+def plain_text(renderable) -> str:
+    """What a file gets of what the console shows: the same width, without colour codes (a capture of a terminal's
+    console keeps them)."""
+    out = Console(file=io.StringIO(), width=console.width, color_system=None, force_terminal=False, highlight=False,
+                  markup=False)
+    out.print(renderable)
+    return out.file.getvalue()

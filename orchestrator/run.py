@@ -26,7 +26,8 @@ from orchestrator.report import Report, StageResult, console, plan_table, plan_t
 from orchestrator import interrupt
 from orchestrator.cache import resume
 from orchestrator.tracking import later as tracking_later
-from orchestrator.tracking.tracker import Invocation, process_alive
+from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, absolute_uri, process_alive
+from orchestrator.tracking.tracker import run_name as short_run_name
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import refusing, validate, warnings
 from planning.plan import compute_line, memory_line, peft_line, time_line
@@ -58,6 +59,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     return once the jobs are submitted (a sweep follows all its points' jobs together). until: run that stage and
     the stages it needs only (a layout trial stops after train)."""
     t0 = time.perf_counter()
+    fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
     choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
     validate(cfg, overrides)
     cache = Cache(Path(cfg.cache_dir).resolve())
@@ -81,7 +83,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     commands = {name: executor.command(launches[name]) for name in to_run}
     _write_plan(run_dir, plan, where, commands)
     console.print(plan_table(plan, where))
-    for line in [*choices, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]:
+    for line in [*_new_store(cfg, fresh), *choices, *estimates, *data, *(data_preview(cfg) if tokenize else []),
+                 *warnings(cfg)]:
         console.print(line, soft_wrap=True)
     if cfg.data.preview:
         console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)
@@ -104,8 +107,9 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     else:  # e.g. the local fork server imports torch while MLflow's runs are opened
         executor.prepare(tracking=cfg.tracking.name == "mlflow")
 
-    tags = {"orchestrator.run_dir": str(run_dir), **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
-    run_name = " ".join(overrides) or "default"
+    tags = {"orchestrator.run_dir": str(run_dir), "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],
+            **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
+    run_name = short_run_name(overrides)
     if tracking_later.worthwhile(cfg, nothing_to_run=not to_run):
         tracking = tracking_later.LaterInvocation(run_dir, run_name, tags)
     else:
@@ -153,8 +157,19 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
                          {"orchestrator.status": "interrupted" if interrupted else "failed" if failed else "ok"})
         recorded = f"recorded by pid {tracking.pid} in the background, log {run_dir / tracking_later.LOG}" \
             if isinstance(tracking, tracking_later.LaterInvocation) else f"run {tracking.parent}"
-        console.print(f"MLflow: mlflow ui --backend-store-uri {cfg.tracking.uri}  ({recorded})", soft_wrap=True)
+        console.print(f"MLflow: mlflow ui --backend-store-uri {absolute_uri(cfg.tracking.uri)}  ({recorded})",
+                      soft_wrap=True)
     return report
+
+
+def _new_store(cfg: DictConfig, fresh: bool) -> list[str]:
+    """Said when there is no cache yet where this run keeps it: runs_dir is relative to the folder the command runs
+    in, so a command started from another folder would otherwise make a new cache (and store) there silently."""
+    if not fresh:
+        return []
+    store = f" and a new MLflow store, {absolute_uri(cfg.tracking.uri)}," if cfg.tracking.name == "mlflow" else ""
+    return [f"a new cache{store} in {Path(cfg.cache_dir).resolve()}: none there yet (runs_dir={cfg.runs_dir} is "
+            "relative to the folder the command runs in; earlier runs are reused from theirs)"]
 
 
 def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launch], cache: Cache, run_dir: Path,

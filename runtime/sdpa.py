@@ -72,7 +72,8 @@ def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch
 
 def attention_kernel(model_cfg, precision, device: torch.device, attention: str = "sdpa",
                      documents: bool = False) -> str:
-    """'flash', 'efficient', 'cudnn' or 'math' (torch's SDPA backends), 'math (written out)' for
+    """'flash', 'efficient', 'cudnn' or 'math' (torch's SDPA backends; on a CPU with " (cpu)": torch's CPU
+    kernels of those names, not the CUDA ones a tag of 'flash' would suggest), 'math (written out)' for
     triton.attention=math, 'flex' for rows of documents under triton.attention=flex; 'unknown' when no backend runs
     the shape."""
     if attention == "math":
@@ -96,5 +97,5 @@ def attention_kernel(model_cfg, precision, device: torch.device, attention: str 
                 F.scaled_dot_product_attention(q, q, q, **shape)
         except RuntimeError:
             continue
-        return name
+        return name if device.type == "cuda" else f"{name} ({device.type})"
     return "unknown"

@@ -11,6 +11,7 @@ import mlflow
 import pytest
 import yaml
 
+from orchestrator.sweeps import pictures
 from tests.conftest import run_cli, signal_cli
 
 pytestmark = pytest.mark.e2e
@@ -50,6 +51,7 @@ def test_optuna_minimises_the_trials_eval_loss_and_the_same_command_continues_it
     result, summary, sweep_dir = study(workdir, *SEARCH)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "new, 4 trial(s) (hydra.sweeper.n_trials)" in result.stdout
+    assert "] A new study created" in result.stderr and "\x1b" not in result.stdout + result.stderr  # plain
     rows = summary["points"]
     assert len(rows) == 4 and summary["objective"] == "eval_loss" and summary["direction"] == "minimize"
     for row in rows:  # what the sweeper got is each point's own eval loss
@@ -67,6 +69,16 @@ def test_optuna_minimises_the_trials_eval_loss_and_the_same_command_continues_it
     assert sweep.info.status == "FINISHED" and len(points[sweep.info.run_id]) == 4
     assert sweep.data.metrics["best_eval_loss"] == pytest.approx(rows[0]["objective"])
     uninterrupted = [(t["params"], t["values"]) for t in kept_trials(workdir)]
+    # its pictures, on the sweep's run: Optuna's history holds the four trials' values, its importance the parameter
+    drawn = [pictures.OBJECTIVE, pictures.LOSSES, pictures.HISTORY, pictures.IMPORTANCE]
+    assert summary["pictures"] == drawn and all((sweep_dir / name).stat().st_size > 10_000 for name in drawn)
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    assert {a.path for a in client.list_artifacts(sweep.info.run_id)} >= set(drawn)
+    (study_file,) = (workdir / "runs" / "studies").glob("*.json")
+    history, importance = pictures.optuna_figures(json.loads(study_file.read_text()))
+    shown = sorted(y for c in history.axes[0].collections for _, y in c.get_offsets())
+    assert shown == sorted(v for _, (v,) in uninterrupted)
+    assert [t.get_text() for t in importance.axes[0].get_yticklabels()] == ["optimizer.lr"]
 
     # The same study, stopped by SIGTERM in trial 2 (the second of the first batch) and continued by the same command
     stopped = tmp_path / "stopped"
@@ -79,6 +91,7 @@ def test_optuna_minimises_the_trials_eval_loss_and_the_same_command_continues_it
 
     again = run_cli([*args, "train.progress=false"], stopped, timeout=900)  # an execution key: the same study
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "Using an existing study" in again.stderr and "A new study created" not in again.stderr  # one story
     assert "continued, 1 of 4 trial(s) done" in again.stdout and "1 interrupted (resumed first), 3 to run" in \
         again.stdout
     assert " point 0: " not in again.stdout and " point 1: " not in again.stdout  # trial 1 done, 2 interrupted

@@ -108,30 +108,6 @@ def test_invalid_sweep_point_stops_the_whole_sweep_before_anything_runs(workdir)
     assert not (workdir / "runs" / "cache").exists()
 
 
-@pytest.mark.e2e
-def test_local_sweep_summary_table_shared_stages_and_mlflow_tree(workdir):
-    result = run_cli(["-m", "cluster=debug", "optimizer.lr=1e-3,3e-4", "train.steps=5", "model.n_layers=1",
-                      "train.batch_size=4", "train.seq_len=32"], workdir)
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads(next(workdir.rglob("sweep_summary.json")).read_text())
-    rows = sorted(summary["points"], key=lambda r: r["point"])  # the summary lists them best eval loss first
-    assert [r["overrides"] for r in rows] == ["optimizer.lr=0.001", "optimizer.lr=0.0003"]
-    assert all(r["status"] == "ok" and r["final_loss"] > 0 and r["tokens_per_s"] > 0 for r in rows)
-    assert rows[0]["final_loss"] != rows[1]["final_loss"]
-    assert "sweep: 2 point(s)" in result.stdout
-
-    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
-    exp = client.get_experiment_by_name("orchestrator")
-    (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
-    points = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{sweep.info.run_id}'")
-    assert len(points) == 2 and sweep.info.status == "FINISHED"
-    second = max(points, key=lambda r: r.info.start_time)
-    stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{second.info.run_id}'")
-    status = {s.data.tags["orchestrator.stage"]: s.data.tags["orchestrator.status"] for s in stages}
-    assert status == {"tokenize": "cached", "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran",
-                      "aggregate": "ran"}
-
-
 def test_slurm_dry_run_needs_no_slurm(workdir, tmp_path):
     """From a laptop or a CI box: the sbatch scripts and the afterok chain, from the config alone."""
     empty = tmp_path / "bin"
@@ -204,3 +180,17 @@ def test_a_sweep_too_large_is_refused_at_once_and_a_signal_stops_its_check(workd
                                  lambda lines: any("checking 200 point(s)" in line for line in lines))
     assert code == 143 and took < 5 and "while the command was checked: nothing was started" in out, out[-2000:]
     assert not (workdir / "runs").exists()
+
+
+def test_the_study_table_and_the_sweep_table_say_the_same_of_a_trial_that_never_started(tmp_path):
+    """After a signal Optuna holds both trials of the batch running; the one whose point never started reads
+    `not run` in the study's table, as in the sweep's, and the one stopped mid-way `interrupted` in both."""
+    from orchestrator.report import plain_text
+    from orchestrator.sweeps.study import KeptStudy
+
+    running = {"state": "RUNNING", "params": {"optimizer.lr": 1e-3}, "values": None, "user_attrs": {}}
+    kept = KeptStudy(tmp_path, "study-x", {"direction": "minimize"},
+                     _saved={"trials": [{**running, "number": 0}, {**running, "number": 1}]})
+    rows = [line.split("│")[1:3] for line in plain_text(kept.table({0: "interrupted", 1: "not run"})).splitlines()
+            if line.startswith("│")]
+    assert [[cell.strip() for cell in row] for row in rows] == [["0", "interrupted"], ["1", "not run"]]

@@ -36,6 +36,7 @@ from orchestrator import interrupt
 from runtime import preemption
 from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, Outcome
+from orchestrator.cluster.log_text import LogText
 
 TAIL_LINES = 25
 
@@ -259,7 +260,8 @@ def _silent_rank(procs: list[subprocess.Popen], log_dir: Optional[Path], limit: 
 
 def _pump(stream, path: Path, recent: deque) -> None:
     """Copy a child's output to our stdout and to its log file as it arrives, keeping the last chunks in `recent`.
-    A log file that cannot be written (a full disk) is given up with one line: the terminal still gets it all."""
+    The file gets plain lines (log_text.LogText: no progress-bar frames, no colour codes). A log file that cannot be
+    written (a full disk) is given up with one line: the terminal still gets it all."""
     out = getattr(sys.stdout, "buffer", None)
 
     def show(data: bytes) -> None:
@@ -270,7 +272,7 @@ def _pump(stream, path: Path, recent: deque) -> None:
             sys.stdout.write(data.decode(errors="replace"))
             sys.stdout.flush()
 
-    f = None
+    f, plain = None, LogText()
     try:
         f = open(path, "wb")
     except OSError as e:
@@ -279,7 +281,7 @@ def _pump(stream, path: Path, recent: deque) -> None:
         recent.append(chunk)
         if f is not None:
             try:
-                f.write(chunk)
+                f.write(plain.feed(chunk))
                 f.flush()
             except OSError as e:
                 f = _give_up(f)
@@ -287,6 +289,10 @@ def _pump(stream, path: Path, recent: deque) -> None:
                      "to the terminal only)\n".encode())
         show(chunk)
     if f is not None:
+        try:
+            f.write(plain.close())
+        except OSError:
+            pass
         _give_up(f)
 
 

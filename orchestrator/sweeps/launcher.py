@@ -16,6 +16,7 @@ batch, and one table, best first, printed when Hydra is done (`finish_study`, ca
 from __future__ import annotations
 
 import copy
+import json
 import math
 import threading
 import time
@@ -32,9 +33,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.table import Table
 
 from orchestrator import interrupt
-from orchestrator.sweeps import objective
+from orchestrator.sweeps import objective, pictures
 from orchestrator.config.errors import ConfigError, Problem
-from orchestrator.report import EXIT_CODES, Report, console, result_table, styled
+from orchestrator.report import EXIT_CODES, Report, console, plain_text, result_table, styled
 from storage.fsio import atomic_write_json
 from runtime.threads import cores_shared_by
 
@@ -95,6 +96,7 @@ class SweepLauncher(Launcher):
         self.points: list[Point] = []   # every batch's points: one study
         self.sweep_run: Optional[str] = None
         self.t0 = 0.0
+        self.study_file: Optional[Path] = None  # an Optuna study's, as orchestrator/sweeps/study.py keeps it
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
         self.config, self.hydra_context = config, hydra_context
@@ -128,7 +130,11 @@ class SweepLauncher(Launcher):
 
     def finish(self, interrupted: bool = False) -> None:
         sweep_dir = Path(str(self.config.hydra.sweep.dir)).resolve()
-        _finish(self.points, sweep_dir, self.sweep_run, time.perf_counter() - self.t0, interrupted)
+        _finish(self.points, sweep_dir, self.sweep_run, time.perf_counter() - self.t0, interrupted, self.study_file)
+
+    def statuses(self) -> dict[int, str]:
+        """Each point's status (the sweep table's words) by its index: an Optuna study's trial number."""
+        return {p.index: _status(p) for p in self.points}
 
     def finished_values(self, n: int) -> list[Optional[float]]:
         """The objectives of the last n points, None where a point did not finish (interrupted or not run): what a
@@ -298,19 +304,18 @@ def _best(rows: list[dict]) -> Optional[dict]:
     return next((r for r in rows if math.isfinite(r["objective"])), None)
 
 
-def write_summary(points: list[Point], sweep_dir: Path, seconds: float) -> tuple[list[dict], Table]:
+def write_summary(points: list[Point], sweep_dir: Path, seconds: float, pictures: Sequence[Path] = ()
+                  ) -> tuple[list[dict], Table]:
     """sweep_summary.json and .txt for the points so far (rewritten after every batch: a study cut short keeps
-    what it measured)."""
+    what it measured); pictures: those drawn of it (at the end)."""
     rows = summary_rows(points)
     name = points[0].cfg.sweep.objective
     table = _table(rows, name, seconds)
     sweep_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(sweep_dir / "sweep_summary.json", {
         "wall_s": seconds, "objective": name, "direction": objective.direction(name, points[0].cfg),
-        "best": _best(rows), "points": rows})
-    with console.capture() as cap:
-        console.print(table)
-    (sweep_dir / "sweep_summary.txt").write_text(cap.get())
+        "best": _best(rows), "points": rows, "pictures": [p.name for p in pictures]})
+    (sweep_dir / "sweep_summary.txt").write_text(plain_text(table))
     return rows, table
 
 
@@ -328,9 +333,15 @@ def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
 
 
 def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seconds: float,
-            interrupted: bool = False) -> None:
+            interrupted: bool = False, study_file: Optional[Path] = None) -> None:
     rows, table = write_summary(points, sweep_dir, seconds)
+    study = json.loads(study_file.read_text()) if study_file is not None and study_file.is_file() else None
+    drawn = pictures.draw(rows, points[0].cfg.sweep.objective, sweep_dir, study) if points else []
+    if drawn:
+        write_summary(points, sweep_dir, seconds, drawn)
     console.print(table)
+    if drawn:
+        console.print(f"pictures: {', '.join(p.name for p in drawn)} in {sweep_dir}", soft_wrap=True)
     failed = any(r["status"] in ("failed", "rejected", "not run") for r in rows)
     if sweep_run:
         from orchestrator.tracking.tracker import _client
@@ -338,6 +349,8 @@ def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seco
         client = _client(points[0].cfg.tracking.uri)
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.json"))
         client.log_artifact(sweep_run, str(sweep_dir / "sweep_summary.txt"))
+        for picture in drawn:
+            client.log_artifact(sweep_run, str(picture))
         client.log_metric(sweep_run, "wall_s", seconds)
         best = _best(rows)
         if best:

@@ -24,6 +24,7 @@ import functools
 import hashlib
 import json
 import pickle
+import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from storage.fsio import atomic_write_bytes, atomic_write_json
 
 INTERRUPTED = "interrupted"  # the user attribute of a trial a signal stopped
 INVALID = "invalid"  # the user attribute of a trial whose point validation refused (its refusal's rule)
+NOT_RUN = "not run"  # the sweep table's word for a point that never started
 _UNREAD = object()  # a KeptStudy whose file is not read yet
 
 
@@ -210,9 +212,16 @@ class KeptStudy:
             return storage, sampler
         if path.is_file() and not isinstance(sampler, functools.partial):
             sampler = pickle.loads(path.read_bytes())  # a grid (a partial the sweeper completes) keeps none: its
-        study = optuna.create_study(storage=storage, study_name=self.name,  # trials' grid ids say what is visited
-                                    sampler=None if isinstance(sampler, functools.partial) else sampler,
-                                    directions=_directions(self.search["direction"]))
+        # the study rebuilt from its file, quietly: Optuna would say "A new study created in memory" right before the
+        # sweeper's "Using an existing study" (the study is not new)
+        verbosity = optuna.logging.get_verbosity()
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        try:
+            study = optuna.create_study(storage=storage, study_name=self.name,  # trials' grid ids: what is visited
+                                        sampler=None if isinstance(sampler, functools.partial) else sampler,
+                                        directions=_directions(self.search["direction"]))
+        finally:
+            optuna.logging.set_verbosity(verbosity)
         again = []
         with warnings.catch_warnings():  # add_trial, create_trial and enqueue_trial are "experimental" in Optuna 2
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -237,15 +246,19 @@ class KeptStudy:
                                              distributions=distributions, values=t["values"],
                                              user_attrs=t["user_attrs"], system_attrs=t.get("system_attrs", {})))
 
-    def table(self) -> Table:
-        """Every trial of the study, this command's and the earlier ones', in order."""
+    def table(self, points: Optional[dict[int, str]] = None) -> Table:
+        """Every trial of the study, this command's and the earlier ones', in order; points: this command's points'
+        statuses by trial number (a trial Optuna still holds running whose point never started reads `not run`, as
+        in the sweep's table)."""
+        points = points or {}
         trials = (self.saved() or {"trials": []})["trials"]
         names = sorted({k for t in trials for k in t["params"]})
         table = Table(title=f"study {self.name}: {len(trials)} trial(s)", title_justify="left")
         for col in ("trial", "state", *names, "value"):
             table.add_column(col)
         for t in trials:
-            state = INTERRUPTED if t["state"] == "RUNNING" or t["user_attrs"].get(INTERRUPTED) else \
+            state = NOT_RUN if t["state"] == "RUNNING" and points.get(t["number"]) == NOT_RUN else \
+                INTERRUPTED if t["state"] == "RUNNING" or t["user_attrs"].get(INTERRUPTED) else \
                 INVALID if t["user_attrs"].get(INVALID) else t["state"].lower()
             table.add_row(str(t["number"]), state, *(f"{t['params'][n]:.6g}" if isinstance(t["params"].get(n), float)
                                                      else str(t["params"].get(n, "-")) for n in names),
@@ -284,16 +297,34 @@ def _directions(direction: str) -> list[str]:
     return [n.strip().rsplit(".", 1)[-1] for n in names]
 
 
+def _plain_lines_off_a_terminal() -> None:
+    """Optuna 2 colours its log lines (colorlog) into a pipe or a file too: there, they go through a plain handler."""
+    import logging
+
+    import optuna
+
+    logger = logging.getLogger("optuna")
+    if sys.stderr.isatty() or any(getattr(h, "plain", False) for h in logger.handlers):
+        return
+    optuna.logging.disable_default_handler()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(levelname).1s %(asctime)s] %(message)s"))
+    handler.plain = True
+    logger.addHandler(handler)
+
+
 def run_study(sweeper: Any, config: DictConfig, arguments: list[str]) -> None:
     """Run Hydra's Optuna sweep (sweeper: its OptunaSweeperImpl) on the kept study."""
     import optuna
 
+    _plain_lines_off_a_terminal()
     kept = KeptStudy.of(config)
     storage, sweeper.sampler = kept.load(sweeper.sampler)
     sweeper.storage, sweeper.study_name = storage, kept.name
     sweeper.n_trials = kept.to_run(sweeper.n_trials)  # n_trials counts the study's trials, not this command's
     sweeper.job_idx = len((kept.saved() or {"trials": []})["trials"])  # point i is the study's trial i
     launcher = sweeper.launcher
+    launcher.study_file = kept.path  # its pictures, at the end (orchestrator/sweeps/pictures.py)
     sweeper.launcher = _SavingLauncher(launcher, kept, storage, sweeper)
     Path(str(config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)  # the results file, trials or none
     try:
@@ -312,7 +343,7 @@ def run_study(sweeper: Any, config: DictConfig, arguments: list[str]) -> None:
     finally:
         if optuna.study.get_all_study_summaries(storage):
             kept.save(optuna.load_study(study_name=kept.name, storage=storage), sweeper.sampler)
-            console.print(kept.table())
+            console.print(kept.table(launcher.statuses()))
 
 
 class _SavingLauncher:

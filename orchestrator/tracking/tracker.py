@@ -10,6 +10,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -49,6 +50,14 @@ def _client(uri: str):
     return mlflow.MlflowClient(tracking_uri=uri)
 
 
+def absolute_uri(uri: str) -> str:
+    """A sqlite store's URI with its file's absolute path: the default's is relative to the working folder, so the
+    same URI printed names another store from another folder."""
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + os.fspath(Path(uri[len("sqlite:///"):]).resolve())
+    return uri
+
+
 def store_lock(uri: str):
     """A file lock beside a sqlite store: two processes creating a fresh store at once break MLflow's schema
     migration ("Online migration expected to match one row")."""
@@ -59,6 +68,22 @@ def store_lock(uri: str):
     db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(db) + ".lock")
+
+
+NAME_CHARS = 80  # a parent run's name, as MLflow's run table shows it whole
+OVERRIDES_TAG_CHARS = 5000  # the full overrides, as a tag (MLflow stores 8000 characters at most)
+
+
+def run_name(overrides: list[str]) -> str:
+    """A parent run's name: its overrides, each path by its last component, the first of them that fit in
+    NAME_CHARS characters and "+N more" for the rest (the full list is the run's `orchestrator.overrides` tag)."""
+    parts = [re.sub(r"[^\s,\[\]=:'\"]*/(?=[^/\s,\]'\"]+)", "", o) for o in overrides]
+    for shown in range(len(parts), 0, -1):
+        name = " ".join(parts[:shown]) + (f" +{len(parts) - shown} more" if shown < len(parts) else "")
+        if len(name) <= NAME_CHARS:
+            return name
+    more = f" +{len(parts) - 1} more" if len(parts) > 1 else ""
+    return (parts[0][:NAME_CHARS - len(more) - 1] + "…" + more) if parts else "default"
 
 
 FAILED_NOTE = "mlflow_failed.txt"  # in the run folder: the store failed during this run (what it said)
