@@ -30,7 +30,10 @@ from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, absol
 from orchestrator.tracking.tracker import run_name as short_run_name
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import refusing, validate, warnings
-from planning.plan import compute_line, memory_line, peft_line, time_line
+from planning import stage_time
+from planning.plan import (actual_line, compute_line, expected_times, memory_line, partition_plan, peft_line,
+                           planned_lines, time_line)
+from planning.stage_time import Expected
 from plugins.data.corpus import plan_lines
 from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores
@@ -70,8 +73,9 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
     with refusing("overrides", " ".join(overrides), "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"):
         data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
+        planned = expected_times(cfg, to_run, cache.root)
         estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
-                     time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run)))]
+                     time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *planned_lines(planned)]
 
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -134,7 +138,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
                     run_id = tracking.start_stage(ps.name, ps.key, {}, {"orchestrator.status": "not run"})
                     tracking.end_run(run_id, "KILLED")
                 continue
-            results[ps.name] = _run_stage(cfg, ps, cache, launches[ps.name], executor, tracking)
+            results[ps.name] = _run_stage(cfg, ps, cache, launches[ps.name], executor, tracking,
+                                          planned.get(ps.name))
             link_output(run_dir, ps.name, cache.entry(ps.name, ps.key))
     except KeyboardInterrupt:
         if tracking:
@@ -145,6 +150,9 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     interrupted = any(r.status == "interrupted" for r in results.values())
     total = time.perf_counter() - t0
     console.print(result_table(list(results.values()), total))
+    against = actual_line(planned, {r.name: r.seconds for r in results.values() if r.status == "ran"})
+    if against:
+        console.print(against, soft_wrap=True)
     console.print(f"outputs: {run_dir}", soft_wrap=True)
     if results.get("aggregate") and results["aggregate"].status in ("ran", "cached"):
         console.print(f"the trained model: {run_dir / 'stages/aggregate/output'} (in Python: "
@@ -234,7 +242,7 @@ def _launch(cfg: DictConfig, ps: PlannedStage, cache: Cache, run_dir: Path, conf
 
 
 def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, executor,
-               tracking: Optional[Invocation]) -> StageResult:
+               tracking: Optional[Invocation], planned: Optional[Expected] = None) -> StageResult:
     if ps.cached:  # verified by the plan; an entry never changes, so no lock (a read-only cache has none to take)
         return _cached(ps, cache, tracking)
     with _stage_lock(cache, ps):
@@ -269,11 +277,14 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
         return StageResult(ps.name, ps.key, "interrupted", outcome.seconds,
                            f"run the same command to continue{f' (it {hint})' if hint else ''}", outcome.error)
     if tracking:
-        tracking.end_run(run_id, "FINISHED" if ok else "FAILED", {"duration_s": outcome.seconds},
+        tracking.end_run(run_id, "FINISHED" if ok else "FAILED",
+                         {"duration_s": outcome.seconds, **({"planned_s": planned.seconds} if planned else {})},
                          {"orchestrator.status": "ran" if ok else "failed"})
     if not ok:
         console.print(Panel(outcome.error or "unknown error", title=Text(f"stage {ps.name} failed"), style="red"))
         return StageResult(ps.name, ps.key, "failed", outcome.seconds, f"logs: {launch.log_dir}", outcome.error)
+    stage_time.record(cfg, ps.name, outcome.seconds, cache.entry(ps.name, ps.key), cache.root,
+                      partition_plan(cfg)["n_parameters"])  # for the next plan's time
     return StageResult(ps.name, ps.key, "ran", outcome.seconds, _summary(ps, cache))
 
 

@@ -11,10 +11,13 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
 from common.problem import Problem
+from planning import stage_time
+from planning.stage_time import Expected
 from planning.estimate import (STAGE_RUNTIME, Estimate, StageCost, available_bytes, host_bytes, estimate, matmul_rate,
                                stage_costs,
                                step_flops)
@@ -123,6 +126,48 @@ def time_line(cfg, saving: bool = True) -> str:
                  f"least {duration(floor)} and {cfg.train.steps} steps at least {duration(floor * cfg.train.steps)}")
     evaluate = f"\n  {evaluate_time(cfg)}" if cfg.evaluate.tasks and cfg.cluster.name != "slurm" else ""
     return (f"{steps}\n  {saves_line(cfg)}" if saving else steps) + evaluate
+
+
+def expected_times(cfg, to_run: list[str], store: Path) -> dict[str, Optional[Expected]]:
+    """The stages that will run, each's time from what ran here before (planning/stage_time.py); the train stage's
+    floor where no comparable run was measured. None on SLURM (the stages run on the nodes, not here) and in a dry
+    run or data preview, which measure nothing (records alone are read there)."""
+    if cfg.cluster.name == "slurm":
+        return {}
+    found = stage_time.expected(cfg, to_run, store, partition_plan(cfg)["n_parameters"])
+    if "train" in found and found["train"] is None and not (cfg.dry_run or cfg.data.get("preview")):
+        floor, rate, where = step_floor(cfg)
+        found["train"] = Expected(floor * cfg.train.steps, f"at least: its matmuls at {rate / 1e9:,.0f} GFLOP/s "
+                                  f"({where}); no run of this layout measured here yet", floor=True)
+    return found
+
+
+def planned_lines(planned: dict[str, Optional[Expected]]) -> list[str]:
+    """The plan's time for the stages that run, in all and each, and where the train stage's figure comes from."""
+    if not planned:
+        return []
+    known = {stage: e for stage, e in planned.items() if e is not None}
+    unknown = [stage for stage, e in planned.items() if e is None]
+    lower = unknown or any(e.floor for e in known.values())
+    each = ", ".join(f"{stage} {'>= ' if e.floor else ''}{duration(e.seconds)}" for stage, e in known.items())
+    lines = [f"  stages: {'at least' if lower else 'about'} {duration(sum(e.seconds for e in known.values()))} for "
+             f"the {len(planned)} that run ({each or 'none measured here yet'})"]
+    if known.get("train"):
+        lines.append(f"  train: {known['train'].source}")
+    if unknown:
+        lines.append(f"  not measured here yet (their first run on this machine): {', '.join(unknown)}")
+    return lines
+
+
+def actual_line(planned: dict[str, Optional[Expected]], took: dict[str, float]) -> Optional[str]:
+    """After the run: each stage that ran, its time against the plan's."""
+    ran = [(stage, seconds, planned.get(stage)) for stage, seconds in took.items()]
+    if not planned or not ran:
+        return None
+    each = ", ".join(f"{stage} {duration(seconds)}" + (f" for {'>= ' if e.floor else ''}{duration(e.seconds)}" if e
+                                                        else " (no estimate)") for stage, seconds, e in ran)
+    total = sum(e.seconds for _, _, e in ran if e)
+    return f"time against the plan: took {duration(sum(s for _, s, _ in ran))}, planned {duration(total)} ({each})"
 
 
 def evaluate_time(cfg) -> str:

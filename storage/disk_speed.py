@@ -7,14 +7,14 @@ record counts for a save at most twice its size, and without one the plan measur
 up to PROBE_BYTES, which for a larger save is a floor only."""
 from __future__ import annotations
 
-import datetime
 import os
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from storage.fsio import PROBE_PREFIX, atomic_write_json, read_json
+from storage import measured
+from storage.fsio import PROBE_PREFIX
 
 RECORDS = ".disk_speed.json"  # in the store's root
 KEPT = 32
@@ -40,19 +40,15 @@ def record(store: Path, what: str, nbytes: int, seconds: float) -> None:
     stage: a store that cannot take it (read-only, full) is left as it is, a damaged record file started anew."""
     if seconds <= 0 or nbytes <= 0:
         return
-    when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-    kept = [*_records(store), {"what": what, "bytes": int(nbytes), "seconds": float(seconds), "when": when}]
-    try:
-        atomic_write_json(Path(store) / RECORDS, kept[-KEPT:])  # two at once: the later list wins, one record lost
-    except OSError:
-        pass
+    measured.append(Path(store) / RECORDS, {"what": what, "bytes": int(nbytes), "seconds": float(seconds),
+                                            "when": measured.now()}, KEPT)
 
 
 def rates_for(store: Path, wanted: dict[str, int]) -> dict[str, Rate]:
     """This disk's rate for writing each `what: bytes` of `wanted`: the newest record of that kind of at least half
     that size, else one file, of the largest such size (up to PROBE_BYTES), written and fsynced in `store` now and
     shared by all of them. Raises OSError when it cannot write."""
-    kept = _records(store)
+    kept = measured.read(Path(store) / RECORDS)
     rates: dict[str, Rate] = {}
     for what, nbytes in wanted.items():
         fitting = [r for r in kept if r.get("what") == what and r.get("bytes", 0) * 2 >= nbytes]
@@ -85,14 +81,6 @@ def write_rate(folder: Path, nbytes: int) -> tuple[float, int]:
     finally:
         os.close(fd)
         os.unlink(probe)
-
-
-def _records(store: Path) -> list[dict]:
-    try:
-        kept = read_json(Path(store) / RECORDS)
-    except (OSError, ValueError):  # none yet, or damaged
-        return []
-    return [r for r in kept if isinstance(r, dict)] if isinstance(kept, list) else []
 
 
 def size_text(nbytes: float) -> str:

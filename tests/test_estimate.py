@@ -93,6 +93,45 @@ def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     assert "measured when the run starts" in time_line(dry) and not (tmp_path / "dry").exists()
 
 
+def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tmp_path):
+    """A train run recorded on this machine and layout: a new run's steps take its median step time scaled by their
+    FLOPs, and the time besides the steps as it was; another stage its recorded time, more for more parameters,
+    never less; a stage never run here has no figure, and the train stage of a layout never run here its floor,
+    each said so. After the run, each stage against its plan."""
+    from planning import stage_time
+    from planning.plan import actual_line, expected_times, planned_lines
+
+    cfg = make_cfg("train.steps=100", f"cache_dir={tmp_path}")
+    n = partition_plan(cfg)["n_parameters"]
+    out = tmp_path / "train"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": 1.0, "step_time_s": 0.1 if i > 2
+                                                           else 0.5}) + "\n" for i in range(10)))
+    (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
+    stage_time.record(cfg, "train", 3.0, out, tmp_path, n)  # 2.2 s of steps: 0.8 s besides them
+    stage_time.record(cfg, "export", 4.0, out, tmp_path, n // 2)  # half the parameters: twice the time
+    stage_time.record(cfg, "transform", 1.0, out, tmp_path, n * 4)  # a larger model's: no less than it took
+
+    twice = make_cfg("train.steps=100", f"train.batch_size={2 * cfg.train.batch_size}", f"cache_dir={tmp_path}")
+    planned = expected_times(twice, ["export", "transform", "train", "aggregate"], tmp_path)
+    assert planned["train"].seconds == pytest.approx(100 * 0.2 + 0.8) and not planned["train"].floor
+    assert planned["export"].seconds == pytest.approx(8.0) and planned["transform"].seconds == 1.0
+    assert planned["aggregate"] is None
+    first, train, unknown = planned_lines(planned)
+    assert first == "  stages: at least 29.8 s for the 4 that run (export 8.0 s, transform 1.0 s, train 20.8 s)"
+    assert train.startswith("  train: 200 ms a step: 100 ms at ") and "800 ms besides the steps" in train
+    assert unknown == "  not measured here yet (their first run on this machine): aggregate"
+    assert actual_line(planned, {"train": 25.0, "aggregate": 3.0}) == \
+        "time against the plan: took 28.0 s, planned 20.8 s (train 25.0 s for 20.8 s, aggregate 3.0 s (no estimate))"
+
+    other = expected_times(make_cfg("parallel=ddp2", f"cache_dir={tmp_path}"), ["train"], tmp_path)["train"]
+    assert other.floor and "no run of this layout measured here yet" in other.source
+    (out / "summary.json").write_text(json.dumps({"resumed_from_step": 4}))  # a continued run: not a measure
+    stage_time.record(twice, "train", 99.0, out, tmp_path, n)
+    assert expected_times(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(20.8)
+    assert expected_times(make_cfg("cluster=slurm", f"cache_dir={tmp_path}"), ["train"], tmp_path) == {}
+
+
 def test_sharding_recomputation_and_more_ranks_lower_it():
     def total(*o):
         cfg = make_cfg("model=gpt_small", *o)

@@ -120,6 +120,10 @@ def test_a_sweep_started_from_a_terminal_writes_plain_files_a_summary_and_an_mlf
     second = max(points, key=lambda r: r.info.start_time)
     stages = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{second.info.run_id}'")
     status = {s.data.tags["orchestrator.stage"]: s.data.tags["orchestrator.status"] for s in stages}
+    # the second point's plan timed its train stage by the first's steps (planning/stage_time.py), and said so
+    (train,) = [s for s in stages if s.data.tags["orchestrator.stage"] == "train"]
+    assert train.data.metrics["planned_s"] > 0 and train.data.metrics["duration_s"] > 0
+    assert b"  train: " in seen and b"a step: " in seen and b"time against the plan: took " in seen
     assert status == {"tokenize": "cached", "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran",
                       "aggregate": "ran"}
 

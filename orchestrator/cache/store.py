@@ -8,6 +8,7 @@
   <root>/.locks/<stage>-<key>.lock one writer per key, across processes (sweep points, users)
   <root>/.verified/<stage>-<key>.json  the stamps of an entry's files when they last hashed true (fsio.stamp)
   <root>/.disk_speed.json          what the last saves and aggregates wrote, and took (the plan's time for saves)
+  <root>/.stage_times.json         what the last stages run here took (the plan's time per stage)
 
 Verification at read speed: a hit (cache_verify=hash) hashes only the files whose stamp differs from the one
 recorded when they last verified, so an untouched entry costs a stat per file, and any write to a file (a flipped
@@ -26,6 +27,7 @@ from typing import Optional
 from filelock import FileLock
 
 from common.problem import Problem
+from planning.stage_time import TIMES
 from storage.disk_speed import RECORDS
 from storage.fsio import (PROBE_PREFIX, KnownHashes, atomic_write_json, file_table, kept_aside, publish_dir,
                           read_json, remove_tree, stamp, verify_file_table)
@@ -166,7 +168,7 @@ def check(cfg) -> list:
         names = [] if root == Path(root.anchor) else os.listdir(root)
     except OSError:
         return []
-    known = {*ORDER, *OWN_FOLDERS, RECORDS, *([inductor.name] if inductor.parent == root else [])}
+    known = {*ORDER, *OWN_FOLDERS, RECORDS, TIMES, *([inductor.name] if inductor.parent == root else [])}
     foreign = sorted(n for n in names if n not in known and not n.startswith(PROBE_PREFIX))
     if not foreign:
         return []

@@ -332,11 +332,23 @@ def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
     return inv.parent
 
 
+def _pictures(rows: list[dict], points: list[Point], sweep_dir: Path, study_file: Optional[Path]) -> list[Path]:
+    """The sweep's pictures (orchestrator/sweeps/pictures.py): what they cannot show costs a line, never the
+    sweep's summary, exit code or MLflow run."""
+    if not points:
+        return []
+    try:
+        study = json.loads(study_file.read_text()) if study_file is not None and study_file.is_file() else None
+        return pictures.draw(rows, points[0].cfg.sweep.objective, sweep_dir, study)
+    except Exception as e:  # noqa: BLE001 (a picture is a view of results kept elsewhere)
+        console.print(f"warning: the sweep's pictures were not drawn: {type(e).__name__}: {e}", soft_wrap=True)
+        return []
+
+
 def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seconds: float,
             interrupted: bool = False, study_file: Optional[Path] = None) -> None:
     rows, table = write_summary(points, sweep_dir, seconds)
-    study = json.loads(study_file.read_text()) if study_file is not None and study_file.is_file() else None
-    drawn = pictures.draw(rows, points[0].cfg.sweep.objective, sweep_dir, study) if points else []
+    drawn = _pictures(rows, points, sweep_dir, study_file)
     if drawn:
         write_summary(points, sweep_dir, seconds, drawn)
     console.print(table)

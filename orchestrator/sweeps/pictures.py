@@ -111,7 +111,9 @@ def optuna_figures(saved: dict):
         study = optuna.create_study(directions=directions)
     finally:
         optuna.logging.set_verbosity(verbosity)
-    finished = [t for t in saved["trials"] if t["state"] == "COMPLETE" and t["values"]]
+    # a trial that did not train scores the worst value (inf): told to Optuna, left out of its pictures
+    finished = [t for t in saved["trials"] if t["state"] == "COMPLETE" and t["values"]
+                and all(math.isfinite(v) for v in t["values"])]
     with warnings.catch_warnings():  # add_trial and the matplotlib plots are "experimental" in Optuna 2
         warnings.simplefilter("ignore")
         for t in finished:
