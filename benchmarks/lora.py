@@ -47,7 +47,8 @@ SHAPES = {"llama_0.5b": ["model=llama_1b", "model.vocab_size=151936", "model.d_m
 
 def setup(model: str, variant: str, rank: int, rows: int, seq: int):
     peft = ["peft=lora", f"peft.rank={rank}", f"peft.alpha={2 * rank}"] if variant == "lora" else []
-    cfg = make_cfg(*SHAPES.get(model, [f"model={model}"]), f"train.batch_size={rows}", f"train.seq_len={seq}", "model.dropout=0", *peft)
+    cfg = make_cfg(*SHAPES.get(model, [f"model={model}"]), f"train.batch_size={rows}", f"train.seq_len={seq}",
+                   "model.dropout=0", *peft)
     layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), get_model(cfg.model.name),
                           torch.device("cpu"))
     return cfg, layout, [build_optimizer(cfg.optimizer, p) for p in layout.parts], StepSettings.of(cfg)

@@ -77,9 +77,10 @@ class Estimate:
 
 def _held_by_rank(plan: dict, trained: bool = False, which=None) -> dict[int, int]:
     """Parameter elements each pipeline rank holds (tensor-parallel shards); trained: only those that train (LoRA's
-    frozen base has no gradient and no optimizer state); which(name, entry): only those it accepts. A tied copy counts where it lives apart from the weight it
-    copies (the last pipeline stage's head); in the stage that holds both, the two names are one tensor (gpt2_124m's
-    head, counted twice before, put 0.6 GB too many in the plan of one process)."""
+    frozen base has no gradient and no optimizer state); which(name, entry): only those it accepts. A tied copy
+    counts where it lives apart from the weight it copies (the last pipeline stage's head); in the stage that holds
+    both, the two names are one tensor (gpt2_124m's head, counted twice before, put 0.6 GB too many in the plan of
+    one process)."""
     stage_rank = {s["stage"]: s["rank"] for s in plan["pipeline"]}
     held: dict[int, int] = dict.fromkeys(stage_rank.values(), 0)
     for name, p in plan["parameters"].items():

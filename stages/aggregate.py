@@ -60,9 +60,11 @@ def aggregate(ctx: StageContext) -> None:
     base_model = build_on_meta(spec, cfg.model)
     order = [name for name, _ in base_model.named_parameters()]
     reader = CheckpointReader(source)
-    if cfg.peft.name == "lora":  # the checkpoint holds the adapters: the whole model is the base's with them merged
+    # the base a LoRA checkpoint's adapters apply to (init_from's, or the one a continued LoRA checkpoint names)
+    base_folder = adapters.base_folder(cfg.train.init_from) if cfg.peft.name == "lora" else None
+    if base_folder is not None:  # the checkpoint holds the adapters: the whole model is the base's with them merged
         order = [name for name, _ in apply_lora(build_on_meta(spec, cfg.model), cfg.peft).named_parameters()]
-        base = hf.load_state(adapters.base_folder(cfg.train.init_from), vocab_rows(cfg.model))
+        base = hf.load_state(base_folder, vocab_rows(cfg.model))
         reader = MergedSource(reader, base, {n: (tuple(p.shape), torch.float32) for n, p in
                                              base_model.named_parameters()}, cfg.peft.alpha / cfg.peft.rank)
 
@@ -159,7 +161,7 @@ def aggregate(ctx: StageContext) -> None:
         ctx.log.warning("%s", peft_note)
     elif cfg.peft.name == "lora":  # and the adapters alone, as peft's folder
         files[adapters.PEFT] = adapters.write_peft_folder(ctx.out / adapters.PEFT, CheckpointReader(source), cfg.peft,
-                                                          cfg.model, str(adapters.base_folder(cfg.train.init_from).resolve()))
+                                                          cfg.model, str(base_folder.resolve()))
     hf_note = files.pop("hf_note", None)
     loss, trained, onnx_record = checked["loss"], checked["trained"], checked.get("onnx")
 

@@ -125,7 +125,7 @@ class SweepLauncher(Launcher):
         try:
             _run_points([p for p in points if p.rejected is None], self.sweep_run)
         finally:
-            write_summary(self.points, sweep_dir, time.perf_counter() - self.t0)
+            write_summary(summary_rows(self.points), self.points, sweep_dir, time.perf_counter() - self.t0)
         return [self._job_return(p) for p in points]
 
     def finish(self, interrupted: bool = False) -> None:
@@ -304,11 +304,10 @@ def _best(rows: list[dict]) -> Optional[dict]:
     return next((r for r in rows if math.isfinite(r["objective"])), None)
 
 
-def write_summary(points: list[Point], sweep_dir: Path, seconds: float, pictures: Sequence[Path] = ()
-                  ) -> tuple[list[dict], Table]:
-    """sweep_summary.json and .txt for the points so far (rewritten after every batch: a study cut short keeps
-    what it measured); pictures: those drawn of it (at the end)."""
-    rows = summary_rows(points)
+def write_summary(rows: list[dict], points: list[Point], sweep_dir: Path, seconds: float,
+                  pictures: Sequence[Path] = ()) -> Table:
+    """sweep_summary.json and .txt of the points so far, their summary_rows (rewritten after every batch: a study
+    cut short keeps what it measured); pictures: those drawn of them (at the end)."""
     name = points[0].cfg.sweep.objective
     table = _table(rows, name, seconds)
     sweep_dir.mkdir(parents=True, exist_ok=True)
@@ -316,7 +315,7 @@ def write_summary(points: list[Point], sweep_dir: Path, seconds: float, pictures
         "wall_s": seconds, "objective": name, "direction": objective.direction(name, points[0].cfg),
         "best": _best(rows), "points": rows, "pictures": [p.name for p in pictures]})
     (sweep_dir / "sweep_summary.txt").write_text(plain_text(table))
-    return rows, table
+    return table
 
 
 def _start_sweep_run(points: list[Point], sweep_dir: Path) -> Optional[str]:
@@ -347,10 +346,9 @@ def _pictures(rows: list[dict], points: list[Point], sweep_dir: Path, study_file
 
 def _finish(points: list[Point], sweep_dir: Path, sweep_run: Optional[str], seconds: float,
             interrupted: bool = False, study_file: Optional[Path] = None) -> None:
-    rows, table = write_summary(points, sweep_dir, seconds)
+    rows = summary_rows(points)
     drawn = _pictures(rows, points, sweep_dir, study_file)
-    if drawn:
-        write_summary(points, sweep_dir, seconds, drawn)
+    table = write_summary(rows, points, sweep_dir, seconds, drawn)
     console.print(table)
     if drawn:
         console.print(f"pictures: {', '.join(p.name for p in drawn)} in {sweep_dir}", soft_wrap=True)

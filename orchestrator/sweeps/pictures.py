@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
+from orchestrator.sweeps.optuna_compat import directions, study_from_saved
+
 OBJECTIVE, LOSSES = "sweep_objective.png", "sweep_loss_curves.png"
 HISTORY, IMPORTANCE = "optuna_history.png", "optuna_importance.png"
 
@@ -74,15 +76,16 @@ def losses_figure(rows: list[dict]):
     """Each point's training loss (its train stage's metrics.jsonl), labelled by its swept values."""
     plt = _plt()
     keys = swept(rows)
+    labels = [" ".join(f"{k}={values[i]}" for k, values in keys.items()) or f"point {r['point']}"
+              for i, r in enumerate(rows)]
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    for i, r in enumerate(sorted(rows, key=lambda r: r["point"])):
+    for r, label in sorted(zip(rows, labels), key=lambda pair: pair[0]["point"]):
         metrics = Path(r["run_dir"]) / "stages" / "train" / "output" / "metrics.jsonl"
         if not metrics.is_file():
             continue
         steps = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         curve = [(s["step"], s["loss"]) for s in steps if "loss" in s and "step" in s]
         if curve:
-            label = " ".join(f"{k}={v[rows.index(r)]}" for k, v in keys.items()) or f"point {r['point']}"
             ax.plot(*zip(*curve), label=label, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats/token)")
@@ -103,14 +106,7 @@ def optuna_figures(saved: dict):
     from optuna.distributions import json_to_distribution
     from optuna.trial import create_trial
 
-    directions = [d.strip().rsplit(".", 1)[-1] for d in saved["search"]["direction"].strip("[]").replace("'", "")
-                  .split(",")]
-    verbosity = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)  # not "A new study created in memory": it is a copy
-    try:
-        study = optuna.create_study(directions=directions)
-    finally:
-        optuna.logging.set_verbosity(verbosity)
+    study = study_from_saved(directions=directions(saved["search"]["direction"]))  # a copy, for its plots
     # a trial that did not train scores the worst value (inf): told to Optuna, left out of its pictures
     finished = [t for t in saved["trials"] if t["state"] == "COMPLETE" and t["values"]
                 and all(math.isfinite(v) for v in t["values"])]

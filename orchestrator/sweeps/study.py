@@ -24,7 +24,6 @@ import functools
 import hashlib
 import json
 import pickle
-import sys
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from rich.table import Table
 
 from orchestrator.report import console
 from orchestrator.sweeps.launcher import InvalidPoint
+from orchestrator.sweeps.optuna_compat import directions, plain_lines_off_a_terminal, study_from_saved
 from storage.fsio import atomic_write_bytes, atomic_write_json
 
 INTERRUPTED = "interrupted"  # the user attribute of a trial a signal stopped
@@ -212,16 +212,9 @@ class KeptStudy:
             return storage, sampler
         if path.is_file() and not isinstance(sampler, functools.partial):
             sampler = pickle.loads(path.read_bytes())  # a grid (a partial the sweeper completes) keeps none: its
-        # the study rebuilt from its file, quietly: Optuna would say "A new study created in memory" right before the
-        # sweeper's "Using an existing study" (the study is not new)
-        verbosity = optuna.logging.get_verbosity()
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        try:
-            study = optuna.create_study(storage=storage, study_name=self.name,  # trials' grid ids: what is visited
-                                        sampler=None if isinstance(sampler, functools.partial) else sampler,
-                                        directions=_directions(self.search["direction"]))
-        finally:
-            optuna.logging.set_verbosity(verbosity)
+        study = study_from_saved(storage=storage, study_name=self.name,  # trials' grid ids say what is visited
+                                 sampler=None if isinstance(sampler, functools.partial) else sampler,
+                                 directions=directions(self.search["direction"]))
         again = []
         with warnings.catch_warnings():  # add_trial, create_trial and enqueue_trial are "experimental" in Optuna 2
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -291,33 +284,11 @@ def _KeptStorage(path: Path) -> Any:
     return KeptStorage()
 
 
-def _directions(direction: str) -> list[str]:
-    """The sweeper's direction as saved (`Direction.minimize`, `minimize` or a list of them) as Optuna's names."""
-    names = direction.strip("[]").replace("'", "").split(",")
-    return [n.strip().rsplit(".", 1)[-1] for n in names]
-
-
-def _plain_lines_off_a_terminal() -> None:
-    """Optuna 2 colours its log lines (colorlog) into a pipe or a file too: there, they go through a plain handler."""
-    import logging
-
-    import optuna
-
-    logger = logging.getLogger("optuna")
-    if sys.stderr.isatty() or any(getattr(h, "plain", False) for h in logger.handlers):
-        return
-    optuna.logging.disable_default_handler()
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("[%(levelname).1s %(asctime)s] %(message)s"))
-    handler.plain = True
-    logger.addHandler(handler)
-
-
 def run_study(sweeper: Any, config: DictConfig, arguments: list[str]) -> None:
     """Run Hydra's Optuna sweep (sweeper: its OptunaSweeperImpl) on the kept study."""
     import optuna
 
-    _plain_lines_off_a_terminal()
+    plain_lines_off_a_terminal()
     kept = KeptStudy.of(config)
     storage, sweeper.sampler = kept.load(sweeper.sampler)
     sweeper.storage, sweeper.study_name = storage, kept.name

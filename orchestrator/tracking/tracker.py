@@ -50,22 +50,30 @@ def _client(uri: str):
     return mlflow.MlflowClient(tracking_uri=uri)
 
 
+SQLITE = "sqlite:///"
+
+
+def sqlite_file(uri: str) -> Optional[Path]:
+    """The database file of a sqlite store's URI (relative to the working folder unless it starts with /), else
+    None."""
+    return Path(uri[len(SQLITE):]) if uri.startswith(SQLITE) else None
+
+
 def absolute_uri(uri: str) -> str:
     """A sqlite store's URI with its file's absolute path: the default's is relative to the working folder, so the
     same URI printed names another store from another folder."""
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + os.fspath(Path(uri[len("sqlite:///"):]).resolve())
-    return uri
+    db = sqlite_file(uri)
+    return uri if db is None or db.is_absolute() else SQLITE + os.fspath(db.resolve())
 
 
 def store_lock(uri: str):
     """A file lock beside a sqlite store: two processes creating a fresh store at once break MLflow's schema
     migration ("Online migration expected to match one row")."""
-    if not uri.startswith("sqlite:///"):
+    db = sqlite_file(uri)
+    if db is None:
         return contextlib.nullcontext()
     from filelock import FileLock
 
-    db = Path(uri[len("sqlite:///"):])
     db.parent.mkdir(parents=True, exist_ok=True)
     return FileLock(str(db) + ".lock")
 
@@ -301,8 +309,8 @@ def check(cfg) -> list:
         return [Problem("tracking.experiment", t.experiment, "an MLflow experiment needs a name",
                         "tracking.experiment=orchestrator (the default), or another name")]
     uri, fix = t.uri, "tracking=none, or a local store: tracking.uri=sqlite:///runs/mlflow.db"
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
+    db = sqlite_file(uri)
+    if db is not None:
         if not db.exists():
             why = why_unwritable(db.parent)
             return [Problem("tracking.uri", uri, f"the sqlite store cannot be created: {why}", fix)] if why else []

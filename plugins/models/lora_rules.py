@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from common.problem import Problem
 from storage import hf, init_from
 from storage.adapters import base_of
@@ -51,7 +53,6 @@ def check(cfg) -> list[Problem]:
     return out
 
 
-
 # what a continued LoRA checkpoint's adapters were trained as: another value is another function of the same weights
 SHAPING = ("rank", "alpha", "targets", "trainable")
 
@@ -80,18 +81,14 @@ def _base_problems(cfg) -> list[Problem]:
                                 "files have changed since (names, sizes or modification times): on other weights "
                                 "they are another model", f"put the base back as it was, or train adapters afresh "
                                 f"on it: train.init_from={base}"))
+    ours = OmegaConf.to_container(cfg.peft, resolve=True)  # as the train stage writes it in the manifest
     for key in SHAPING:
-        was, now = trained["config"].get(key), _plain(cfg.peft[key])
+        was, now = trained["config"].get(key), ours[key]
         if was is not None and was != now:
             problems.append(Problem(f"peft.{key}", now, f"the checkpoint's adapters were trained with peft.{key}="
                                     f"{_override(was)}", f"peft.{key}={_override(was)} to continue them (or "
                                     f"train.init_from={base} to start afresh)"))
     return problems
-
-
-def _plain(value):
-    """A config list as a plain list (to compare with the manifest's), other values as they are."""
-    return list(value) if hasattr(value, "__iter__") and not isinstance(value, str) else value
 
 
 def _override(value) -> str:
