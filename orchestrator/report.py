@@ -38,6 +38,7 @@ class StageResult:
     seconds: float = 0.0
     summary: str = ""
     error: Optional[str] = None
+    waited_s: float = 0.0          # before its processes started (the run's start-up), not in `seconds`
 
 
 @dataclass

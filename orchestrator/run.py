@@ -20,10 +20,11 @@ from rich.text import Text
 
 from orchestrator.cache.store import Cache, link_output
 from orchestrator.dag import PlannedStage, plan as make_plan
+from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.report import Report, StageResult, console, plan_table, plan_text, result_table
-from orchestrator import interrupt
+from orchestrator import calibration, interrupt
 from orchestrator.cache import resume
 from orchestrator.tracking import later as tracking_later
 from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, absolute_uri, process_alive
@@ -31,8 +32,8 @@ from orchestrator.tracking.tracker import run_name as short_run_name
 from orchestrator.config.resolve import resolve_auto
 from orchestrator.config.validate import refusing, validate, warnings
 from planning import stage_time
-from planning.plan import (actual_line, compute_line, expected_times, memory_line, partition_plan, peft_line,
-                           planned_lines, time_line)
+from planning.plan import (STARTUP_SAID_S, actual_line, compute_line, expected_times, memory_line, partition_plan,
+                           peft_line, planned_lines, time_line)
 from planning.stage_time import Expected
 from plugins.data.corpus import plan_lines
 from plugins.data.preview import PLAN_CHARS, preview
@@ -55,12 +56,12 @@ def data_preview(cfg) -> list:
 
 
 def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
-                follow_jobs: bool = True, until: Optional[str] = None) -> Report:
+                follow_jobs: bool = True, until: Optional[str] = None, kind: str = "invocation") -> Report:
     """Run the experiment described by cfg (a dry run only plans it).
 
     sweep_run_id: the MLflow run of the sweep (or tune) this is a point of (its parent). follow_jobs=False (SLURM):
     return once the jobs are submitted (a sweep follows all its points' jobs together). until: run that stage and
-    the stages it needs only (a layout trial stops after train)."""
+    the stages it needs only (a layout trial stops after train). kind: the MLflow parent run's orchestrator.kind."""
     t0 = time.perf_counter()
     fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
     choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
@@ -70,10 +71,17 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         plan = make_plan(cfg, all_stages(until), cache)  # it reads the inputs again: they may have changed since
     _check_cache_writable(cfg, plan, cache)
     to_run = [ps.name for ps in plan if not ps.cached]
+    if calibration.wanted(cfg, to_run, cache.root, until):
+        timed = _calibrate(cfg, run_dir, overrides, cache, sweep_run_id)
+        if timed.exit_code:
+            return timed
+        fresh, plan = False, make_plan(cfg, all_stages(until), cache)  # the stages before train are cached now
+        to_run = [ps.name for ps in plan if not ps.cached]
     tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
     with refusing("overrides", " ".join(overrides), "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"):
         data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
-        planned = expected_times(cfg, to_run, cache.root)
+        startup = cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver" and not fork_server.running()
+        planned = expected_times(cfg, to_run, cache.root, startup)
         estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
                      time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *planned_lines(planned)]
 
@@ -111,7 +119,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     else:  # e.g. the local fork server imports torch while MLflow's runs are opened
         executor.prepare(tracking=cfg.tracking.name == "mlflow")
 
-    tags = {"orchestrator.run_dir": str(run_dir), "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],
+    tags = {"orchestrator.kind": kind, "orchestrator.run_dir": str(run_dir),
+            "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],
             **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
     run_name = short_run_name(overrides)
     if tracking_later.worthwhile(cfg, nothing_to_run=not to_run):
@@ -150,7 +159,10 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     interrupted = any(r.status == "interrupted" for r in results.values())
     total = time.perf_counter() - t0
     console.print(result_table(list(results.values()), total))
-    against = actual_line(planned, {r.name: r.seconds for r in results.values() if r.status == "ran"})
+    waited = sum(r.waited_s for r in results.values())
+    if waited >= STARTUP_SAID_S:
+        stage_time.record(cfg, stage_time.STARTUP, waited, run_dir, cache.root, 0)
+    against = actual_line(planned, {r.name: r.seconds for r in results.values() if r.status == "ran"}, waited)
     if against:
         console.print(against, soft_wrap=True)
     console.print(f"outputs: {run_dir}", soft_wrap=True)
@@ -168,6 +180,20 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         console.print(f"MLflow: mlflow ui --backend-store-uri {absolute_uri(cfg.tracking.uri)}  ({recorded})",
                       soft_wrap=True)
     return report
+
+
+def _calibrate(cfg: DictConfig, run_dir: Path, overrides: list[str], cache: Cache, sweep_run_id: Optional[str]
+               ) -> Report:
+    """A few steps of the run, timed for its plan (orchestrator/calibration.py); their model is then deleted."""
+    console.rule(Text(calibration.heading(cfg)))
+    timed = orchestrate(*calibration.calibration_run(cfg, run_dir, overrides), sweep_run_id, until="train",
+                        kind="calibration")
+    train = timed.results.get("train")
+    if train is not None and train.status == "ran":
+        cache.discard("train", train.key)
+        (run_dir / calibration.FOLDER / "stages" / "train" / "output").unlink(missing_ok=True)
+    console.rule(Text("the run"))
+    return timed
 
 
 def _new_store(cfg: DictConfig, fresh: bool) -> list[str]:
@@ -285,7 +311,7 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
         return StageResult(ps.name, ps.key, "failed", outcome.seconds, f"logs: {launch.log_dir}", outcome.error)
     stage_time.record(cfg, ps.name, outcome.seconds, cache.entry(ps.name, ps.key), cache.root,
                       partition_plan(cfg)["n_parameters"])  # for the next plan's time
-    return StageResult(ps.name, ps.key, "ran", outcome.seconds, _summary(ps, cache))
+    return StageResult(ps.name, ps.key, "ran", outcome.seconds, _summary(ps, cache), waited_s=outcome.waited_s)
 
 
 def _cached(ps: PlannedStage, cache: Cache, tracking: Optional[Invocation]) -> StageResult:

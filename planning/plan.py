@@ -128,13 +128,15 @@ def time_line(cfg, saving: bool = True) -> str:
     return (f"{steps}\n  {saves_line(cfg)}" if saving else steps) + evaluate
 
 
-def expected_times(cfg, to_run: list[str], store: Path) -> dict[str, Optional[Expected]]:
+def expected_times(cfg, to_run: list[str], store: Path, startup: bool = False) -> dict[str, Optional[Expected]]:
     """The stages that will run, each's time from what ran here before (planning/stage_time.py); the train stage's
     floor where no comparable run was measured. None on SLURM (the stages run on the nodes, not here) and in a dry
-    run or data preview, which measure nothing (records alone are read there)."""
+    run or data preview, which measure nothing (records alone are read there). startup: the stage processes' imports
+    are still to come (a local run's fork server not started yet), timed as the stage "start-up"."""
     if cfg.cluster.name == "slurm":
         return {}
-    found = stage_time.expected(cfg, to_run, store, partition_plan(cfg)["n_parameters"])
+    found = stage_time.expected(cfg, [stage_time.STARTUP] * bool(startup and to_run) + to_run, store,
+                                partition_plan(cfg)["n_parameters"])
     if "train" in found and found["train"] is None and not (cfg.dry_run or cfg.data.get("preview")):
         floor, rate, where = step_floor(cfg)
         found["train"] = Expected(floor * cfg.train.steps, f"at least: its matmuls at {rate / 1e9:,.0f} GFLOP/s "
@@ -150,8 +152,9 @@ def planned_lines(planned: dict[str, Optional[Expected]]) -> list[str]:
     unknown = [stage for stage, e in planned.items() if e is None]
     lower = unknown or any(e.floor for e in known.values())
     each = ", ".join(f"{stage} {'>= ' if e.floor else ''}{duration(e.seconds)}" for stage, e in known.items())
+    stages = len([s for s in planned if s != stage_time.STARTUP])
     lines = [f"  stages: {'at least' if lower else 'about'} {duration(sum(e.seconds for e in known.values()))} for "
-             f"the {len(planned)} that run ({each or 'none measured here yet'})"]
+             f"the {stages} that run ({each or 'none measured here yet'})"]
     if known.get("train"):
         lines.append(f"  train: {known['train'].source}")
     if unknown:
@@ -159,15 +162,29 @@ def planned_lines(planned: dict[str, Optional[Expected]]) -> list[str]:
     return lines
 
 
-def actual_line(planned: dict[str, Optional[Expected]], took: dict[str, float]) -> Optional[str]:
-    """After the run: each stage that ran, its time against the plan's."""
+STARTUP_SAID_S = 0.5  # a wait for the stage processes' imports shorter than this is not worth a word
+
+
+def actual_line(planned: dict[str, Optional[Expected]], took: dict[str, float], waited: float = 0.0
+                ) -> Optional[str]:
+    """After the run: each stage that ran, its time against the plan's, with the stage processes' start-up (the fork
+    server's imports, once a run: no stage's time holds it) where it was long enough to say."""
+    if waited >= STARTUP_SAID_S:
+        took = {stage_time.STARTUP: waited, **took}
     ran = [(stage, seconds, planned.get(stage)) for stage, seconds in took.items()]
-    if not planned or not ran:
-        return None
+    return _against(ran) if planned and ran else None
+
+
+def _against(ran: list[tuple[str, float, Optional[Expected]]]) -> str:
     each = ", ".join(f"{stage} {duration(seconds)}" + (f" for {'>= ' if e.floor else ''}{duration(e.seconds)}" if e
                                                         else " (no estimate)") for stage, seconds, e in ran)
-    total = sum(e.seconds for _, _, e in ran if e)
-    return f"time against the plan: took {duration(sum(s for _, s, _ in ran))}, planned {duration(total)} ({each})"
+    timed = [(seconds, e) for _, seconds, e in ran if e]
+    if not timed:
+        return f"time against the plan: no stage that ran had an estimate (the next plan times them by these: {each})"
+    took, total = sum(s for s, _ in timed), sum(e.seconds for _, e in timed)
+    what = "the stage the plan timed" if len(timed) == 1 else f"the {len(timed)} stages the plan timed"
+    ratio = "at least " if any(e.floor for _, e in timed) else f"{took / max(total, 1e-9):.2f}x of "
+    return f"time against the plan: {what} took {duration(took)}, {ratio}{duration(total)} planned ({each})"
 
 
 def evaluate_time(cfg) -> str:

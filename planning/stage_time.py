@@ -2,14 +2,15 @@
 
 Every stage that runs on this machine leaves its wall time in the store (`.stage_times.json` beside the cache,
 storage/measured.py) with the machine's name and what sizes it: the train stage its median step time (the first
-steps left out: allocator and caches warm up), its step's FLOPs and the time outside its steps (start-up, the
-evaluations, the saves); the others their model's parameters. The plan's estimate of a stage is the newest record
-of it on this machine (the train stage's of the same layout, memory level, precision, engine and compilation),
-scaled: a train step by its FLOPs, the time outside the steps as it was; another stage by the parameters where it
-has more of them, never below the record (start-up, not size, is most of a small stage's time). Where nothing
-comparable was recorded the train stage has its floor, its matmuls at this machine's rate, and the others no
-figure; the plan says which. After the run the summary says planned against actual per stage, and each stage's
-MLflow run gets `planned_s` beside `duration_s`.
+steps left out: allocator and caches warm up), its step's FLOPs, its start and end, and its pauses between steps
+(evaluations and saves, on average); the others their model's parameters. The plan's estimate of a stage is the
+newest record of it on this machine (the train stage's of the same layout, memory level, precision, engine and
+compilation), scaled: a train step by its FLOPs, start and end as they were, each pause as long as then; another
+stage by the parameters where it has more of them, never below the record (start-up, not size, is most of a small
+stage's time). Where nothing comparable was recorded the train stage has its floor, its matmuls at this machine's
+rate, and the others no figure; the plan says which. After the run the summary says planned against actual per
+stage, and each stage's MLflow run gets `planned_s` beside `duration_s`. Where a first run's floor is not enough,
+plan.calibrate_steps times a few of its steps before the plan (orchestrator/calibration.py), leaving a record here.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from storage import measured
 
 TIMES = ".stage_times.json"  # in the store's root
 KEPT = 256
+STARTUP = "start-up"  # not a stage: the wait for the stage processes' imports, once a run (cluster/local.py)
 
 
 @dataclass(frozen=True)
@@ -68,15 +70,15 @@ def expected(cfg, stages: list[str], store: Path, n_parameters: int) -> dict[str
             if mine:
                 r, flops = mine[-1], step_flops(cfg, n_parameters)
                 step = r["step_s"] * flops / r["step_flops"]
-                out[stage] = Expected(cfg.train.steps * step + r["fixed_s"],
-                                      f"{_short(step)} a step: {_short(r['step_s'])} at {r['step_flops'] / 1e9:,.2f} "
-                                      f"GFLOP measured here {r['when']}, scaled to {flops / 1e9:,.2f}; "
-                                      f"{_short(r['fixed_s'])} besides the steps, as then")
+                steps = (f"{_short(step)} a step: {_short(r['step_s'])} at {r['step_flops'] / 1e9:,.2f} GFLOP measured "
+                         f"here {r['when']}, scaled to {flops / 1e9:,.2f}")
+                besides, how = _besides_steps(r, pauses(cfg.train))
+                out[stage] = Expected(cfg.train.steps * step + besides, f"{steps}; {how}")
             else:
                 out[stage] = None
         elif mine:
             r = mine[-1]
-            scale = max(1.0, n_parameters / max(r.get("parameters", 1), 1))
+            scale = 1.0 if stage == STARTUP else max(1.0, n_parameters / max(r.get("parameters", 1), 1))
             out[stage] = Expected(r["seconds"] * scale, f"measured here {r['when']}"
                                   + (f", x{scale:,.1f} for the parameters" if scale > 1 else ""))
         else:
@@ -95,13 +97,41 @@ def record(cfg, stage: str, seconds: float, out: Path, store: Path, n_parameters
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
         except (OSError, ValueError):
             return
-        times = [r["step_time_s"] for r in rows if "step_time_s" in r]
+        steps = [r for r in rows if "step_time_s" in r]
+        times = [r["step_time_s"] for r in steps]
         if summary.get("resumed_from_step") or not times:
             return
         entry.update(kind=train_kind(cfg), step_flops=step_flops(cfg, n_parameters),
                      step_s=statistics.median(times[WARMUP_STEPS_EXCLUDED:] or times),
                      fixed_s=max(0.0, seconds - sum(times)))
+        if all("time" in r for r in steps):  # when each step ended: what lies between them is the pauses'
+            span = steps[-1]["time"] - steps[0]["time"] + times[0]
+            between, n = max(0.0, span - sum(times)), pauses(cfg.train)
+            entry.update(start_s=max(0.0, seconds - span) + (0.0 if n else between),
+                         pause_s=between / n if n else None)
     measured.append(Path(store) / TIMES, entry, KEPT)
+
+
+def pauses(train) -> int:
+    """The evaluations and saves between a run's steps (those after its last step are part of its end): each a
+    pause of the steps."""
+    every = [e for e in (train.eval_every, train.checkpoint_every) if e]
+    return sum(1 for s in range(1, train.steps) if any(s % e == 0 for e in every)) if every else 0
+
+
+def _besides_steps(r: dict, n: int) -> tuple[float, str]:
+    """The train stage's time outside its steps, from record `r`, for a run with `n` pauses: its start and end as
+    they were, and each pause as long as the record's were on average (an evaluation and a save)."""
+    if "start_s" not in r:  # a record from before pauses were timed
+        return r["fixed_s"], f"{_short(r['fixed_s'])} besides the steps, as then"
+    start = f"{_short(r['start_s'])} to start and end, as then"
+    if not n:
+        return r["start_s"], start
+    if r["pause_s"] is None:
+        return r["start_s"], f"{start}; its {n} evaluation(s) and save(s) between steps not timed yet (that run " \
+                             "had none)"
+    return r["start_s"] + n * r["pause_s"], f"{start}, and {n} evaluation(s) and save(s) between steps at " \
+                                            f"{_short(r['pause_s'])} each"
 
 
 def _short(seconds: float) -> str:

@@ -99,8 +99,8 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                "loss_scaler": run["scaler"].state_dict() if run["scaler"].enabled else None}
     atomic_write_json(ctx.out / "summary.json", summary)
     c = layout.coords
-    title = f"{cfg.model.name} {plan['n_parameters']:,} params, dp{c.dp_size} hp{c.hp_size} pp{c.pp_size}, " \
-            f"{precision.name}"
+    shape = f"dp{c.dp_size} hp{c.hp_size} pp{c.pp_size}"
+    title = f"{cfg.model.name} {plan['n_parameters']:,} params, {shape}, {precision.name}"
     artifacts = [plot_loss_curve(rows, ctx.out / "loss_curve.png", title), ctx.out / "metrics.jsonl",
                  ctx.out / "summary.json"]
     if run["timeline"]:
@@ -110,8 +110,9 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                                                 f"{cfg.parallel.microbatches} microbatches (last step)"))
     ctx.tracker.log_metrics({"final_eval_loss": summary["final_eval_loss"], "memory/peak_mb": run["peak_mb"],
                              **({"mfu": summary["mfu"]} if summary["mfu"] is not None else {})})
-    ctx.tracker.set_tags({"precision": precision.name, "attention_kernel": summary["attention_kernel"],
-                          "optimizer_impl": summary["optimizer_impl"]})
+    ctx.tracker.set_tags({"precision": precision.name, "attention_kernel": summary["attention_kernel"],  # what ran
+                          "optimizer_impl": summary["optimizer_impl"], "engine": cfg.engine.name,
+                          "device": summary["device"], "layout": shape})
     for artifact in artifacts:
         if artifact:
             ctx.tracker.log_artifact(artifact)

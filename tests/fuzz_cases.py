@@ -77,7 +77,7 @@ def keys() -> list[tuple[str, tuple[str, ...], object, dataclasses.Field]]:
 
     add("", S.Config, ())
     hints = typing.get_type_hints(S.Config)
-    for name in ("train", "export", "transform", "aggregate", "sweep"):
+    for name in ("train", "export", "transform", "aggregate", "plan", "sweep"):
         add(f"{name}.", hints[name], ())
     seen = {k for k, *_ in out}
     for group, schemas in S.GROUP_SCHEMAS.items():

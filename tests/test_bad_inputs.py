@@ -72,6 +72,8 @@ CATALOGUE = [
     (["tune.microbatches_per_stage=[2,0]"], "tune.microbatches_per_stage", "tune.microbatches_per_stage=[2]"),
     (["tune=layout", "tune.world_size=0"], "tune.world_size", ">= 1"),
     (["tune=layout", "tune.objective=speed"], "tune.objective", "one of tokens_per_s, memory"),
+    (["plan.calibrate_steps=2"], "plan.calibrate_steps", "first 3 steps of a run are warm-up"),
+    (["cluster=slurm", "plan.calibrate_steps=8"], "plan.calibrate_steps", "the cluster's nodes"),
     (["train.steps=99999999999999999999"], "train.steps", "between 1 and 1000000000"),
     (["train.seed=-1"], "train.seed", "between 0 and 4294967295"),
     # numbers that are not numbers

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import sqlite3
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from planning.plan import memory_line, partition_plan, plan_of, time_line
 from planning.estimate import estimate, step_flops
 from storage.disk_speed import PROBE_BYTES, RECORDS, rates_for, record
-from tests.conftest import make_cfg, run_sweep
+from tests.conftest import make_cfg, run_cli, run_sweep
 
 COMMON = ["model=gpt_small", "train.batch_size=8", "train.seq_len=256", "train.steps=3", "train.eval_every=0",
           "train.checkpoint_every=0", "tracking=none", "train.progress=false"]
@@ -101,34 +102,41 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     from planning import stage_time
     from planning.plan import actual_line, expected_times, planned_lines
 
-    cfg = make_cfg("train.steps=100", f"cache_dir={tmp_path}")
+    cfg = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", f"cache_dir={tmp_path}")
     n = partition_plan(cfg)["n_parameters"]
     out = tmp_path / "train"
     out.mkdir()
-    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": 1.0, "step_time_s": 0.1 if i > 2
-                                                           else 0.5}) + "\n" for i in range(10)))
+    step_s = [0.5, 0.5, 0.5] + [0.1] * 7
+    ended = [100.0 + sum(step_s[:i + 1]) + (0.4 if i >= 5 else 0.0) for i in range(10)]  # paused 0.4 s after step 5
+    (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": 1.0, "step_time_s": step_s[i],
+                                                           "time": ended[i]}) + "\n" for i in range(10)))
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
-    stage_time.record(cfg, "train", 3.0, out, tmp_path, n)  # 2.2 s of steps: 0.8 s besides them
+    stage_time.record(cfg, "train", 3.0, out, tmp_path, n)  # 2.2 s of steps, a 0.4 s pause: 0.4 s to start and end
     stage_time.record(cfg, "export", 4.0, out, tmp_path, n // 2)  # half the parameters: twice the time
     stage_time.record(cfg, "transform", 1.0, out, tmp_path, n * 4)  # a larger model's: no less than it took
 
-    twice = make_cfg("train.steps=100", f"train.batch_size={2 * cfg.train.batch_size}", f"cache_dir={tmp_path}")
+    # twice the tokens a step, 100 steps, evaluated and saved at 25, 50 and 75 (and at the end): 3 pauses
+    twice = make_cfg("train.steps=100", f"train.batch_size={2 * cfg.train.batch_size}", "train.eval_every=25",
+                     f"cache_dir={tmp_path}")
     planned = expected_times(twice, ["export", "transform", "train", "aggregate"], tmp_path)
-    assert planned["train"].seconds == pytest.approx(100 * 0.2 + 0.8) and not planned["train"].floor
+    assert planned["train"].seconds == pytest.approx(100 * 0.2 + 0.4 + 3 * 0.4) and not planned["train"].floor
     assert planned["export"].seconds == pytest.approx(8.0) and planned["transform"].seconds == 1.0
     assert planned["aggregate"] is None
     first, train, unknown = planned_lines(planned)
-    assert first == "  stages: at least 29.8 s for the 4 that run (export 8.0 s, transform 1.0 s, train 20.8 s)"
-    assert train.startswith("  train: 200 ms a step: 100 ms at ") and "800 ms besides the steps" in train
+    assert first == "  stages: at least 30.6 s for the 4 that run (export 8.0 s, transform 1.0 s, train 21.6 s)"
+    assert train.startswith("  train: 200 ms a step: 100 ms at ") and train.endswith(
+        "400 ms to start and end, as then, and 3 evaluation(s) and save(s) between steps at 400 ms each")
     assert unknown == "  not measured here yet (their first run on this machine): aggregate"
-    assert actual_line(planned, {"train": 25.0, "aggregate": 3.0}) == \
-        "time against the plan: took 28.0 s, planned 20.8 s (train 25.0 s for 20.8 s, aggregate 3.0 s (no estimate))"
+    assert actual_line(planned, {"train": 25.0, "aggregate": 3.0}) == (
+        "time against the plan: the stage the plan timed took 25.0 s, 1.16x of 21.6 s planned (train 25.0 s for "
+        "21.6 s, aggregate 3.0 s (no estimate))")
+    assert actual_line(planned, {"aggregate": 3.0}).startswith("time against the plan: no stage that ran had an")
 
     other = expected_times(make_cfg("parallel=ddp2", f"cache_dir={tmp_path}"), ["train"], tmp_path)["train"]
     assert other.floor and "no run of this layout measured here yet" in other.source
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 4}))  # a continued run: not a measure
     stage_time.record(twice, "train", 99.0, out, tmp_path, n)
-    assert expected_times(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(20.8)
+    assert expected_times(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(21.6)
     assert expected_times(make_cfg("cluster=slurm", f"cache_dir={tmp_path}"), ["train"], tmp_path) == {}
 
 
@@ -172,3 +180,29 @@ def test_within_a_quarter_of_the_measured_peak(layout, measured):
     cfg = make_cfg(*COMMON, f"parallel={layout}")
     estimated = estimate(cfg, partition_plan(cfg)).total / 2**20
     assert 0.75 <= measured_mb / estimated <= 1.25, (measured_mb, estimated)
+
+
+@pytest.mark.e2e
+def test_a_calibration_times_a_few_steps_of_the_layout_before_the_plan_and_deletes_their_model(tmp_path):
+    """plan.calibrate_steps on a fresh machine: 4 steps of the run (an evaluation and a save mid-way) are timed
+    before its plan, which then times the train stage by them (with its one pause), not by its floor; their model
+    leaves the cache. A second run of the layout is not calibrated again."""
+    args = ["plan.calibrate_steps=4", "train.steps=12", "train.eval_every=6", "model.n_layers=1", "train.batch_size=4",
+            "train.seq_len=32", "cluster=debug"]
+    done = run_cli(args, tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    calibration, run = done.stdout.split("─ the run ─", 1)
+    assert "calibration (plan.calibrate_steps=4): no run of this layout was timed" in calibration
+    assert "no run of this layout measured here yet" in calibration and "no run of this layout" not in run
+    (train,) = [line for line in run.splitlines() if line.startswith("  train: ")]
+    assert " a step: " in train and "and 1 evaluation(s) and save(s) between steps at " in train, train
+    trains = [r for r in json.loads((tmp_path / "runs" / "cache" / ".stage_times.json").read_text())
+              if r["stage"] == "train"]
+    assert len(trains) == 2 and trains[0]["pause_s"] > 0 and trains[1]["pause_s"] > 0  # the calibration's, the run's
+    kept = [p for p in (tmp_path / "runs" / "cache" / "train").iterdir() if (p / "_entry.json").is_file()]
+    assert len(kept) == 1 and json.loads((kept[0] / "summary.json").read_text())["steps"] == 12
+    again = run_cli([*args, "optimizer.lr=1e-4"], tmp_path)
+    assert again.returncode == 0 and "calibration (" not in again.stdout and " a step: " in again.stdout
+    with sqlite3.connect(tmp_path / "runs" / "mlflow.db") as db:  # tracked as the run is (MLflow's cost timed too)
+        kinds = sorted(v for (v,) in db.execute("SELECT value FROM tags WHERE key = 'orchestrator.kind'"))
+    assert kinds == ["calibration", "invocation", "invocation"] + ["stage"] * (4 + 6 + 6)

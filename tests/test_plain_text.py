@@ -123,9 +123,21 @@ def test_a_sweep_started_from_a_terminal_writes_plain_files_a_summary_and_an_mlf
     # the second point's plan timed its train stage by the first's steps (planning/stage_time.py), and said so
     (train,) = [s for s in stages if s.data.tags["orchestrator.stage"] == "train"]
     assert train.data.metrics["planned_s"] > 0 and train.data.metrics["duration_s"] > 0
-    assert b"  train: " in seen and b"a step: " in seen and b"time against the plan: took " in seen
+    assert b"  train: " in seen and b"a step: " in seen
+    assert b"time against the plan: the 3 stages the plan timed took " in seen
     assert status == {"tokenize": "cached", "export": "cached", "transform": "cached", "train": "ran", "checkpoint": "ran",
                       "aggregate": "ran"}
+    assert train.data.tags["attention_kernel"] == "flash (cpu)" and train.data.tags["device"] == "cpu"  # what ran
+    assert train.data.tags["engine"] == "torch" and train.data.tags["layout"] == "dp1 hp1 pp1"
+    first = min(points, key=lambda r: r.info.start_time)
+    for cached in (s for s in stages if s.data.tags["orchestrator.status"] == "cached"):  # linked to the first's
+        source = client.get_run(cached.data.tags["orchestrator.source_run_id"])
+        assert source.data.tags["mlflow.parentRunId"] == first.info.run_id == cached.data.tags[
+            "orchestrator.source_invocation"] and source.data.tags["orchestrator.stage"] == cached.info.run_name
+        link = f"(#/experiments/{exp.experiment_id}/runs/{source.info.run_id})"
+        assert link in cached.data.tags["mlflow.note.content"]
+        made = {k: v for k, v in source.data.metrics.items() if k not in ("duration_s", "planned_s")}
+        assert made and cached.data.metrics == made and cached.data.params == source.data.params
 
 
 def _text(path: Path) -> bool:

@@ -19,6 +19,7 @@ cache_verify=full hashes every file on every hit for that.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -120,6 +121,15 @@ class Cache:
         os.rename(self.entry(stage, key), target)
         self._stamps_path(stage, key).unlink(missing_ok=True)
         return kept_aside(target)
+
+    def discard(self, stage: str, key: str) -> None:
+        """Delete an entry nothing needs (a calibration's model): it leaves in one rename, then its files go."""
+        with self.lock(stage, key):
+            gone = self.work(stage, key).with_suffix(f".discarded-{os.getpid()}")
+            with contextlib.suppress(FileNotFoundError):  # discarded already (by a concurrent calibration)
+                os.rename(self.entry(stage, key), gone)
+                self._stamps_path(stage, key).unlink(missing_ok=True)
+                remove_tree(gone)
 
     def damaged(self, stage: str) -> Path:
         """Where damaged data of a stage is kept for inspection: entries, and the checkpoints of its attempts."""

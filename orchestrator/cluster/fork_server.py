@@ -45,6 +45,11 @@ def context(tracking: bool) -> multiprocessing.context.BaseContext:
         return _context
 
 
+def running() -> bool:
+    """The server was started by this process (its imports done or under way: a rank started now waits less)."""
+    return _context is not None
+
+
 def start(tracking: bool) -> None:
     """Start the server now (it imports in the background; the first rank waits for it only if it has not done)."""
     from multiprocessing import forkserver

@@ -43,6 +43,7 @@ class Outcome:
     seconds: float
     error: Optional[str] = None
     interrupted: bool = False      # stopped on the user's request (Ctrl-C); its progress is saved
+    waited_s: float = 0.0          # before its first rank started: the run's start-up (orchestrator/cluster/local.py)
 
 
 def write_spec(path: Path, spec: dict) -> None:

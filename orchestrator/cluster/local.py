@@ -155,7 +155,7 @@ class LocalExecutor:
         outputs: list[Path] = []
         pumps: list[threading.Thread] = []
         recent: deque = deque(maxlen=16)  # rank 0's last output, whether or not its log file could be written
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), 0.0
         try:
             for rank in range(tasks):
                 env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(tasks),
@@ -170,6 +170,10 @@ class LocalExecutor:
                 if rank == 0:  # streamed: the terminal and its log file
                     read_end, write_end = os.pipe()
                     p = self._start(launch, env, write_end)
+                    # a forked rank starts once the server has imported torch and the stages: the first stage of a
+                    # run waits for that here, once; it is the run's start-up, not this stage's time (which the next
+                    # plan reads)
+                    waited, t0 = time.perf_counter() - t0, time.perf_counter()
                     pump = threading.Thread(target=_pump, args=(os.fdopen(read_end, "rb"), out_path, recent),
                                             daemon=True)
                     pump.start()
@@ -190,7 +194,8 @@ class LocalExecutor:
                     time.sleep(self.poll_s)
                 for pump in pumps:
                     pump.join(timeout=5)
-                return Outcome(False, time.perf_counter() - t0, f"interrupted ({interrupt.said()})", interrupted=True)
+                return Outcome(False, time.perf_counter() - t0, f"interrupted ({interrupt.said()})", interrupted=True,
+                               waited_s=waited)
         except BaseException:
             _kill(procs)
             raise
@@ -198,7 +203,7 @@ class LocalExecutor:
             pump.join(timeout=5)
         seconds = time.perf_counter() - t0
         if failure is None:
-            return Outcome(True, seconds)
+            return Outcome(True, seconds, waited_s=waited)
         rank, what = failure
         log = b"".join(recent).decode(errors="replace") if rank == 0 else \
             tail(outputs[rank]) or tail(launch.log_dir / f"rank{rank}.log")

@@ -515,6 +515,15 @@ class TransformConfig:
 
 
 @dataclass
+class PlanConfig:
+    calibrate_steps: int = key(0, "where no run of this layout was timed on this machine yet, time this many train "
+                                  "steps of it before planning (at least 4: the first 3 are warm-up), so that the "
+                                  "plan's train time is an estimate, not a floor: the run cut short, its tokenize, "
+                                  "export and transform the run's own, its model then deleted; 0: no calibration",
+                               min=0, max=MAX_STEPS, content=False)
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     parallel: ParallelConfig = MISSING
@@ -532,6 +541,7 @@ class Config:
     transform: TransformConfig = field(default_factory=TransformConfig)
     aggregate: AggregateConfig = field(default_factory=AggregateConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     tune: TuneConfig = MISSING
     dry_run: bool = key(False, "print the plan (stages, cache hits, resources, commands) and exit", content=False)

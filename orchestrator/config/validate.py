@@ -87,7 +87,8 @@ OTHERS = (Check("data", "plugins.data.rules"), Check("engine", "plugins.onnx.rul
           Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),
           Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),
           Check("tracking", "orchestrator.tracking.tracker"), Check("cache_dir", "orchestrator.cache.store"),
-          Check("evaluate", "plugins.evaluate.rules"), Check("sweep.objective", __name__, "objective_problems"))
+          Check("evaluate", "plugins.evaluate.rules"), Check("plan", "orchestrator.calibration"),
+          Check("sweep.objective", __name__, "objective_problems"))
 INIT_FROM = Check("train.init_from", "storage.init_from")  # with the partition plan's parameters
 PLAN = Check("train", "planning.plan")  # memory and disk, from the partition plan
 CHECKS = (*STRUCTURAL, *OTHERS, INIT_FROM, PLAN)

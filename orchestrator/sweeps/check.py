@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from pathlib import Path
 from typing import Optional
 
 from hydra.core.global_hydra import GlobalHydra
@@ -177,7 +178,7 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
     """What the sweep will cost: its points (or trials; study: Optuna's, kept), the time their training takes at
     least, and this process's own memory beside the points' ranks (each point's plan gives theirs)."""
     from orchestrator.run import orchestrator_bytes
-    from planning.plan import GB, duration, step_floor
+    from planning.plan import GB, duration, expected_times
 
     sweeper = config.hydra.sweeper
     n_trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
@@ -191,13 +192,19 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
     at_once = points[0].sweep.parallelism if points else 1
     lines = [f"sweep: {what}; {at_once} run at a time here (sweep.parallelism)"]
     timed = [p for p in points if p.cluster.name != "slurm" and not p.dry_run]
-    if timed:
-        floors = [step_floor(p)[0] * p.train.steps for p in timed]
-        each = f"{duration(min(floors))}" + (f" to {duration(max(floors))}" if max(floors) > min(floors) else "")
-        total = sum(floors) if basic else min(floors) * count if count is not None else None
-        lines.append(f"  time: each point trains at least {each} (its steps at this machine's matmul rate)" +
+    if timed:  # each point's train stage as its own plan times it: by a comparable run measured here, else its floor
+        trains = [expected_times(p, ["train"], Path(p.cache_dir).resolve())["train"] for p in timed]
+        seconds = [e.seconds for e in trains]
+        floors = sum(e.floor for e in trains)
+        bound = "at least" if floors else "about"
+        each = f"{duration(min(seconds))}" + (f" to {duration(max(seconds))}" if max(seconds) > min(seconds) else "")
+        how = "its steps at this machine's matmul rate: no run of its layout measured here yet" if floors == len(
+            trains) else "as a run measured here" if not floors else \
+            f"{len(trains) - floors} as a run measured here, {floors} at their matmul rate (none measured)"
+        total = sum(seconds) if basic else min(seconds) * count if count is not None else None
+        lines.append(f"  time: each point trains {bound} {each} ({how})" +
                      ("; nothing to run" if count == 0 else "" if total is None else
-                      f"; the sweep at least {duration(total)} (cached points take none)"))
+                      f"; the sweep {bound} {duration(total)} (cached points take none)"))
     lines.append(f"  memory: this process (the orchestrator) {orchestrator_bytes(points[0]) / GB:,.2f} GB, beside "
                  "each point's ranks and stages (its plan says theirs)")
     return lines

@@ -128,6 +128,9 @@ class Degradable:
             return None
 
 
+INVOCATION_TIMES = ("duration_s", "planned_s")  # how long a stage took in the invocation that ran it, not a result
+
+
 class Invocation(Degradable):
     """The orchestrator's side: the parent run and the stage runs of one `python -m orchestrator`. Creating it
     fails loudly (the store is checked before launch); after that, tracking failures only degrade it."""
@@ -182,10 +185,33 @@ class Invocation(Degradable):
         return run.info.run_id
 
     def record_cached(self, name: str, key: str, source_run_id: str) -> None:
-        """A stage found in the cache still gets a (finished) run here, pointing at the run that computed it."""
-        run_id = self.start_stage(name, key, {}, {"orchestrator.status": "cached",
-                                                  "orchestrator.source_run_id": source_run_id})
-        self.end_run(run_id, "FINISHED")
+        """A stage found in the cache still gets a (finished) run here: it links to the run that computed its outputs
+        (a tag, and the run's description as a link in MLflow's UI) and carries that run's metrics (their last
+        values) and params, so that comparing two invocations' stages compares what each of them used."""
+        source = self._source(source_run_id)
+        tags = {"orchestrator.status": "cached", "orchestrator.source_run_id": source_run_id}
+        if source is not None:
+            made_by = source.data.tags.get("mlflow.parentRunId", "")
+            tags.update({"orchestrator.source_invocation": made_by, "mlflow.note.content": (
+                f"Cached: these outputs were computed by the {name} run [{source_run_id}]"
+                f"(#/experiments/{source.info.experiment_id}/runs/{source_run_id}) of invocation "
+                f"[{made_by}](#/experiments/{source.info.experiment_id}/runs/{made_by}); its metrics are copied "
+                "here.")})
+        elif source_run_id:
+            tags["mlflow.note.content"] = (f"Cached: computed by run {source_run_id}, which this store does not hold "
+                                           f"(recorded in another store, or deleted since)")
+        run_id = self.start_stage(name, key, dict(source.data.params) if source else {}, tags)
+        carried = {k: v for k, v in (source.data.metrics if source else {}).items() if k not in INVOCATION_TIMES}
+        self.end_run(run_id, "FINISHED", carried)
+
+    def _source(self, run_id: str):
+        """The run that computed a cached stage, or None where this store does not have it."""
+        if not run_id or self.degraded:
+            return None
+        try:
+            return self.client.get_run(run_id)
+        except Exception:  # RESOURCE_DOES_NOT_EXIST: another store's run, or one deleted; not the store failing
+            return None
 
     def end_run(self, run_id: Optional[str], status: str, metrics: Optional[dict[str, float]] = None,
                 tags: Optional[dict[str, str]] = None) -> None:
