@@ -2,17 +2,22 @@
 progress bar and colours, the log files and summaries get lines without control codes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 
 import mlflow
 import pytest
 
+from orchestrator.cluster.local import free_port
 from orchestrator.cluster.log_text import LogText
 from orchestrator.sweeps import pictures
 from tests.conftest import cli_env
@@ -47,8 +52,8 @@ def test_a_progress_bar_leaves_only_the_lines_printed_above_it_whatever_the_chun
 def test_a_sweep_started_from_a_terminal_writes_plain_files_a_summary_and_an_mlflow_tree(tmp_path):
     """Two points of 300 steps on a pseudo-terminal: the terminal gets the bar (colour and cursor codes), while no
     file under runs/ holds a control code, and each rank log stays small (637 KB of bar frames before). The sweep's
-    summary ranks both points; MLflow holds the sweep, its points and their stages, the second point's data stages
-    cached."""
+    summary ranks both points; MLflow, read through a real `mlflow server`'s REST API, holds the sweep, its points and
+    their stages named and tagged by what ran, the second point's data stages cached and linked to the first's."""
     primary, secondary = pty.openpty()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", "-m", "optimizer.lr=1e-3,3e-4", "train.steps=300",
                              "train.batch_size=4", "train.seq_len=32", "train.eval_every=100", "model.n_layers=1",
@@ -105,7 +110,38 @@ def test_a_sweep_started_from_a_terminal_writes_plain_files_a_summary_and_an_mlf
     assert [r["overrides"] for r in rows] == ["optimizer.lr=0.001", "optimizer.lr=0.0003"]
     assert all(r["status"] == "ok" and r["final_loss"] > 0 and r["tokens_per_s"] > 0 for r in rows)
     assert rows[0]["final_loss"] != rows[1]["final_loss"]
-    client = mlflow.MlflowClient(f"sqlite:///{tmp_path}/runs/mlflow.db")
+    with mlflow_server(f"sqlite:///{tmp_path}/runs/mlflow.db") as uri:  # read as `mlflow ui` would: its REST API
+        _check_the_mlflow_tree(mlflow.MlflowClient(uri), seen, tmp_path)
+
+
+@contextlib.contextmanager
+def mlflow_server(store: str):
+    """`mlflow server` on `store` (a port of its own); yields its URI, stopped (its process group) after."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", store, "--host",
+                               "127.0.0.1", "--port", str(port), "--workers", "1"], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            try:
+                urllib.request.urlopen(uri + "/health", timeout=2).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        yield uri
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _check_the_mlflow_tree(client, seen: bytearray, tmp_path: Path) -> None:
     exp = client.get_experiment_by_name("orchestrator")
     (sweep,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'sweep'")
     points = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{sweep.info.run_id}'")
