@@ -39,9 +39,10 @@ def check(cfg: DictConfig) -> list:
 
 def wanted(cfg: DictConfig, to_run: list[str], store: Path, until: Optional[str]) -> bool:
     """Calibrate: asked to, the train stage is to run, and no comparable train was timed here (not for a run
-    that stops after train anyway, as a layout trial, nor for a dry run or a data preview, which start nothing)."""
-    return bool(cfg.plan.calibrate_steps and "train" in to_run and until is None and not cfg.dry_run
-                and not cfg.data.preview and expected_times(cfg, ["train"], store)["train"].floor)
+    that stops after train anyway, as a layout trial, nor for a dry run or a data preview, which start nothing, nor
+    for a run no longer than its calibration would be: it times itself)."""
+    return bool(0 < cfg.plan.calibrate_steps < cfg.train.steps and "train" in to_run and until is None
+                and not cfg.dry_run and not cfg.data.preview and expected_times(cfg, ["train"], store)["train"].floor)
 
 
 def calibration_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[DictConfig, Path, list[str]]:

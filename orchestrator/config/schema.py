@@ -519,7 +519,8 @@ class PlanConfig:
     calibrate_steps: int = key(0, "where no run of this layout was timed on this machine yet, time this many train "
                                   "steps of it before planning (at least 4: the first 3 are warm-up), so that the "
                                   "plan's train time is an estimate, not a floor: the run cut short, its tokenize, "
-                                  "export and transform the run's own, its model then deleted; 0: no calibration",
+                                  "export and transform the run's own, its model then deleted (not for a run of "
+                                  "no more steps: it times itself); 0: no calibration",
                                min=0, max=MAX_STEPS, content=False)
 
 
