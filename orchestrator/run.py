@@ -95,8 +95,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     commands = {name: executor.command(launches[name]) for name in to_run}
     _write_plan(run_dir, plan, where, commands)
     console.print(plan_table(plan, where))
-    for line in [*_new_store(cfg, fresh), *choices, *estimates, *data, *(data_preview(cfg) if tokenize else []),
-                 *warnings(cfg)]:
+    said = [*choices, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]
+    for line in [*_new_store(cfg, fresh), *(said if kind != "calibration" else [])]:  # the run's plan says them
         console.print(line, soft_wrap=True)
     if cfg.data.preview:
         console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)
@@ -163,7 +163,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     if waited >= STARTUP_SAID_S:
         stage_time.record(cfg, stage_time.STARTUP, waited, run_dir, cache.root, 0)
     against = actual_line(planned, {r.name: r.seconds for r in results.values() if r.status == "ran"}, waited)
-    if against:
+    if against and kind != "calibration":  # planned by a floor: the calibration is what makes the run's plan
         console.print(against, soft_wrap=True)
     console.print(f"outputs: {run_dir}", soft_wrap=True)
     if results.get("aggregate") and results["aggregate"].status in ("ran", "cached"):
