@@ -7,7 +7,8 @@ run's pauses timed) and at the end, tracked as the run is (what MLflow costs a s
 tagged orchestrator.kind=calibration), stopped after train (orchestrate(until="train")). Its tokenize, export and
 transform are the run's own (the run then finds them cached); its train stage leaves its record in the store's
 .stage_times.json, which the plan reads next, and its N-step model is deleted. A stage that fails there would fail
-the same way in the run: the run stops with its report.
+the same way in the run: the run stops with its report. It prints its plan's table and its stages' lines only:
+the run's plan, next, says the rest.
 """
 from __future__ import annotations
 
