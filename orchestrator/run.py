@@ -83,7 +83,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         startup = cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver" and not fork_server.running()
         planned = expected_times(cfg, to_run, cache.root, startup)
         estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
-                     time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))), *planned_lines(planned)]
+                     time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))),
+                     *planned_lines(planned, stage_time.where(cfg))]
 
     run_dir = run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +133,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         tracking.log_artifact(tracking.parent, run_dir / "plan.json")
         tracking.log_artifact(tracking.parent, run_dir / "plan.txt")
     if cfg.cluster.name == "slurm":
-        return _submit(cfg, plan, launches, cache, run_dir, tracking, follow_jobs and cfg.cluster.wait, t0)
+        return _submit(cfg, plan, launches, cache, run_dir, tracking, follow_jobs and cfg.cluster.wait, t0, planned)
 
     report = Report(run_dir, parent_run_id=tracking.parent if isinstance(tracking, Invocation) else None)
     results = report.results
@@ -207,8 +208,9 @@ def _new_store(cfg: DictConfig, fresh: bool) -> list[str]:
 
 
 def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launch], cache: Cache, run_dir: Path,
-            tracking: Optional[Invocation], wait: bool, t0: float) -> Report:
-    """cluster=slurm: every stage to run becomes a job, submitted now; then follow them (or return)."""
+            tracking: Optional[Invocation], wait: bool, t0: float, planned: dict[str, Optional[Expected]]) -> Report:
+    """cluster=slurm: every stage to run becomes a job, submitted now; then follow them (or return). Each job's time
+    is what sacct says it ran (its wait in the queue left out), recorded by follow for the next plan."""
     from orchestrator.cluster.follow import follow
     from orchestrator.cluster.slurm_submit import submit_plan
 
@@ -222,6 +224,9 @@ def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launc
         return Report(run_dir, parent_run_id=tracking.parent if tracking else None, submitted=True)
     report = follow([run_dir])[0]
     console.print(result_table(list(report.results.values()), time.perf_counter() - t0))
+    against = actual_line(planned, {r.name: r.seconds for r in report.results.values() if r.status == "ran"})
+    if against:
+        console.print(against, soft_wrap=True)
     console.print(f"outputs: {run_dir}", soft_wrap=True)
     return report
 

@@ -130,22 +130,23 @@ def time_line(cfg, saving: bool = True) -> str:
 
 def expected_times(cfg, to_run: list[str], store: Path, startup: bool = False) -> dict[str, Optional[Expected]]:
     """The stages that will run, each's time from what ran here before (planning/stage_time.py); the train stage's
-    floor where no comparable run was measured. None on SLURM (the stages run on the nodes, not here) and in a dry
-    run or data preview, which measure nothing (records alone are read there). startup: the stage processes' imports
-    are still to come (a local run's fork server not started yet), timed as the stage "start-up"."""
-    if cfg.cluster.name == "slurm":
-        return {}
-    found = stage_time.expected(cfg, [stage_time.STARTUP] * bool(startup and to_run) + to_run, store,
+    floor where no comparable run was measured, except on SLURM (this host's matmuls say nothing of the nodes'), and
+    in a dry run or data preview, which measure nothing (records alone are read there). startup: the stage
+    processes' imports are still to come (a local run's fork server not started yet), timed as the stage
+    "start-up". A SLURM job's wait in the queue is not estimated."""
+    slurm = cfg.cluster.name == "slurm"
+    found = stage_time.expected(cfg, [stage_time.STARTUP] * bool(startup and to_run and not slurm) + to_run, store,
                                 partition_plan(cfg)["n_parameters"])
-    if "train" in found and found["train"] is None and not (cfg.dry_run or cfg.data.get("preview")):
+    if "train" in found and found["train"] is None and not (slurm or cfg.dry_run or cfg.data.get("preview")):
         floor, rate, where = step_floor(cfg)
         found["train"] = Expected(floor * cfg.train.steps, f"at least: its matmuls at {rate / 1e9:,.0f} GFLOP/s "
                                   f"({where}); no run of this layout measured here yet", floor=True)
     return found
 
 
-def planned_lines(planned: dict[str, Optional[Expected]]) -> list[str]:
-    """The plan's time for the stages that run, in all and each, and where the train stage's figure comes from."""
+def planned_lines(planned: dict[str, Optional[Expected]], where: str = "here") -> list[str]:
+    """The plan's time for the stages that run, in all and each, and where the train stage's figure comes from
+    (where: the machine's name for the records, stage_time.where)."""
     if not planned:
         return []
     known = {stage: e for stage, e in planned.items() if e is not None}
@@ -154,11 +155,12 @@ def planned_lines(planned: dict[str, Optional[Expected]]) -> list[str]:
     each = ", ".join(f"{stage} {'>= ' if e.floor else ''}{duration(e.seconds)}" for stage, e in known.items())
     stages = len([s for s in planned if s != stage_time.STARTUP])
     lines = [f"  stages: {'at least' if lower else 'about'} {duration(sum(e.seconds for e in known.values()))} for "
-             f"the {stages} that run ({each or 'none measured here yet'})"]
+             f"the {stages} that run ({each or f'none measured {where} yet'})"]
     if known.get("train"):
         lines.append(f"  train: {known['train'].source}")
     if unknown:
-        lines.append(f"  not measured here yet (their first run on this machine): {', '.join(unknown)}")
+        first = " (their first run on this machine)" if where == "here" else ""
+        lines.append(f"  not measured {where} yet{first}: {', '.join(unknown)}")
     return lines
 
 

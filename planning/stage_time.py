@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from omegaconf import OmegaConf
+
 from planning.estimate import step_flops
 from plugins.parallel import world_size
 from runtime.cadence import WARMUP_STEPS_EXCLUDED
@@ -40,15 +42,26 @@ class Expected:
 
 def machine(cfg) -> str:
     """Where and how the stages run: the GPU by its name, else this machine's cores, and the executor (cluster=debug
-    starts no processes; a record of another machine says nothing of this one)."""
+    starts no processes; a record of another machine says nothing of this one). On SLURM the nodes, as the job's
+    request names them: the partition, the resources per task, the nodes (this host is not one of them)."""
     from runtime.machine import ranks_on_cuda
 
     ranks = f"{world_size(cfg.parallel)} rank(s), cluster={cfg.cluster.name}"
+    if cfg.cluster.name == "slurm":
+        c = cfg.cluster
+        sbatch = json.dumps(OmegaConf.to_container(c.sbatch), sort_keys=True) if c.sbatch else "{}"
+        return (f"{where(cfg)}, {c.gpus_per_task} GPU(s) and {c.cpus_per_task or c.threads_per_rank or 1} CPU(s) "
+                f"per task, {c.nodes} node(s), sbatch {sbatch}, {ranks}")
     if ranks_on_cuda(cfg)[0]:
         import torch
 
         return f"{torch.cuda.get_device_name()}, {ranks}"
     return f"cpu, {usable_cores()} core(s), {ranks}"
+
+
+def where(cfg) -> str:
+    """Where a record was measured, as the plan says it."""
+    return f"on SLURM partition {cfg.cluster.partition or '(the default)'}" if cfg.cluster.name == "slurm" else "here"
 
 
 def train_kind(cfg) -> str:
@@ -71,7 +84,7 @@ def expected(cfg, stages: list[str], store: Path, n_parameters: int) -> dict[str
                 r, flops = mine[-1], step_flops(cfg, n_parameters)
                 step = r["step_s"] * flops / r["step_flops"]
                 steps = (f"{_short(step)} a step: {_short(r['step_s'])} at {r['step_flops'] / 1e9:,.2f} GFLOP measured "
-                         f"here {r['when']}, scaled to {flops / 1e9:,.2f}")
+                         f"{where(cfg)} {r['when']}, scaled to {flops / 1e9:,.2f}")
                 besides, how = _besides_steps(r, pauses(cfg.train))
                 out[stage] = Expected(cfg.train.steps * step + besides, f"{steps}; {how}")
             else:
@@ -79,7 +92,7 @@ def expected(cfg, stages: list[str], store: Path, n_parameters: int) -> dict[str
         elif mine:
             r = mine[-1]
             scale = 1.0 if stage == STARTUP else max(1.0, n_parameters / max(r.get("parameters", 1), 1))
-            out[stage] = Expected(r["seconds"] * scale, f"measured here {r['when']}"
+            out[stage] = Expected(r["seconds"] * scale, f"measured {where(cfg)} {r['when']}"
                                   + (f", x{scale:,.1f} for the parameters" if scale > 1 else ""))
         else:
             out[stage] = None

@@ -137,7 +137,19 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 4}))  # a continued run: not a measure
     stage_time.record(twice, "train", 99.0, out, tmp_path, n)
     assert expected_times(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(21.6)
-    assert expected_times(make_cfg("cluster=slurm", f"cache_dir={tmp_path}"), ["train"], tmp_path) == {}
+    # SLURM: the nodes' records only (the partition and what a task asks), never this host's, and no floor
+    slurm = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", "cluster=slurm",
+                     f"cache_dir={tmp_path}")
+    assert expected_times(slurm, ["train"], tmp_path) == {"train": None}
+    (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
+    stage_time.record(slurm, "train", 3.0, out, tmp_path, n)  # as follow records a job that ran
+    on_nodes = expected_times(slurm, ["train", "export"], tmp_path)
+    assert on_nodes["train"].seconds == pytest.approx(10 * 0.1 + 0.4 + 0.4) and on_nodes["export"] is None
+    assert "measured on SLURM partition (the default) " in on_nodes["train"].source
+    assert planned_lines(on_nodes, stage_time.where(slurm))[-1] == \
+        "  not measured on SLURM partition (the default) yet: export"
+    other_nodes = make_cfg("train.steps=10", "cluster=slurm", "cluster.gpus_per_task=1", f"cache_dir={tmp_path}")
+    assert expected_times(other_nodes, ["train"], tmp_path) == {"train": None}
 
 
 def test_sharding_recomputation_and_more_ranks_lower_it():

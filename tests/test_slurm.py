@@ -52,6 +52,11 @@ def test_failed_stage_cancels_dependants_shows_traceback_and_rerun_resumes(slurm
     kids = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{parent.info.run_id}'")
     assert len(kids) == 6 and {k.data.tags["orchestrator.status"] for k in kids} == {"cached"}
 
+    # the jobs' times (sacct's) were recorded: a plan of more steps on these nodes times its stages by them
+    planned = run_cli([*args, "train.steps=6", "dry_run=true"], workdir)
+    assert planned.returncode == 0 and "  stages: about " in planned.stdout, planned.stdout[-3000:]
+    assert " a step: " in planned.stdout and "measured on SLURM partition (the default) " in planned.stdout
+
 
 def test_sweep_runs_points_concurrently_with_their_own_resources_and_one_export(slurm, workdir):
     result = run_cli(["-m", "cluster=slurm", "parallel=ddp2,megatron_hp4", "train.steps=4", *SMALL], workdir,

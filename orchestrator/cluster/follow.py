@@ -211,7 +211,26 @@ def _finish(f: Followed, states: dict, errors: dict[str, str]) -> Report:
     for name, r in report.results.items():
         if r.status in ("ran", "cached"):
             link_output(f.run_dir, name, f.cache.entry(name, r.key))
+    _record_times(f, report)
     return report
+
+
+def _record_times(f: Followed, report: Report) -> None:
+    """Each job that ran, its time (sacct's) for the next plan on these nodes (planning/stage_time.py). An estimate's
+    input: never worth failing the follow over."""
+    from omegaconf import OmegaConf
+
+    from planning import stage_time
+    from planning.plan import partition_plan
+
+    ran = [r for r in report.results.values() if r.status == "ran" and r.seconds > 0]
+    try:
+        cfg = OmegaConf.load(f.run_dir / "config.yaml") if ran else None
+        n_parameters = partition_plan(cfg)["n_parameters"] if ran else 0
+        for r in ran:
+            stage_time.record(cfg, r.name, r.seconds, f.cache.entry(r.name, r.key), f.cache.root, n_parameters)
+    except Exception as e:  # noqa: BLE001 (a config or record that cannot be read: the next plan has no figure)
+        console.print(f"(the jobs' times are not recorded for the next plan: {type(e).__name__}: {e})", soft_wrap=True)
 
 
 def _summary(f: Followed, stage: str) -> str:
