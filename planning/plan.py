@@ -154,12 +154,14 @@ def planned_lines(planned: dict[str, Optional[Expected]], where: str = "here") -
     lower = unknown or any(e.floor for e in known.values())
     each = ", ".join(f"{stage} {'>= ' if e.floor else ''}{duration(e.seconds)}" for stage, e in known.items())
     stages = len([s for s in planned if s != stage_time.STARTUP])
+    first = " (their first run on this machine)" if where == "here" else ""
+    if not known:  # a first run on SLURM's nodes (here the train stage has its floor)
+        return [f"  stages: none of the {stages} that run measured {where} yet{first}"]
     lines = [f"  stages: {'at least' if lower else 'about'} {duration(sum(e.seconds for e in known.values()))} for "
-             f"the {stages} that run ({each or f'none measured {where} yet'})"]
+             f"the {stages} that run ({each})"]
     if known.get("train"):
         lines.append(f"  train: {known['train'].source}")
     if unknown:
-        first = " (their first run on this machine)" if where == "here" else ""
         lines.append(f"  not measured {where} yet{first}: {', '.join(unknown)}")
     return lines
 

@@ -141,6 +141,8 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     slurm = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", "cluster=slurm",
                      f"cache_dir={tmp_path}")
     assert expected_times(slurm, ["train"], tmp_path) == {"train": None}
+    assert planned_lines({"train": None}, stage_time.where(slurm)) == [
+        "  stages: none of the 1 that run measured on SLURM partition (the default) yet"]
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
     stage_time.record(slurm, "train", 3.0, out, tmp_path, n)  # as follow records a job that ran
     on_nodes = expected_times(slurm, ["train", "export"], tmp_path)
