@@ -33,7 +33,7 @@ def check(cfg: DictConfig) -> list:
                         f"plan.calibrate_steps={WARMUP_STEPS_EXCLUDED + 5}, or 0 (no calibration)")]
     if n and cfg.cluster.name == "slurm":
         return [Problem("plan.calibrate_steps", n, "a calibration times steps on this machine, and a SLURM run's "
-                        "steps run on the cluster's nodes (the plan does not estimate their time)",
+                        "steps run on the cluster's nodes (the plan times them by the jobs that ran there)",
                         "plan.calibrate_steps=0 with cluster=slurm, or cluster=local")]
     return []
 
