@@ -64,8 +64,8 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     n_labels = max(batch.n_labels, 1)  # the loss is a mean over the whole batch's labels, however it is split
     probe.start_step()
     loss_scale = scaler.scale
-    inputs, labels, documents = layout.rank_inputs(batch, s.repack_to, s.microbatches)
-    loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents)
+    inputs, labels, documents, counts = layout.rank_inputs(batch, s.repack_to, s.microbatches)
+    loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents, counts)
     grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)
     finite = scaler.step_ok(grad_norm)
     if finite and s.skip_nonfinite and not scaler.enabled:

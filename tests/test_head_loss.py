@@ -37,6 +37,10 @@ def test_the_sparse_head_gives_the_dense_loss_and_gradients(chunk):
     assert (got_w - want_w).abs().max() <= 2e-6 * want_w.abs().max()
     with torch.no_grad():  # evaluation: no gradient buffers, the same sum
         assert head_loss(h, w, y, vocab, chunk).item() == pytest.approx(got.item(), rel=1e-7)
+    # the train step's way (the count read on the host, the positions found without asking the device): the same
+    counted = head_loss(h, w, y, vocab, chunk, count=int((y != -100).sum()))
+    assert torch.equal(counted, got)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(counted / 77, (h, w)), (got_h, got_w)))
 
 
 def test_no_labelled_position_gives_zero_and_zero_gradients():

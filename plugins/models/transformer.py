@@ -173,13 +173,15 @@ class Decoder(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
 
-    def forward(self, h, documents: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None):
+    def forward(self, h, documents: Optional[torch.Tensor] = None, labels: Optional[torch.Tensor] = None,
+                label_count: Optional[int] = None):
         """input_ids (B, T) -> logits (B, T, V); a pipeline stage maps hidden states or ids to its output.
         documents (B, T): each position's document in rows of whole documents (data.packing_strategy=bfd): attention
         stays within a document and positions restart at each (every pipeline stage gets them beside its input).
         labels (B, T) (train.label_sparsity): the stage with the head returns the summed loss of the labelled
         positions instead of logits, the head run on those positions only (plugins/models/head_loss.py); inside
-        forward, so that data parallelism's gathered weights and hooks see the head as they see every layer."""
+        forward, so that data parallelism's gathered weights and hooks see the head as they see every layer.
+        label_count: how many of `labels` count, where the host knows it (head_loss's `count`: no wait on the GPU)."""
         view = None
         if documents is not None and (self.wpe is not None or self.layers):
             view = document_view(documents, self.attention)
@@ -191,7 +193,8 @@ class Decoder(nn.Module):
         for layer in self.layers.values():
             h = layer(h) if view is None else layer(h, documents=view)
         if self.lm_head is not None and labels is not None:
-            return head_loss(self.ln_f(h), self.lm_head.weight, labels, self.vocab_size, self.loss_chunk)
+            return head_loss(self.ln_f(h), self.lm_head.weight, labels, self.vocab_size, self.loss_chunk,
+                             label_count)
         if self.lm_head is not None:
             h = self.lm_head(self.ln_f(h))
             if h.shape[-1] != self.vocab_size:

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from plugins.data.packing import rank_tokens, repack
 from plugins.engines import get_engine
+from plugins.models.head_loss import IGNORED
 from plugins.models.lora import apply_lora, init_adapters, store_frozen
 from plugins.models.registry import build_on_meta, materialise
 from plugins.parallel.grads import TiedGradients, clip_grad_norm
@@ -72,12 +73,16 @@ class Layout:
     def rank_inputs(self, batch, repack_to: int = 0, microbatches: int = 1) -> tuple:
         """This rank's (inputs, labels, documents) of a batch on its device: its rows, or (repack_to: padded rows
         of one document each) their real tokens packed into fewer rows (plugins/data/packing.repack): the same
-        logits per token, about the real tokens' compute, so ranks dealt equal real tokens take equal time."""
+        logits per token, about the real tokens' compute, so ranks dealt equal real tokens take equal time. Fourth,
+        each microbatch's count of labels that enter the loss, read here on the host (the sparse head's `count`)."""
         if not repack_to or batch.real is None or batch.documents is not None:
-            return tuple(self.local_batch(t) for t in (batch.inputs, batch.labels, batch.documents))
-        mine = repack(self.rank_rows(batch.inputs), self.rank_rows(batch.labels),
-                      self.rank_rows(torch.from_numpy(batch.real)), repack_to, microbatches)
-        return tuple(self.to_device(t) for t in mine)
+            mine = tuple(None if t is None else self.rank_rows(t) for t in (batch.inputs, batch.labels,
+                                                                             batch.documents))
+        else:
+            mine = repack(self.rank_rows(batch.inputs), self.rank_rows(batch.labels),
+                          self.rank_rows(torch.from_numpy(batch.real)), repack_to, microbatches)
+        counts = [int((y != IGNORED).sum()) for y in mine[1].chunk(microbatches)]
+        return (*(None if t is None else self.to_device(t) for t in mine), counts)
 
     def rank_token_spread(self, real) -> float:
         """The most real tokens a data-parallel rank holds over their mean (1: balanced)."""

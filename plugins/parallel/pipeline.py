@@ -46,20 +46,25 @@ class MicrobatchRunner:
         self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
         self.grad_scale, self.sparse = grad_scale, sparse
 
-    def _loss_sum(self, x, y, d) -> torch.Tensor:
-        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn)
+    def _loss_sum(self, x, y, d, count: Optional[int] = None) -> torch.Tensor:
+        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn, count)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
-                   loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
+                   counts: Optional[list[int]] = None) -> torch.Tensor:
+        """counts: each microbatch's labels that count, read on the host before the batch went to the device (the
+        sparse head then never waits for the GPU); None: the head asks the device."""
         total = torch.zeros((), device=inputs.device)
-        chunks = list(zip(inputs.chunk(self.microbatches), labels.chunk(self.microbatches),
-                          _chunks(documents, self.microbatches)))
+        ys = labels.chunk(self.microbatches)
+        if counts is None or len(counts) != len(ys):  # counted for another split: let the head ask the device
+            counts = [None] * len(ys)
+        chunks = list(zip(inputs.chunk(self.microbatches), ys, _chunks(documents, self.microbatches), counts))
         backward_scale = self.grad_scale * loss_scale
-        for i, (x, y, d) in enumerate(chunks):
+        for i, (x, y, d, count) in enumerate(chunks):
             set_gradient_sync([self.module], i == len(chunks) - 1)
             self._sample("pre_forward")
             with loss_context(self.loss_parallel):
-                loss = self._loss_sum(x, y, d) / n_labels
+                loss = self._loss_sum(x, y, d, count) / n_labels
                 self._sample("post_forward")
                 (loss * backward_scale if backward_scale != 1 else loss).backward()
             self._sample("post_backward")
@@ -114,7 +119,8 @@ class PipelineRunner:
         return (output if self.sparse else self.loss_fn(output, target)) * self.scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
-                   loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
+                   counts: Optional[list[int]] = None) -> torch.Tensor:
         """Forward and backward of every microbatch, as the schedule orders them (memory is sampled
         around the whole schedule: its phases interleave). documents go to every stage (the schedule splits
         keyword inputs into microbatches like the inputs and hands each stage its own)."""
@@ -181,11 +187,11 @@ def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tenso
 
 
 def _loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor, documents: Optional[torch.Tensor], sparse: bool,
-              loss_fn: Callable) -> torch.Tensor:
-    """The summed loss of the part that holds the head: computed by the part itself when sparse (label sparsity),
-    else loss_fn on its logits."""
+              loss_fn: Callable, count: Optional[int] = None) -> torch.Tensor:
+    """The summed loss of the part that holds the head: computed by the part itself when sparse (label sparsity;
+    count: its labels that count, where the host knows it), else loss_fn on its logits."""
     if sparse:
-        return _forward(module, x, documents, labels=y)
+        return _forward(module, x, documents, labels=y, **({} if count is None else {"label_count": count}))
     return loss_fn(_forward(module, x, documents), y)
 
 
