@@ -165,7 +165,9 @@ SETTINGS = ["hydra.sweeper.n_trials=0", "hydra.sweeper.n_jobs=0", "hydra.sweeper
             "hydra.sweeper.sampler.seed=7", "hydra.sweeper.direction=maximize", "hydra.sweeper.study_name=fuzz",
             "sweep.parallelism=4", "sweep.max_points=1", "sweep.max_points=0", "cluster=debug", "tracking=none",
             "hydra.sweeper.storage=sqlite:///x.db", "sweep.objective=tokens_per_s", "hydra.sweeper.direction=up",
-            "hydra.sweeper.study_name=../x", "+hydra.launcher.fuzz=1", "+hydra.sweeper.fuzz=1"]
+            "hydra.sweeper.study_name=../x", "+hydra.launcher.fuzz=1", "+hydra.sweeper.fuzz=1",
+            # points that collide (one folder for all) and a return the sweeper cannot take (two objectives)
+            "hydra.sweep.subdir=same", "hydra.sweep.subdir=${optimizer.lr}", "hydra.sweeper.direction=[minimize,maximize]"]
 
 
 def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:
@@ -178,5 +180,6 @@ def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:
         if setting.lstrip("+").startswith("hydra.sweeper.") and not sweeper:
             setting = "sweep.parallelism=2"  # the basic sweeper has no sampler (Hydra refuses the key itself)
         cases.append(Case((*sweeper, f"{key}={space}", setting),
-                          (key, setting.split("=")[0], "hydra.sweeper", "sweep", "cluster")))
+                          (key, setting.split("=")[0].lstrip("+"), "hydra.sweeper", "hydra.sweep", "sweep",
+                           "cluster")))
     return list({c.id: c for c in cases}.values())

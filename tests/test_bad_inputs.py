@@ -149,11 +149,34 @@ CATALOGUE = [
     (["evaluate.tasks=[arith_mc]", "evaluate.onnx=true", "aggregate.onnx=false"], "evaluate.onnx",
      "writes no ONNX model"),
     (["evaluate.tasks=[val_perplexity]", "data.name=synthetic"], "evaluate.tasks", "lm-eval scores text"),
+    # the user's task files, loaded by lm-eval's own task loading before launch
+    (["evaluate.tasks=[my_metric]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
+     "metric 'acuracy' is not one of lm-eval's"),
+    (["evaluate.tasks=[my_otype]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
+     "invalid output_type 'multiple_chose'"),
+    (["evaluate.tasks=[my_jinja]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks", "TemplateSyntaxError"),
+    (["evaluate.tasks=[my_nodata]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks", "Unable to find"),
+    (["evaluate.tasks=[my_split]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks", "KeyError"),
+    (["evaluate.tasks=[my_helper]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
+     "Cannot import module 'missing_utils'"),
+    (["evaluate.tasks=[my_hub]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
+     "the Hub cannot be reached"),
+    (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.include_path",
+     "is defined twice"),
+    # evaluate keys that would do nothing
+    (["evaluate.num_fewshot=3"], "evaluate.num_fewshot", "read only when evaluate.tasks is given"),
+    (["evaluate.include_path={tmp}/user_tasks"], "evaluate.include_path", "read only when evaluate.tasks is given"),
+    (["evaluate.tasks=[arith_mc]", "evaluate.prompts=[Hello]", "evaluate.generations=2"], "evaluate.generations",
+     "read only when evaluate.prompts is empty"),
+    (["evaluate.tasks=[val_perplexity]", "evaluate.num_fewshot=2"], "evaluate.num_fewshot",
+     "takes few-shot examples"),
+    (["evaluate.tasks=[arith_gen]", "evaluate.onnx=true"], "evaluate.onnx", "scores loglikelihood tasks only"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
     # LoRA (peft=lora)
     (["peft=lora"], "train.init_from", "the base must be named"),
     (["peft=lora", "peft.targets=[wz]"], "peft.targets", "has no Linear of that name"),
     (["peft=lora", "peft.rank=100"], "peft.rank", "no longer low-rank"),
+    (["peft=lora", "peft.alpha=0"], "peft.alpha", "the run would train nothing"),
     (["peft=lora", "peft.trainable=[lm_hed.weight]"], "peft.trainable", "has no parameter of that name"),
     (["train.init_from=hf:{tmp}/gpt_vocab259", "model.vocab_size=259", "parallel=megatron_hp2"], "parallel.hp",
      "model.pad_vocab_to=128"),
@@ -200,6 +223,10 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/mixed.jsonl]", "data.format=prompt_completion",
       "data.chat_template={tmp}/chatml.jinja"], "data.paths", "line 2: data.completion_field ('completion') is a list "
      "of messages and data.prompt_field ('prompt') is a string"),
+    (["data=text", "data.paths=[{tmp}/tool_calls.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
+     "data.paths", "message 2 has tool_calls, and the chat template never reads tool_calls"),
+    (["data=text", "data.paths=[{tmp}/empty_answers.jsonl]", "data.format=chat",
+      "data.chat_template={tmp}/chatml.jinja"], "data.loss_on", "has a token to learn (no assistant message with text)"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/broken.jinja"],
      "data.chat_template", "cannot be read as Jinja"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/latin1.jinja"],
@@ -210,6 +237,8 @@ CATALOGUE = [
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: 0}]"], "data.mix", "weight above 0"),
+    (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [{tmp}/one.txt], weight: 0}]"], "data.mix",
+     "never drawn into a batch"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: -0.3}, {paths: [{tmp}/one.txt]}]"],
      "data.mix[0].weight", ">= 0.0"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: nan}]"], "data.mix[0].weight", "a finite number"),
@@ -276,6 +305,11 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "array.json").write_text(json.dumps([{"text": "a record"}] * 20, indent=1))
     (tmp / "mixed.jsonl").write_text('{"prompt": "Q", "completion": "A"}\n'
                                      '{"prompt": "Q", "completion": [{"role": "assistant", "content": "A"}]}\n')
+    call = {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+        "name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    (tmp / "tool_calls.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "2+3?"}, call]}) + "\n")
+    (tmp / "empty_answers.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "hello"}, {"role": "assistant", "content": " "}]}) + "\n")
     (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed
     (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever
@@ -297,6 +331,7 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "truncated_config" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>", "chat_tem')
     (tmp / "broken_tasks").mkdir()  # an lm-eval task file cut short
     (tmp / "broken_tasks" / "mine.yaml").write_text("task: mine\ndataset_kwargs: {data_files: {test: [a.jsonl")
+    user_tasks(tmp / "user_tasks")
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
@@ -304,6 +339,52 @@ def corpus(tmp_path_factory) -> Path:
         "architectures": ["GPT2LMHeadModel"], "vocab_size": 259, "n_layer": 8, "n_head": 4, "n_embd": 64,
         "n_inner": 256, "n_positions": 128, "activation_function": "gelu"}))
     return tmp
+
+
+def user_tasks(folder: Path) -> None:
+    """lm-eval task files that parse as YAML and fail in lm-eval (one task each), beside good ones: a `.yml`, one
+    whose metrics come from an `include:`."""
+    import shutil
+
+    import yaml
+
+    from plugins.evaluate.harness import SHIPPED
+
+    folder.mkdir()
+    data = folder / "questions.jsonl"
+    shutil.copy(SHIPPED / "arith_mc.jsonl", data)
+    base = yaml.safe_load((SHIPPED / "arith_mc.yaml").read_text())
+    base["dataset_kwargs"]["data_files"] = {"test": str(data)}
+
+    def task(name: str, file: str = "", **changed) -> None:
+        (folder / (file or f"{name}.yaml")).write_text(yaml.safe_dump({**base, "task": name, **changed}))
+
+    task("my_metric", metric_list=[{"metric": "acuracy"}])
+    task("my_otype", output_type="multiple_chose")
+    task("my_jinja", doc_to_text="{{ question ")
+    task("my_nodata", dataset_kwargs={"data_files": {"test": str(folder / "nope.jsonl")}})
+    task("my_split", test_split="validation")
+    task("my_hub", dataset_path="someone/some_dataset", dataset_kwargs={})
+    task("arith_mc", "shadow.yaml")  # the shipped task's name
+    task("my_yml", "my_yml.yml")
+    task("my_helper", "helper.yaml", doc_to_text="HELPER")
+    (folder / "helper.yaml").write_text((folder / "helper.yaml").read_text().replace(
+        "doc_to_text: HELPER", "doc_to_text: !function missing_utils.doc_to_text"))
+    (folder / "inc_base.yaml").write_text(yaml.safe_dump({k: v for k, v in base.items() if k != "task"}))
+    (folder / "inc.yaml").write_text("include: inc_base.yaml\ntask: my_include\n")
+
+
+def test_good_user_tasks_are_accepted_as_lm_eval_reads_them(corpus, tmp_path):
+    """A `.yml` task file (given to lm-eval by its path: its index reads `.yaml` only), and a task whose metrics
+    come from an `include:` (lm-eval's loader merges it), as a sweep's objective."""
+    from plugins.evaluate.harness import task_configs
+
+    include = [f"evaluate.include_path={corpus}/user_tasks"]
+    assert problems_of(["evaluate.tasks=[my_yml]", *include], tmp_path / "runs") == []
+    assert problems_of(["evaluate.tasks=[my_include]", "sweep.objective=my_include/acc_norm", *include],
+                       tmp_path / "runs") == []
+    cfg = make_cfg("evaluate.tasks=[my_yml,my_include]", *include)
+    assert task_configs(cfg.evaluate, {}) == [str(corpus / "user_tasks" / "my_yml.yml"), "my_include"]
 
 
 def problems_of(overrides: list[str], runs: Path) -> list:
@@ -360,6 +441,9 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
      "hydra.sweeper.n_jobs"),
     (["-m", "hydra/sweeper=optuna", "hydra.sweeper.storage=sqlite:///optuna.db", "optimizer.lr=interval(1e-4,1e-3)"],
      "hydra.sweeper.storage"),  # the orchestrator keeps the study (orchestrator/sweeps/study.py)
+    (["-m", "optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=same"], "hydra.sweep.subdir"),  # one folder, two points
+    (["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=[minimize,maximize]", "optimizer.lr=interval(1e-4,1e-3)"],
+     "hydra.sweeper.direction"),  # two objectives asked of points that return one
 ])
 def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     """Through the real command (a sweep is checked point by point, data included, before any point runs), which

@@ -5,7 +5,8 @@ YAML files under conf/ only pick values; every key they may set is declared here
   choices  the allowed values of a string key
   content  False for keys that do not change what a stage produces (they stay out of the cache key)
   min/max  inclusive bounds of a number
-  read_when  (key, values): this key is read only when that key has one of these values
+  read_when  (key, values): this key is read only when that key has one of these values (FILLED: any value but
+             an empty one; EMPTY: an empty one), or a list of such conditions, all of which must hold
 """
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ MAX_SEED = 2**32 - 1  # NumPy's and torch's seeds are unsigned; 32 bits is what 
 # number is a typo, and would make the plan itself loop or allocate for ever before its memory check could say so
 MAX_LAYERS, MAX_WIDTH, MAX_VOCAB, MAX_TOKENS, MAX_RANKS = 4096, 2**20, 2**24, 2**24, 2**16
 MAX_THREADS, MAX_GPUS, MAX_WAIT_S = 4096, 64, 7 * 24 * 3600  # a node's cores and GPUs; a week (timedelta's range)
+class Filled:
+    """read_when's values for a list or text key: FILLED holds when the key has something in it, EMPTY when not
+    (`actual in FILLED`, as for a tuple of values)."""
+
+    def __init__(self, filled: bool, words: str):
+        self.filled, self.words = filled, words
+
+    def __contains__(self, actual) -> bool:
+        return bool(actual) == self.filled
+
+    def __iter__(self):
+        return iter((self.words,))
+
+
+FILLED, EMPTY = Filled(True, "<something>"), Filled(False, "[]")
+EVALUATING = ("evaluate.tasks", FILLED)  # the evaluate stage runs only with tasks to score
 FP16 = ("precision.name", ("fp16",))
 COMPILED = ("triton.enabled", (True,))
 BPE = ("data.tokenizer", ("bpe",))
@@ -468,24 +485,29 @@ class EvaluateConfig:
                                "evaluate.include_path, or lm-eval's own where their data is reachable; [] runs no "
                                "evaluate stage")
     include_path: Optional[str] = key(None, "a folder of lm-eval task YAML files (lm-eval's --include_path); its "
-                                            "files enter the stage's key, as data files do")
+                                            "files enter the stage's key, as data files do", read_when=EVALUATING)
     num_fewshot: int = key(0, "examples of the task put before each question (lm-eval's --num_fewshot)", min=0,
-                           max=64)
-    limit: Optional[int] = key(None, "score only the first N examples of each task (None: all)", min=1)
-    batch_size: int = key(8, "examples scored at once", min=1, max=4096)
-    seed: int = key(1234, "lm-eval's seeds (few-shot draws, sampling)", min=0, max=MAX_SEED)
+                           max=64, read_when=EVALUATING)
+    limit: Optional[int] = key(None, "score only the first N examples of each task (None: all)", min=1,
+                               read_when=EVALUATING)
+    batch_size: int = key(8, "examples scored at once", min=1, max=4096, read_when=EVALUATING)
+    seed: int = key(1234, "lm-eval's seeds (few-shot draws, sampling)", min=0, max=MAX_SEED,
+                    read_when=EVALUATING)
     apply_chat_template: bool = key(False, "put each question in the model's own chat template, the tokenizer's "
-                                           "(lm-eval's --apply_chat_template; arith_chat is made for it)")
+                                           "(lm-eval's --apply_chat_template; arith_chat is made for it)",
+                                    read_when=EVALUATING)
     prompts: List[str] = key([], "prompts the trained model answers (greedy) after scoring, logged as the MLflow "
                                  "table generations.json (in the chat template where the tokenizer has one); []: the "
                                  "first evaluate.generations validation prompts of a chat or prompt-completion corpus "
-                                 "(a text corpus: a document's first 32 tokens)")
+                                 "(a text corpus: a document's first 32 tokens)", read_when=EVALUATING)
     generations: int = key(4, "how many validation prompts are answered when evaluate.prompts is empty (0: none)",
-                           min=0, max=1000)
-    max_new_tokens: int = key(64, "the longest answer generated for a prompt, in tokens", min=1, max=MAX_TOKENS)
+                           min=0, max=1000, read_when=[EVALUATING, ("evaluate.prompts", EMPTY)])
+    max_new_tokens: int = key(64, "the longest answer generated for a prompt, in tokens", min=1, max=MAX_TOKENS,
+                              read_when=EVALUATING)
     onnx: bool = key(False, "also score the aggregate's ONNX model through ONNX Runtime on the loglikelihood tasks "
                             "(multiple choice, perplexity): the stage fails where a loglikelihood differs from hf/'s "
-                            "by more than 1e-4, and records both scores (needs aggregate.onnx)")
+                            "by more than 1e-4, and records both scores (needs aggregate.onnx)",
+                     read_when=EVALUATING)
 
 
 LORA = ("peft.name", ("lora",))

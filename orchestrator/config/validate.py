@@ -16,6 +16,7 @@ from typing import Iterable
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
+from common.problem import _show
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +242,8 @@ def set_twice(overrides: list[str]) -> list[Problem]:
 def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) -> list[Problem]:
     """A key set (away from its default) where the config never reads it: the user meant a run this is not.
     read_when is one (key, values) condition or a list of them, all of which must hold (a combination)."""
+    from orchestrator.config.schema import Filled
+
     when = f.metadata.get("read_when")
     if not when:
         return []
@@ -251,6 +254,12 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
         actual = OmegaConf.select(cfg, other)
         if actual in wanted:
             continue
+        if isinstance(wanted, Filled):
+            now = f"[{', '.join(map(format, actual))}]" if isinstance(actual, ListConfig) else _show(actual)
+            state = "is given" if wanted.filled else "is empty"
+            return [Problem(full, value, f"{full} is read only when {other} {state}; with {other}={now} it "
+                            "would do nothing", f"{'give ' + other + ' a value' if wanted.filled else other + '=[]'} "
+                            f"for it to apply, or leave {full} unset")]
         shown = " or ".join(str(w).lower() if isinstance(w, bool) else str(w) for w in wanted)
         now = str(actual).lower() if isinstance(actual, bool) else actual
         choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...

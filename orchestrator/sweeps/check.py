@@ -27,7 +27,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import Glob, Override, RangeSweep
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from orchestrator import interrupt
 from orchestrator.config.errors import ConfigError, Problem
@@ -165,6 +165,12 @@ def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Pro
     if wrong:
         return [Problem("hydra.sweeper.direction", wrong[0], "Optuna minimizes or maximizes the objective",
                         "hydra.sweeper.direction=minimize (the natural direction of sweep.objective)")]
+    if len(given) > 1:  # a multi-objective study: Optuna would take each point's one value and fail every trial
+        shown = f"[{', '.join(str(d).rsplit('.', 1)[-1] for d in given)}]"
+        return [Problem("hydra.sweeper.direction", shown, f"{len(given)} directions ask Optuna for a study of "
+                        f"{len(given)} objectives, and a point returns one, sweep.objective's: every trial would "
+                        "train, then fail", "one direction: hydra.sweeper.direction=minimize (a loss) or maximize (a "
+                        "score)")]
     if target.endswith("GridSampler"):
         intervals = [o for o in overrides if o.is_sweep_override() and o.is_interval_sweep()]
         return [Problem(o.get_key_element(), o.input_line.split("=", 1)[1], "Optuna's grid sampler runs every "
@@ -172,6 +178,20 @@ def _sampler_problems(config: DictConfig, overrides: list[Override]) -> list[Pro
                         f"{o.get_key_element()}=choice(a,b,c) or range(start,stop,step), or another sampler "
                         "(hydra/sweeper/sampler=tpe)") for o in intervals]
     return []
+
+
+def _check_folder(loaded: DictConfig, index: int, overrides: list[str], folders: dict[str, list[str]]) -> None:
+    """Each point writes its config, plan and logs into hydra.sweep.dir/hydra.sweep.subdir: two points that resolve
+    to one folder would overwrite each other's (`hydra.sweep.subdir=same`)."""
+    with open_dict(loaded):
+        loaded.hydra.job.num = loaded.hydra.job.id = index  # as the launcher numbers them
+    subdir = OmegaConf.select(loaded, "hydra.sweep.subdir")
+    other = folders.setdefault(str(subdir), overrides)
+    if other is not overrides:
+        raise ConfigError([Problem("hydra.sweep.subdir", subdir, f"the points {' '.join(other)} and {' '.join(overrides)} would both write into "
+                                   f"{subdir}, the second overwriting the first's config, plan and logs",
+                                   "leave hydra.sweep.subdir at its default (${hydra.job.num}: one folder a point), "
+                                   "or make it differ per point (e.g. ${hydra.job.override_dirname})")])
 
 
 def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=None) -> list[str]:
@@ -321,7 +341,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         first = {k: v[0] for k, v in spaces.items()}
         points = [first] + [{**first, k: v} for k in keys for v in spaces[k][1:]]
     loader = GlobalHydra.instance().hydra.config_loader
-    failures, seen, checked = [], set(), []
+    failures, seen, checked, folders = [], set(), [], {}
     for point in points:
         if interrupt.requested():  # a signal whose KeyboardInterrupt a library swallowed (C code clears errors)
             raise KeyboardInterrupt
@@ -330,7 +350,9 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             continue
         seen.add(tuple(overrides))
         try:
-            cfg = experiment(loader.load_sweep_config(config, overrides))
+            loaded = loader.load_sweep_config(config, overrides)
+            _check_folder(loaded, len(seen) - 1, overrides, folders)
+            cfg = experiment(loaded)
             check_experiment(cfg, overrides)
             _check_direction(cfg, config)
             checked.append(cfg)

@@ -27,22 +27,35 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
     """(split, its texts, closes its document) of a piece: one text, a record's prompt and completion
     (data.format=prompt_completion; a record whose completion is empty has no texts: nothing in it would be learned,
     it is counted and left out), or a chat record's messages (Chat; a prompt and completion that are lists of
-    messages, TRL's conversational form: Conversation)."""
+    messages, TRL's conversational form: Conversation; one whose every answer is empty is left out as an empty
+    completion is: it would teach the stop token alone)."""
     if d.format == "text":
         for split, text, closes in documents(piece, d.text_field, d.val_fraction):
             yield split, (text,) if piece.kind != "text" or piece.opens else Continued((text,)), closes
         return
     for split, record, where in records(piece, record_fields(d), d.val_fraction):
         if d.format == "chat":
-            yield split, Chat(record["messages_field"], where), True
+            chat = Chat(record["messages_field"], where)
+            yield split, chat if answers(chat, d) else (), True
             continue
         prompt, completion = record["prompt_field"], record["completion_field"]
         if isinstance(prompt, list) or isinstance(completion, list):
-            yield split, Conversation(prompt, completion, where, d), True
+            chat = Conversation(prompt, completion, where, d)
+            yield split, chat if answers(chat, d) else (), True
             continue
         learned = text_value(completion, where, "completion_field", d.completion_field)
         yield split, Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) \
             if learned else (), True
+
+
+def answers(chat: "Chat", d) -> bool:
+    """Whether a chat has something to learn besides the stop token where only answers are learned: an answer (the
+    assistant's message, a Conversation's completion) with text or tool calls."""
+    if not masks_loss_of(d):
+        return True
+    said = chat.completion if isinstance(chat, Conversation) else \
+        [m for m in chat.messages if m["role"] == "assistant"]
+    return not said or any(m["content"].strip() or m.get("tool_calls") for m in said)
 
 
 class Continued(tuple):
@@ -143,7 +156,7 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tupl
     """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
     assistant's (a Conversation: its completion's): an appended <eos> too when the chat's last message is the
     assistant's (it learns to stop there)."""
-    if why := role_problem(chat, tok.chat_template):
+    if why := role_problem(chat, tok.chat_template) or tools_problem(chat, tok.chat_template):
         raise ValueError(why)
     text, spans, whole = chat_spans(tok.chat_template, chat, masked, **(tok.special or {}))
     ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
@@ -162,6 +175,17 @@ def role_problem(chat: Chat, template: str) -> str:
     return (f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} nor named by "
             "the chat template (it would render as the template's fallback, or not at all); fix: rename the role in "
             "the records, or data.chat_template= a template that knows it")
+
+
+def tools_problem(chat: Chat, template: str) -> str:
+    """Why a message's tool calls would not reach the model ('' when they would): a template that never reads
+    `tool_calls` drops them, and a call with empty content trains an empty turn."""
+    at = next((i for i, m in enumerate(chat.messages, 1) if m.get("tool_calls")), None)
+    if at is None or "tool_calls" in template:
+        return ""
+    return (f"{chat.where}: message {at} has tool_calls, and the chat template never reads tool_calls: the calls "
+            "would be dropped and what is left of the turn trained; fix: data.chat_template= the model's own "
+            "template that renders tool calls (Qwen2.5's, Llama 3.1's), or records without them")
 
 
 def chat_spans(template: str, chat: Chat, masked: bool = True,
@@ -203,7 +227,7 @@ def first_records_problem(d, piece, template: Optional[str],
             if not template:
                 return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with "
                                               "a chat template, and there is none"), learned, False
-            if why := role_problem(texts, template):
+            if why := role_problem(texts, template) or tools_problem(texts, template):
                 return ("data.paths", why), learned, False
             text, spans, _ = chat_spans(template, texts, masks_loss_of(d), **variables)
             learned += any(b > a for a, b in spans)

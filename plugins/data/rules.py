@@ -110,6 +110,10 @@ def _mix_problems(cfg, source) -> list[Problem]:
     if not any(w > 0 for w in weights):
         problems.append(Problem("data.mix", weights, "at least one source needs a weight above 0",
                                 "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))
+    elif 0 in weights:
+        problems.append(Problem("data.mix", weights, f"source {weights.index(0)} has weight 0: it would be read and "
+                                "tokenized, and never drawn into a batch", "leave that source out of data.mix, or give "
+                                "it a weight above 0"))
     elif all(math.isfinite(w) for w in weights) and not math.isfinite(sum(weights)):
         problems.append(Problem("data.mix", weights, "the weights' sum overflows (each source's share is its weight "
                                 "over the sum)", "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))

@@ -47,10 +47,25 @@ def _yaml(path: Path) -> Any:
     return yaml.load(path.read_text(encoding="utf-8"), Loader=Loader)
 
 
+def task_yaml(path: Path, functions: bool = True) -> dict:
+    """A task file as lm-eval reads it: its `include:` files merged under it (its own keys win) and, with
+    `functions`, its `!function` helpers imported (lm-eval's own loader; the raw file where lm-eval is missing)."""
+    if not installed():
+        return _yaml(path)
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(path, resolve_func=functions)
+
+
+def task_files(folder: Path) -> list[Path]:
+    """A folder's task files: `.yaml` (what lm-eval's index reads) and `.yml` (given to lm-eval by path)."""
+    return sorted(p for pattern in ("*.yaml", "*.yml") for p in Path(folder).rglob(pattern))
+
+
 def local_tasks(folder: Path) -> dict[str, Path]:
     """The tasks a folder's YAML files define: name -> file (a group's file, or one without `task:`, names none)."""
     found: dict[str, Path] = {}
-    for path in sorted(Path(folder).rglob("*.yaml")):
+    for path in task_files(folder):
         data = _yaml(path)
         if isinstance(data, dict) and isinstance(data.get("task"), str):
             found.setdefault(data["task"], path)
@@ -108,7 +123,7 @@ def problems(ev) -> list[Problem]:
         if not ev.include_path.strip() or not folder.is_dir():
             return [Problem("evaluate.include_path", ev.include_path, "not a folder", "a folder of lm-eval task YAML "
                             "files (lm-eval's --include_path)")]
-        for path in sorted(folder.rglob("*.yaml")):
+        for path in task_files(folder):
             try:
                 _yaml(path)
             except Exception as e:  # noqa: BLE001 (yaml's errors: said with the file)
@@ -146,7 +161,10 @@ def task_metrics(name: str, ev) -> dict[str, Optional[bool]]:
     """A task's metrics as metrics() names them (a filter's name appended where the task has several), each with
     whether it is better higher (None: the task does not say; lm-eval's registry does)."""
     path = task_file(name, ev)
-    config = _yaml(path) if path is not None else {}
+    try:
+        config = task_yaml(path, functions=False) if path is not None else {}
+    except Exception:  # noqa: BLE001 (a broken include: task_check refuses it before launch)
+        config = _yaml(path)
     listed = {m["metric"]: m.get("higher_is_better") for m in config.get("metric_list") or []
               if isinstance(m, dict) and isinstance(m.get("metric"), str)}
     filters = [f["name"] for f in config.get("filter_list") or [] if isinstance(f, dict) and f.get("name")]
@@ -201,7 +219,7 @@ def data_bytes(ev) -> tuple[int, list[str]]:
     for name in ev.tasks:
         path = local.get(name)
         # as lm-eval reads them: a shipped task's files beside it (shipped_config), the user's from the working folder
-        config = {} if path is None else shipped_config(path) if shipped.get(name) == path else _yaml(path)
+        config = {} if path is None else shipped_config(path) if shipped.get(name) == path else _quiet_yaml(path)
         files = (config.get("dataset_kwargs") or {}).get("data_files")
         found = [Path(f).expanduser() for f in (files.values() if isinstance(files, dict) else [])]
         if not found or not all(f.is_file() for f in found):
@@ -213,14 +231,24 @@ def data_bytes(ev) -> tuple[int, list[str]]:
     return total, unknown
 
 
+def _quiet_yaml(path: Path) -> dict:
+    try:
+        return task_yaml(path, functions=False)
+    except Exception:  # noqa: BLE001 (task_check refuses a task lm-eval cannot read, before launch)
+        return {}
+
+
 def task_configs(ev, data: dict[str, Path]) -> list:
     """The tasks as lm-eval takes them: a shipped one as its config (its data files' paths absolute; `data`: files
-    the stage wrote for a task, val_perplexity's documents), the others by name."""
+    the stage wrote for a task, val_perplexity's documents), the others by name (a user's `.yml` file, which
+    lm-eval's index does not read, by its path)."""
     shipped = local_tasks(SHIPPED)
+    include = local_tasks(Path(ev.include_path).expanduser()) if ev.include_path else {}
     out: list = []
     for name in ev.tasks:
         if name not in shipped:
-            out.append(name)
+            yml = include.get(name)
+            out.append(str(yml) if yml is not None and yml.suffix == ".yml" else name)
             continue
         config = shipped_config(shipped[name])
         if name in data:

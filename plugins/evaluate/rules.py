@@ -6,6 +6,7 @@ from common.problem import Problem
 from plugins.data.registry import get_source
 from plugins.data.tokenizer import chat_template
 from plugins.evaluate.harness import problems
+from plugins.evaluate.task_check import problems as task_problems
 
 
 def check(cfg) -> list[Problem]:
@@ -13,6 +14,8 @@ def check(cfg) -> list[Problem]:
     if not ev.tasks:
         return []
     out = problems(ev)
+    if not out:
+        out = task_problems(ev)
     if get_source(cfg.data.name).tokens is not None:
         out.append(Problem("evaluate.tasks", list(ev.tasks), f"data.name={cfg.data.name} is tokens with no tokenizer, "
                            "and lm-eval scores text (the hf/ folder would have no tokenizer)", "a text corpus "

@@ -21,10 +21,14 @@ def check(cfg) -> list[Problem]:
     from plugins.models.registry import build_on_meta, get_model
 
     model = build_on_meta(get_model(cfg.model.name), cfg.model)
+    out = []
+    if p.alpha == 0:  # the adapters' output is scaled by alpha / rank: with 0 nothing they learn reaches the model
+        out.append(Problem("peft.alpha", p.alpha, "the adapters' output is scaled by peft.alpha / peft.rank, so with "
+                           "0 they add nothing to the model and get no gradient: the run would train nothing",
+                           f"peft.alpha={2 * p.rank} (twice the rank, a common choice), or peft=none"))
     every = {n for group in GROUPS.values() for n in group}
     block = {name.split(".", 2)[2] for name, m in targets(model, every) if name.startswith("layers.0.")}
     have = sorted({n.rsplit(".", 1)[-1] for n in block})
-    out = []
     for t in p.targets:
         if t not in GROUPS and t not in have:
             out.append(Problem("peft.targets", t, f"model={cfg.model.name} has no Linear of that name in its blocks "
