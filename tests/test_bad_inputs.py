@@ -172,6 +172,8 @@ CATALOGUE = [
      "takes few-shot examples"),
     (["evaluate.tasks=[arith_gen]", "evaluate.onnx=true"], "evaluate.onnx", "scores loglikelihood tasks only"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
+    (["train.init_from=hf:{tmp}/sparse_tokenizer"], "data.tokenizer", "ships its own tokenizer (4 tokens), and "
+     "data.tokenizer=bytes (258 tokens) gives"),
     # LoRA (peft=lora)
     (["peft=lora"], "train.init_from", "the base must be named"),
     (["peft=lora", "peft.targets=[wz]"], "peft.targets", "has no Linear of that name"),
@@ -204,6 +206,8 @@ CATALOGUE = [
      "has no field 'prompt'"),
     (["data=text", "data.paths=[{tmp}/one.txt]", "data.format=prompt_completion"], "data.paths", "text, not records"),
     (["data.format=prompt_completion"], "data.format", "data=stdlib has none"),
+    (["data=text", "data.paths=[{tmp}/typed.jsonl]", "data.format=prompt_completion", "data.prompt_field=completion"],
+     "data.prompt_field", "would both be read from the field 'completion'"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat"], "data.chat_template",
      "carries no chat template"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/one.txt"],
@@ -234,6 +238,9 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.tokenizer=hf:{tmp}/truncated_config"],
      "data.tokenizer", "tokenizer_config.json is not JSON"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
+    (["data=text", "data.paths=[{tmp}/packed]"], "data.paths", "holds 1 compressed file(s) (b.jsonl.gz)"),
+    (["data=text", "data.paths=[{tmp}/packed/b.jsonl.gz]"], "data.paths", "gzip-compressed"),
+    (["data=text", "data.paths=[{tmp}/pack*]"], "data.paths", "matches 1 folder(s)"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt], weight: 0}]"], "data.mix", "weight above 0"),
@@ -332,6 +339,11 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "broken_tasks").mkdir()  # an lm-eval task file cut short
     (tmp / "broken_tasks" / "mine.yaml").write_text("task: mine\ndataset_kwargs: {data_files: {test: [a.jsonl")
     user_tasks(tmp / "user_tasks")
+    import gzip
+
+    (tmp / "packed").mkdir()  # a corpus half in JSON Lines, half compressed (as public corpora ship it)
+    (tmp / "packed" / "a.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    (tmp / "packed" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a record of text"}\n' * 50))
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
@@ -385,6 +397,35 @@ def test_good_user_tasks_are_accepted_as_lm_eval_reads_them(corpus, tmp_path):
                        tmp_path / "runs") == []
     cfg = make_cfg("evaluate.tasks=[my_yml,my_include]", *include)
     assert task_configs(cfg.evaluate, {}) == [str(corpus / "user_tasks" / "my_yml.yml"), "my_include"]
+
+
+TASK_MUTATIONS = [("output_type", "generate_until"), ("output_type", None), ("doc_to_text", "{% if %}"),
+                  ("doc_to_target", "{{ nope.nope }}"), ("doc_to_choice", 7), ("test_split", "train"),
+                  ("metric_list", [{"metric": "exact_match"}]), ("metric_list", "acc"), ("dataset_kwargs", None),
+                  ("dataset_path", "csv"), ("num_fewshot", 3), ("fewshot_split", "nowhere"), ("task", ["x"]),
+                  ("filter_list", [{"name": "x"}]), ("generation_kwargs", {"until": 3}), ("include", "nope.yaml")]
+
+
+@pytest.mark.parametrize("field,value", TASK_MUTATIONS, ids=[f"{f}={v}" for f, v in TASK_MUTATIONS])
+def test_a_mutated_user_task_is_accepted_or_refused_naming_the_file(field, value, tmp_path):
+    """The user's task YAML fuzzed one field at a time (the shipped arith_mc as a user's copy): lm-eval's own
+    loading before launch either accepts it or the refusal names the key and the file; a check never crashes."""
+    import shutil
+
+    import yaml
+
+    from plugins.evaluate.harness import SHIPPED
+
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    shutil.copy(SHIPPED / "arith_mc.jsonl", folder / "q.jsonl")
+    config = yaml.safe_load((SHIPPED / "arith_mc.yaml").read_text())
+    config.update(task="mine", dataset_kwargs={"data_files": {"test": str(folder / "q.jsonl")}})
+    config[field] = value
+    (folder / "mine.yaml").write_text(yaml.safe_dump(config))
+    found = problems_of(["evaluate.tasks=[mine]", f"evaluate.include_path={folder}"], tmp_path / "runs")
+    assert all(p.key.startswith("evaluate.") and "report this" not in p.fix for p in found), found
+    assert all(str(folder) in p.rule or "no such task" in p.rule for p in found), found
 
 
 def problems_of(overrides: list[str], runs: Path) -> list:
@@ -453,6 +494,20 @@ def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     assert f"x {key}=" in result.stderr and "rule:" in result.stderr and "fix:" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (workdir / "runs").exists(), "written before the refusal: no run or sweep folder, no cache, no store"
+
+
+def test_checks_that_stopped_on_an_input_become_refusals_or_pass(corpus, tmp_path, workdir):
+    """Two inputs whose checks once stopped with "report this": a data.preview in a sweep (its points preview, not
+    train: the sweep's time line leaves them out) runs; a DatasetDict with no train split is refused once, by the
+    data rule, not again by the plan's check that reads the same folder."""
+    from datasets import Dataset, DatasetDict
+
+    DatasetDict({"test": Dataset.from_dict({"text": ["hello world " * 50] * 20})}).save_to_disk(tmp_path / "no_train")
+    found = problems_of(["data=text", f"data.paths=[{tmp_path}/no_train]"], tmp_path / "runs")
+    assert [p.key for p in found] == ["data.split"] and "none of them" in found[0].rule
+    done = run_cli(["-m", "optimizer.lr=1e-3,3e-4", "data.preview=1", "tracking=none"], workdir, timeout=300)
+    assert done.returncode == 0 and "report this" not in done.stderr + done.stdout, done.stderr[-2000:]
+    assert done.stdout.count("data.preview=1: nothing was started") == 2
 
 
 def test_an_unexpected_error_is_one_line_naming_the_file_that_holds_its_traceback():

@@ -88,6 +88,11 @@ def _messages(value) -> list[dict]:
     return value
 
 
+def _unanswered(answers: list[dict]) -> bool:
+    """Answers there are, and none has text."""
+    return bool(answers) and not any(m["content"].strip() for m in answers)
+
+
 def _chat(hf, messages) -> tuple[list[int], list[int]]:
     theirs = hf.apply_chat_template(messages, chat_template=TAGGED, tokenize=True, return_dict=True,
                                     return_assistant_tokens_mask=True)
@@ -105,13 +110,18 @@ def expected(fmt: str, record: dict, hf) -> tuple | None:
     if fmt == "chat":
         if "messages" not in record:
             raise Refused
-        ids, mask = _chat(hf, _messages(record["messages"]))
+        messages = _messages(record["messages"])
+        if _unanswered([m for m in messages if m["role"] == "assistant"]):
+            return None  # nothing to learn but the stop token: left out, as an empty completion is
+        ids, mask = _chat(hf, messages)
         return (ids, mask) if any(mask[:-1]) else None
     if "prompt" not in record or "completion" not in record:
         raise Refused
     prompt, completion = record["prompt"], record["completion"]
     if isinstance(prompt, list) or isinstance(completion, list):
         prompt, completion = _messages(prompt), _messages(completion)
+        if _unanswered(completion):
+            return None
         head = hf.apply_chat_template(prompt, chat_template=CHATML, tokenize=True, add_generation_prompt=True,
                                       return_dict=True)["input_ids"]
         ids = list(hf.apply_chat_template(prompt + completion, chat_template=CHATML, tokenize=True,

@@ -44,6 +44,10 @@ def _shown(cfg: DictConfig, key: str):
     return value.get("name", "…") if isinstance(value, DictConfig) else value
 
 
+class CheckFailed(Problem):
+    """A check that stopped with an exception (check_failed): said where nothing else explains it."""
+
+
 def check_failed(key: str, value, what: str, e: BaseException) -> Problem:
     """The problem an exception inside a check amounts to: what failed, on which file (where it names one), its
     text, and where its traceback is."""
@@ -51,7 +55,7 @@ def check_failed(key: str, value, what: str, e: BaseException) -> Problem:
 
     filename = getattr(e, "filename", None)
     on = f" on {filename}" if isinstance(filename, str) and filename not in tracebacks.said(e) else ""
-    return Problem(key, value, f"{what} stopped{on} with {tracebacks.said(e)}: the input it met is one it does not "
+    return CheckFailed(key, value, f"{what} stopped{on} with {tracebacks.said(e)}: the input it met is one it does not "
                    f"expect ({tracebacks.saved(e)})", "correct the input the error names; if it looks right, "
                    "report this with the command you ran")
 
@@ -110,8 +114,8 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = Fa
         structure = [p for check in STRUCTURAL for p in check(cfg)]
         folders = _folder_problems(cfg)
         problems = structure + [p for check in OTHERS for p in check(cfg)] + folders
-        if not structure:
-            problems += _plan_problems(cfg, bool(folders))
+        if not structure:  # a plan check that stops on an input another check refused says nothing more
+            problems += [p for p in _plan_problems(cfg, bool(folders)) if not (problems and isinstance(p, CheckFailed))]
     if problems:
         raise ConfigError(problems)
     if remember:

@@ -211,7 +211,7 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
         count, what = None, "as many points as the sweeper picks (its own count, e.g. hydra.sweeper.optim.budget)"
     at_once = points[0].sweep.parallelism if points else 1
     lines = [f"sweep: {what}; {at_once} run at a time here (sweep.parallelism)"]
-    timed = [p for p in points if p.cluster.name != "slurm" and not p.dry_run]
+    timed = [p for p in points if p.cluster.name != "slurm" and not p.dry_run and not p.data.preview]  # run nothing
     if timed:  # each point's train stage as its own plan times it: by a comparable run measured here, else its floor
         trains = [expected_times(p, ["train"], Path(p.cache_dir).resolve())["train"] for p in timed]
         seconds = [e.seconds for e in trains]

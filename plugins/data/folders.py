@@ -77,6 +77,19 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], skip: froz
     return by_split[split]
 
 
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # how public corpora ship JSON Lines (c4, the Pile, Dolma: .json.gz)
+
+
+class UnreadFiles(FolderError):
+    """A folder that holds data in a form the tokenize stage does not read: read without it, the corpus would be a
+    part of itself, and nothing would say so."""
+
+
+def _compressed(filenames: list[str], suffixes: tuple[str, ...]) -> list[str]:
+    """The files that would be read but for their compression (`part-0001.jsonl.gz`)."""
+    return [f for f in filenames if f.endswith(COMPRESSED) and f.rsplit(".", 1)[0].endswith(suffixes)]
+
+
 def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(folder):
@@ -86,6 +99,11 @@ def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) 
             dirnames[:] = []
             continue
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
+        if packed := _compressed(sorted(filenames), suffixes):
+            read = sum(f.endswith(suffixes) for f in filenames)
+            raise UnreadFiles(f"{here} holds {len(packed)} compressed file(s) ({', '.join(packed[:3])}"
+                              f"{', ...' if len(packed) > 3 else ''}) that the tokenize stage does not read: the "
+                              f"corpus would be its other {read} file(s) alone")
         found += [here / f for f in sorted(filenames) if f.endswith(suffixes)]
     return found
 

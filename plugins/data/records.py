@@ -36,12 +36,12 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
     for split, record, where in records(piece, record_fields(d), d.val_fraction):
         if d.format == "chat":
             chat = Chat(record["messages_field"], where)
-            yield split, chat if answers(chat, d) else (), True
+            yield split, chat if answers(chat, d) else Unanswered(chat), True
             continue
         prompt, completion = record["prompt_field"], record["completion_field"]
         if isinstance(prompt, list) or isinstance(completion, list):
             chat = Conversation(prompt, completion, where, d)
-            yield split, chat if answers(chat, d) else (), True
+            yield split, chat if answers(chat, d) else Unanswered(chat), True
             continue
         learned = text_value(completion, where, "completion_field", d.completion_field)
         yield split, Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) \
@@ -56,6 +56,16 @@ def answers(chat: "Chat", d) -> bool:
     said = chat.completion if isinstance(chat, Conversation) else \
         [m for m in chat.messages if m["role"] == "assistant"]
     return not said or any(m["content"].strip() or m.get("tool_calls") for m in said)
+
+
+class Unanswered(tuple):
+    """A chat left out (no texts, as an empty completion), kept for the checks before launch: its roles and tool
+    calls are refused as a rendered chat's are."""
+
+    def __new__(cls, chat: "Chat"):
+        left = super().__new__(cls, ())
+        left.chat = chat
+        return left
 
 
 class Continued(tuple):
@@ -221,6 +231,9 @@ def first_records_problem(d, piece, template: Optional[str],
     try:
         for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
             seen += 1
+            if isinstance(texts, Unanswered) and template and (
+                    why := role_problem(texts.chat, template) or tools_problem(texts.chat, template)):
+                return ("data.paths", why), learned, False
             if not isinstance(texts, Chat):
                 learned += bool(texts and texts[-1])
                 continue

@@ -26,6 +26,11 @@ def check(cfg) -> list[Problem]:
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text; data={d.name} has none",
                                    "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
+    if d.format == "prompt_completion" and d.prompt_field == d.completion_field:
+        problems.append(Problem("data.prompt_field", d.prompt_field, f"the prompt and the completion would both be "
+                                f"read from the field {d.prompt_field!r} (data.completion_field): every record would "
+                                "learn its own prompt again", "data.prompt_field= the field that holds the prompt "
+                                "(e.g. prompt), data.completion_field= the one that holds the answer"))
     if d.format in ("chat", "prompt_completion"):
         problems += _chat_problems(d)
     if d.get("mix"):
@@ -91,7 +96,43 @@ def _tokenizer_problems(cfg, source) -> list[Problem]:
         return [Problem("model.vocab_size", m.vocab_size, f"data.tokenizer={spec} produces token ids up to {need - 1}",
                         f"model.vocab_size={-(-need // 64) * 64} or more (a multiple of 64 is fastest)"
                         + (f", or data.vocab_size={m.vocab_size}" if spec == "bpe" and m.vocab_size >= 259 else ""))]
-    return []
+    return _model_tokenizer_problems(cfg)
+
+
+def _model_tokenizer_problems(cfg) -> list[Problem]:
+    """A model and its tokenizer together: train.init_from=hf:<folder> that ships a tokenizer.json was trained on its
+    ids; data.tokenizer must give every id it produces the token the folder's gives it (the same tokenizer, or one
+    whose ids are a part of it; the embedding's rows past the vocabulary are fine)."""
+    start = cfg.train.init_from or ""
+    model = tokenizers.hf_folder(start)
+    if model is None or not (model / "tokenizer.json").is_file():
+        return []
+    spec = cfg.data.tokenizer
+    fix = f"data.tokenizer=hf:{model} (the folder's own)"
+    if spec == "bpe":
+        return [Problem("data.tokenizer", spec, f"train.init_from={start} ships its own tokenizer, whose ids its "
+                        "embeddings were trained on; a BPE learned on this corpus gives the same ids other tokens", fix)]
+    from tokenizers import Tokenizer as HFTokenizer
+
+    ours_folder = tokenizers.hf_folder(spec)
+    if ours_folder is not None and ours_folder.resolve() == model.resolve():
+        return []
+    try:
+        theirs = HFTokenizer.from_file(str(model / "tokenizer.json")).get_vocab(with_added_tokens=True)
+        ours = (tokenizers.load_hf(ours_folder) if ours_folder is not None else
+                tokenizers.make(cfg.data)).with_offsets().get_vocab(with_added_tokens=True)
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises bare Exceptions)
+        return [Problem("train.init_from", start, f"{model}/tokenizer.json cannot be read as a tokenizer ({e})",
+                        "save the model's tokenizer again (tokenizer.save_pretrained)")]
+    by_id = {i: t for t, i in theirs.items()}
+    differ = sorted((i, t) for t, i in ours.items() if by_id.get(i) != t)
+    if not differ:
+        return []
+    i, token = differ[0]
+    return [Problem("data.tokenizer", spec, f"train.init_from={start} ships its own tokenizer ({len(theirs)} tokens), "
+                    f"and data.tokenizer={spec} ({len(ours)} tokens) gives {len(differ)} id(s) another token, e.g. "
+                    f"id {i}: {token!r} here, {by_id.get(i)!r} in the model's: the embeddings would be fed ids they "
+                    "were not trained on", fix)]
 
 
 def _mix_problems(cfg, source) -> list[Problem]:

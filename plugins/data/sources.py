@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from plugins.data import tokenizer as tokenizers
-from plugins.data.folders import FolderError, folder_files, kind
+from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
 from plugins.data.packing import packed_stream
 from plugins.data.reading import (ARROW, JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field,
                                   record_fields, stream_closed)
@@ -181,6 +181,7 @@ def unique_files(files: list[tuple[str, Path]]) -> Files:
     return kept
 
 
+MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"))  # compressed files' first bytes
 SNIFF_BYTES = 1 << 20  # how much of each file is checked for binary content and UTF-8 before launch
 
 
@@ -197,13 +198,23 @@ def _check_text(cfg) -> list[tuple]:
         if _is_glob(entry):
             matched = _glob(entry)
             files.extend((m.name, m) for m in matched)
-            if not matched:
+            folders = sorted(p for p in glob.glob(os.path.expanduser(entry), recursive=True) if Path(p).is_dir())
+            if folders:
+                problems.append(("data.paths", entry, f"the pattern matches {len(folders)} folder(s) ("
+                                 f"{', '.join(folders[:3])}), which a pattern does not search: they would be left "
+                                 "out", "name the folders themselves in data.paths, or a pattern of files "
+                                 "(folder/*.jsonl)"))
+            elif not matched:
                 problems.append(("data.paths", entry, "the pattern matches no file", "a pattern that matches files"))
             continue
         if p.is_dir():
             datasets_folder = datasets_folder or kind(p) != "plain"
             try:
                 found = [(_doc_name(p, f), f) for f in _folder_files(p, d)]
+            except UnreadFiles as e:
+                problems.append(("data.paths", entry, str(e), "decompress them beside the others (gunzip -k, zstd "
+                                 "-d, ...) and move the compressed ones out, or name the files to read"))
+                continue
             except FolderError as e:
                 problems.append(("data.split", d.split, str(e), "data.split= one of the splits it has"
                                  if "data.split=" in str(e) else "save the dataset again (save_to_disk)"))
@@ -300,6 +311,9 @@ def _not_text(path: Path) -> str:
         return f"not readable ({e.strerror})"
     if not head:
         return "empty"
+    if packed := next((name for magic, name in MAGIC if head.startswith(magic)), None):
+        return (f"{packed}-compressed, which the tokenize stage does not read (decompress it beside: "
+                f"{'gunzip -k' if packed == 'gzip' else 'zstd -d' if packed == 'zstd' else 'unxz -k'} {path.name})")
     if b"\0" in head[:8192]:
         return "binary (NUL bytes)"
     try:
