@@ -86,7 +86,9 @@ def peft_line(cfg) -> list[str]:
 
     params = partition_plan(cfg)["parameters"]
     trained = sum(math.prod(p["shape"]) for p in params.values() if p.get("trainable", True) and not p["tied_to"])
-    line = describe(cfg.peft, trained, sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"]))
+    adapted = {name.rsplit(".", 2)[-2] for name in params if name.endswith(".lora_A")}
+    line = describe(cfg.peft, trained, sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"]),
+                    adapted)
     return [line] if line else []
 
 

@@ -482,9 +482,6 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
      "hydra.sweeper.n_jobs"),
     (["-m", "hydra/sweeper=optuna", "hydra.sweeper.storage=sqlite:///optuna.db", "optimizer.lr=interval(1e-4,1e-3)"],
      "hydra.sweeper.storage"),  # the orchestrator keeps the study (orchestrator/sweeps/study.py)
-    (["-m", "optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=same"], "hydra.sweep.subdir"),  # one folder, two points
-    (["-m", "hydra/sweeper=optuna", "hydra.sweeper.direction=[minimize,maximize]", "optimizer.lr=interval(1e-4,1e-3)"],
-     "hydra.sweeper.direction"),  # two objectives asked of points that return one
 ])
 def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     """Through the real command (a sweep is checked point by point, data included, before any point runs), which
@@ -494,6 +491,23 @@ def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     assert f"x {key}=" in result.stderr and "rule:" in result.stderr and "fix:" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (workdir / "runs").exists(), "written before the refusal: no run or sweep folder, no cache, no store"
+
+
+@pytest.mark.parametrize("args,key", [
+    (["optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=same"], "hydra.sweep.subdir"),  # one folder, two points
+    (["train.seed=1,2", "hydra.sweep.subdir=${optimizer.lr}"], "hydra.sweep.subdir"),  # differs by an unswept key
+    (["hydra/sweeper=optuna", "hydra.sweeper.direction=[minimize,maximize]", "optimizer.lr=interval(1e-4,1e-3)"],
+     "hydra.sweeper.direction"),  # two objectives asked of points that return one
+])
+def test_a_sweep_whose_points_collide_or_cannot_return_is_refused_whole(args, key, tmp_path, monkeypatch):
+    """Checked as the command checks a sweep before its first point (in process: tests/test_fuzz.sweep_outcome)."""
+    from tests.test_fuzz import sweep_outcome
+
+    monkeypatch.chdir(tmp_path)
+    code, found = sweep_outcome(args)
+    assert code == 2 and found[0].key == key and found[0].fix, found
+    assert not (tmp_path / "runs").exists()
+    assert sweep_outcome(["optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=${optimizer.lr}"])[0] == 0
 
 
 def test_checks_that_stopped_on_an_input_become_refusals_or_pass(corpus, tmp_path, workdir):

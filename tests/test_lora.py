@@ -174,3 +174,16 @@ def test_lora_in_bf16_holds_the_frozen_base_in_bf16_and_the_plan_counts_what_it_
     assert max(abs(a - b) / a for a, b in zip(fp32, bf16)) <= 2e-2
     monkeypatch.setattr(layout_module, "store_frozen", lambda module, dtype: None)  # the base kept in fp32
     assert losses("bf16")[0] == bf16
+
+
+def test_targets_are_the_linears_they_adapt_however_they_are_spelled():
+    """[attention,mlp] and the same Linears named one by one are one set of adapters (a LoRA checkpoint continues
+    under either); the plan names the Linears GPT has (its MLP has no fc3)."""
+    from planning.plan import peft_line
+    from plugins.models.lora_rules import _adapted
+
+    cfg = make_cfg("model=gpt_tiny", "peft=lora")
+    assert _adapted(cfg, ["attention", "mlp"]) == _adapted(cfg, ["wq", "wk", "wv", "wo", "fc1", "fc2"]) == \
+        {"wq", "wk", "wv", "wo", "fc1", "fc2"}
+    (line,) = peft_line(cfg)
+    assert "on fc1, fc2, wk, wo, wq, wv:" in line, line

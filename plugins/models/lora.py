@@ -143,8 +143,11 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             set_constant(p, 0.0)
 
 
-def describe(peft_cfg, trained: int, total: int) -> Optional[str]:
+def describe(peft_cfg, trained: int, total: int, adapted: Optional[set[str]] = None) -> Optional[str]:
+    """adapted: the Linear names the model has adapters on (a group names Linears a family may not have: GPT has
+    no fc3)."""
     if peft_cfg.name != "lora":
         return None
-    return (f"peft: LoRA r={peft_cfg.rank} alpha={peft_cfg.alpha:g} on {', '.join(sorted(target_names(peft_cfg)))}: "
+    names = sorted(target_names(peft_cfg) if adapted is None else adapted)
+    return (f"peft: LoRA r={peft_cfg.rank} alpha={peft_cfg.alpha:g} on {', '.join(names)}: "
             f"{trained:,} of {total:,} parameters train ({100 * trained / max(total, 1):.2f}%), the rest frozen")

@@ -88,11 +88,22 @@ def _base_problems(cfg) -> list[Problem]:
     ours = OmegaConf.to_container(cfg.peft, resolve=True)  # as the train stage writes it in the manifest
     for key in SHAPING:
         was, now = trained["config"].get(key), ours[key]
+        if key == "targets" and was is not None:  # the Linears adapted, however named: [attention,mlp] or each one
+            was, now = (sorted(_adapted(cfg, t)) for t in (was, now))
         if was is not None and was != now:
             problems.append(Problem(f"peft.{key}", now, f"the checkpoint's adapters were trained with peft.{key}="
                                     f"{_override(was)}", f"peft.{key}={_override(was)} to continue them (or "
                                     f"train.init_from={base} to start afresh)"))
     return problems
+
+
+def _adapted(cfg, names: list[str]) -> set[str]:
+    """The Linear names that peft.targets=names puts adapters on in this model (groups expanded, absent ones
+    dropped)."""
+    from plugins.models.registry import build_on_meta, get_model
+
+    model = build_on_meta(get_model(cfg.model.name), cfg.model)
+    return {name.rsplit(".", 1)[-1] for name, _ in targets(model, {n for t in names for n in GROUPS.get(t, (t,))})}
 
 
 def _override(value) -> str:
