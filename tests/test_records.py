@@ -61,8 +61,23 @@ def test_a_binary_column_is_read_as_its_utf8_text_and_other_types_are_refused(tm
     for name, words in (("latin", "row 5: the field 'text' (data.text_field) is binary and not UTF-8 text (byte 0: "
                                   "0xff)"),
                         ("lists", "row 0: the field 'text' (data.text_field) holds a list, not text: [1, 2]")):
-        problems = check(cfg(name))
+        problems = [p for p in check(cfg(name)) if p.key != "train.eval_batches"]  # 3 rows: a small held-out split
         assert [p.key for p in problems] == ["data.paths"] and words in problems[0].rule, problems
+
+
+def test_a_parquet_corpus_is_sized_by_its_rows_not_its_compressed_file(tmp_path):
+    """The held-out split train.eval_batches draws from is estimated from the corpus's bytes: Parquet's uncompressed
+    row groups (its metadata), as the same records in JSON Lines give, not its compressed size on disk."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"a record that repeats itself, number {i % 7}, " * 8 for i in range(400)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "r.parquet")
+    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    assert (tmp_path / "r.parquet").stat().st_size * 10 < sum(map(len, texts))  # compressed tenfold and more
+    for name in ("r.jsonl", "r.parquet"):
+        cfg = make_cfg(*BASE, f"data.paths=[{tmp_path}/{name}]", "train.eval_batches=2000", runs_dir=tmp_path)
+        assert [p for p in check(cfg) if p.key == "train.eval_batches"] == [], name
 
 
 def test_a_folders_named_chat_templates_are_read_as_transformers_reads_them(tmp_path, hf_tokenizer):
@@ -329,7 +344,8 @@ def test_a_dataset_cards_configs_name_the_splits_files_as_load_dataset_reads_the
     (hub / "README.md").write_text("---\nlicense: mit\nconfigs:\n- config_name: default\n  data_files:\n"
                                    "  - split: train\n    path: raw/alpha.parquet\n  - split: test\n"
                                    "    path: raw/beta.parquet\n---\n# A dataset\n")
-    cfg = make_cfg(*BASE, f"data.paths=[{hub}]", f"data.split={split}", runs_dir=tmp_path)
+    cfg = make_cfg(*BASE, f"data.paths=[{hub}]", f"data.split={split}", "train.eval_batches=1",  # 300 bytes of text
+                   runs_dir=tmp_path)
     assert check(cfg) == []
     theirs = datasets.load_dataset(str(hub), split=split, cache_dir=str(tmp_path / "hf-cache"))  # not ~/.cache's
     assert _texts(tokenized(cfg)) == sorted(theirs["text"])
