@@ -167,7 +167,8 @@ SETTINGS = ["hydra.sweeper.n_trials=0", "hydra.sweeper.n_jobs=0", "hydra.sweeper
             "hydra.sweeper.storage=sqlite:///x.db", "sweep.objective=tokens_per_s", "hydra.sweeper.direction=up",
             "hydra.sweeper.study_name=../x", "+hydra.launcher.fuzz=1", "+hydra.sweeper.fuzz=1",
             # points that collide (one folder for all) and a return the sweeper cannot take (two objectives)
-            "hydra.sweep.subdir=same", "hydra.sweep.subdir=${optimizer.lr}", "hydra.sweeper.direction=[minimize,maximize]"]
+            "hydra.sweep.subdir=same", "hydra.sweep.subdir=${optimizer.lr}",
+            "hydra.sweeper.direction=[minimize,maximize]"]
 
 
 def sweep_cases(seed: int = 0, n: int = 200) -> list[Case]:

@@ -188,7 +188,8 @@ def _check_folder(loaded: DictConfig, index: int, overrides: list[str], folders:
     subdir = OmegaConf.select(loaded, "hydra.sweep.subdir")
     other = folders.setdefault(str(subdir), overrides)
     if other is not overrides:
-        raise ConfigError([Problem("hydra.sweep.subdir", subdir, f"the points {' '.join(other)} and {' '.join(overrides)} would both write into "
+        raise ConfigError([Problem("hydra.sweep.subdir", subdir, f"the points {' '.join(other)} and "
+                                   f"{' '.join(overrides)} would both write into "
                                    f"{subdir}, the second overwriting the first's config, plan and logs",
                                    "leave hydra.sweep.subdir at its default (${hydra.job.num}: one folder a point), "
                                    "or make it differ per point (e.g. ${hydra.job.override_dirname})")])

@@ -111,7 +111,8 @@ def _model_tokenizer_problems(cfg) -> list[Problem]:
     fix = f"data.tokenizer=hf:{model} (the folder's own)"
     if spec == "bpe":
         return [Problem("data.tokenizer", spec, f"train.init_from={start} ships its own tokenizer, whose ids its "
-                        "embeddings were trained on; a BPE learned on this corpus gives the same ids other tokens", fix)]
+                        "embeddings were trained on; a BPE learned on this corpus gives the same ids other tokens",
+                        fix)]
     from tokenizers import Tokenizer as HFTokenizer
 
     ours_folder = tokenizers.hf_folder(spec)

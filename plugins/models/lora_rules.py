@@ -66,8 +66,9 @@ def _base_problems(cfg) -> list[Problem]:
     they were) and the adapters' settings as they were."""
     start, base = cfg.train.init_from, base_of(cfg.train.init_from)
     if not base:
-        return [Problem("train.init_from", start, "LoRA trains adapters beside a base model's frozen weights: the base "
-                        "must be named, a Hugging Face folder (or a LoRA checkpoint, which names its own)"
+        return [Problem("train.init_from", start, "peft.name=lora trains adapters beside a base model's frozen "
+                        "weights: the base must be named, a Hugging Face folder (or a LoRA checkpoint, which names "
+                        "its own)"
                         + (": this checkpoint holds a full fine-tune" if start else ""),
                         "train.init_from=hf:<the base model's folder>"
                         + (" (a full fine-tune's aggregate writes one: its hf/ folder)" if start else ""))]
