@@ -58,7 +58,13 @@ def readers_files(tmp_path_factory) -> Path:
                                                      + "\n" for i in range(3000)))
     (tmp / "sft" / "chats.jsonl").write_text((tmp / "chats.jsonl").read_text())
     (tmp / "my_tasks").mkdir()  # an lm-eval task of the reader's own (docs/evaluate.md)
-    (tmp / "my_tasks" / "my_task.yaml").write_text("task: my_task\ndataset_path: json\noutput_type: multiple_choice\n")
+    questions = tmp / "my_tasks" / "questions.jsonl"  # loaded by lm-eval before launch: a real task, data and all
+    questions.write_text("".join(json.dumps({"question": f"{i} + 1 =", "choices": [f" {i + 1}", f" {i}"], "answer": 0})
+                                 + "\n" for i in range(8)))
+    (tmp / "my_tasks" / "my_task.yaml").write_text(
+        f"task: my_task\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {questions}\ntest_split: test\n"
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: answer\nmetric_list:\n  - metric: acc\n")
     return tmp
 
 
