@@ -55,9 +55,9 @@ def check_failed(key: str, value, what: str, e: BaseException) -> Problem:
 
     filename = getattr(e, "filename", None)
     on = f" on {filename}" if isinstance(filename, str) and filename not in tracebacks.said(e) else ""
-    return CheckFailed(key, value, f"{what} stopped{on} with {tracebacks.said(e)}: the input it met is one it does not "
-                   f"expect ({tracebacks.saved(e)})", "correct the input the error names; if it looks right, "
-                   "report this with the command you ran")
+    return CheckFailed(key, value, f"{what} stopped{on} with {tracebacks.said(e)}: the input it met is one it does "
+                       f"not expect ({tracebacks.saved(e)})", "correct the input the error names; if it looks right, "
+                       "report this with the command you ran")
 
 
 @contextlib.contextmanager
@@ -115,7 +115,8 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = Fa
         folders = _folder_problems(cfg)
         problems = structure + [p for check in OTHERS for p in check(cfg)] + folders
         if not structure:  # a plan check that stops on an input another check refused says nothing more
-            problems += [p for p in _plan_problems(cfg, bool(folders)) if not (problems and isinstance(p, CheckFailed))]
+            problems += [p for p in _plan_problems(cfg, bool(folders))
+                         if not (problems and isinstance(p, CheckFailed))]
     if problems:
         raise ConfigError(problems)
     if remember:

@@ -186,7 +186,7 @@ def _check_folder(loaded: DictConfig, index: int, overrides: list[str], folders:
     with open_dict(loaded):
         loaded.hydra.job.num = loaded.hydra.job.id = index  # as the launcher numbers them
     subdir = OmegaConf.select(loaded, "hydra.sweep.subdir")
-    other = folders.setdefault(str(subdir), overrides)
+    other = folders.setdefault(subdir, overrides)
     if other is not overrides:
         raise ConfigError([Problem("hydra.sweep.subdir", subdir, f"the points {' '.join(other)} and "
                                    f"{' '.join(overrides)} would both write into "

@@ -166,7 +166,7 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tupl
     """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
     assistant's (a Conversation: its completion's): an appended <eos> too when the chat's last message is the
     assistant's (it learns to stop there)."""
-    if why := role_problem(chat, tok.chat_template) or tools_problem(chat, tok.chat_template):
+    if why := render_problem(chat, tok.chat_template):
         raise ValueError(why)
     text, spans, whole = chat_spans(tok.chat_template, chat, masked, **(tok.special or {}))
     ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
@@ -185,6 +185,11 @@ def role_problem(chat: Chat, template: str) -> str:
     return (f"{chat.where}: a message's role {unknown!r} is neither one of {', '.join(STANDARD_ROLES)} nor named by "
             "the chat template (it would render as the template's fallback, or not at all); fix: rename the role in "
             "the records, or data.chat_template= a template that knows it")
+
+
+def render_problem(chat: Chat, template: str) -> str:
+    """Why the template cannot render the chat as meant ('' when it can): its roles, then its tool calls."""
+    return role_problem(chat, template) or tools_problem(chat, template)
 
 
 def tools_problem(chat: Chat, template: str) -> str:
@@ -231,8 +236,7 @@ def first_records_problem(d, piece, template: Optional[str],
     try:
         for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
             seen += 1
-            if isinstance(texts, Unanswered) and template and (
-                    why := role_problem(texts.chat, template) or tools_problem(texts.chat, template)):
+            if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
                 return ("data.paths", why), learned, False
             if not isinstance(texts, Chat):
                 learned += bool(texts and texts[-1])
@@ -240,7 +244,7 @@ def first_records_problem(d, piece, template: Optional[str],
             if not template:
                 return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with "
                                               "a chat template, and there is none"), learned, False
-            if why := role_problem(texts, template) or tools_problem(texts, template):
+            if why := render_problem(texts, template):
                 return ("data.paths", why), learned, False
             text, spans, _ = chat_spans(template, texts, masks_loss_of(d), **variables)
             learned += any(b > a for a, b in spans)

@@ -161,10 +161,7 @@ def task_metrics(name: str, ev) -> dict[str, Optional[bool]]:
     """A task's metrics as metrics() names them (a filter's name appended where the task has several), each with
     whether it is better higher (None: the task does not say; lm-eval's registry does)."""
     path = task_file(name, ev)
-    try:
-        config = task_yaml(path, functions=False) if path is not None else {}
-    except Exception:  # noqa: BLE001 (a broken include: task_check refuses it before launch)
-        config = _yaml(path)
+    config = _quiet_yaml(path) if path is not None else {}
     listed = {m["metric"]: m.get("higher_is_better") for m in config.get("metric_list") or []
               if isinstance(m, dict) and isinstance(m.get("metric"), str)}
     filters = [f["name"] for f in config.get("filter_list") or [] if isinstance(f, dict) and f.get("name")]
@@ -232,10 +229,18 @@ def data_bytes(ev) -> tuple[int, list[str]]:
 
 
 def _quiet_yaml(path: Path) -> dict:
+    """task_yaml without its helpers, else the raw file (an include lm-eval cannot read: task_check refuses it
+    before launch)."""
     try:
         return task_yaml(path, functions=False)
-    except Exception:  # noqa: BLE001 (task_check refuses a task lm-eval cannot read, before launch)
-        return {}
+    except Exception:  # noqa: BLE001 (lm-eval's loader raises what its YAML and files give it)
+        return _yaml(path)
+
+
+def task_spec(name: str, path: Optional[Path]) -> str:
+    """How a user's (or lm-eval's own) task is named to lm-eval: by name; a `.yml` file by its path (lm-eval's index
+    reads `*.yaml` only; its loader reads a path as it reads a `.yaml`)."""
+    return str(path) if path is not None and path.suffix == ".yml" else name
 
 
 def task_configs(ev, data: dict[str, Path]) -> list:
@@ -247,8 +252,7 @@ def task_configs(ev, data: dict[str, Path]) -> list:
     out: list = []
     for name in ev.tasks:
         if name not in shipped:
-            yml = include.get(name)
-            out.append(str(yml) if yml is not None and yml.suffix == ".yml" else name)
+            out.append(task_spec(name, include.get(name)))
             continue
         config = shipped_config(shipped[name])
         if name in data:

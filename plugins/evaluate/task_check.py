@@ -18,10 +18,10 @@ Besides loading, the rules lm-eval would not raise but that would leave a run do
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 from common.problem import Problem
-from plugins.evaluate.harness import LOGLIKELIHOOD, SHIPPED, hub_reachable, local_tasks, task_yaml
+from plugins.evaluate.harness import LOGLIKELIHOOD, SHIPPED, hub_reachable, local_tasks, task_spec, task_yaml
 
 LOCAL_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas")  # datasets' builders that read local files
 ROLLING = "loglikelihood_rolling"
@@ -119,7 +119,7 @@ def _load(ev, names: list[str], include: dict[str, Path]) -> list[Problem]:
         manager = TaskManager(include_path=str(Path(ev.include_path).expanduser()), include_defaults=False)
         for name in names:
             try:
-                built = manager.load([_spec(name, include[name])])
+                built = manager.load([task_spec(name, include[name])])
                 if name not in built["tasks"]:
                     raise LookupError(f"lm-eval built {sorted(built['tasks'])}, not {name}")
                 _first_doc(built["tasks"][name])
@@ -130,12 +130,6 @@ def _load(ev, names: list[str], include: dict[str, Path]) -> list[Problem]:
         if bars:
             datasets.enable_progress_bars()
     return out
-
-
-def _spec(name: str, path: Path) -> Any:
-    """As harness.task_configs names a user's task to lm-eval: by name; a `.yml` file (lm-eval indexes `*.yaml`
-    only) by its path, which lm-eval's loader reads as it reads a `.yaml`."""
-    return str(path) if path.suffix == ".yml" else name
 
 
 def _first_doc(task) -> Optional[str]:
