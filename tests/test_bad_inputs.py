@@ -15,6 +15,7 @@ from common.problem import _show
 from orchestrator.config.errors import ConfigError, from_hydra
 from orchestrator.config.validate import validate, warnings
 from tests.conftest import ROOT, make_cfg, run_cli
+from tests.test_task_files import user_tasks
 
 # (overrides, the key named, words of the rule or fix); {tmp} is a folder holding the files made by `corpus` below
 CATALOGUE = [
@@ -354,81 +355,6 @@ def corpus(tmp_path_factory) -> Path:
     return tmp
 
 
-def user_tasks(folder: Path) -> None:
-    """lm-eval task files that parse as YAML and fail in lm-eval (one task each), beside good ones: a `.yml`, one
-    whose metrics come from an `include:`."""
-    import shutil
-
-    import yaml
-
-    from plugins.evaluate.harness import SHIPPED
-
-    folder.mkdir()
-    data = folder / "questions.jsonl"
-    shutil.copy(SHIPPED / "arith_mc.jsonl", data)
-    base = yaml.safe_load((SHIPPED / "arith_mc.yaml").read_text())
-    base["dataset_kwargs"]["data_files"] = {"test": str(data)}
-
-    def task(name: str, file: str = "", **changed) -> None:
-        (folder / (file or f"{name}.yaml")).write_text(yaml.safe_dump({**base, "task": name, **changed}))
-
-    task("my_metric", metric_list=[{"metric": "acuracy"}])
-    task("my_otype", output_type="multiple_chose")
-    task("my_jinja", doc_to_text="{{ question ")
-    task("my_nodata", dataset_kwargs={"data_files": {"test": str(folder / "nope.jsonl")}})
-    task("my_split", test_split="validation")
-    task("my_hub", dataset_path="someone/some_dataset", dataset_kwargs={})
-    task("arith_mc", "shadow.yaml")  # the shipped task's name
-    task("my_yml", "my_yml.yml")
-    task("my_helper", "helper.yaml", doc_to_text="HELPER")
-    (folder / "helper.yaml").write_text((folder / "helper.yaml").read_text().replace(
-        "doc_to_text: HELPER", "doc_to_text: !function missing_utils.doc_to_text"))
-    (folder / "inc_base.yaml").write_text(yaml.safe_dump({k: v for k, v in base.items() if k != "task"}))
-    (folder / "inc.yaml").write_text("include: inc_base.yaml\ntask: my_include\n")
-
-
-def test_good_user_tasks_are_accepted_as_lm_eval_reads_them(corpus, tmp_path):
-    """A `.yml` task file (given to lm-eval by its path: its index reads `.yaml` only), and a task whose metrics
-    come from an `include:` (lm-eval's loader merges it), as a sweep's objective."""
-    from plugins.evaluate.harness import task_configs
-
-    include = [f"evaluate.include_path={corpus}/user_tasks"]
-    assert problems_of(["evaluate.tasks=[my_yml]", *include], tmp_path / "runs") == []
-    assert problems_of(["evaluate.tasks=[my_include]", "sweep.objective=my_include/acc_norm", *include],
-                       tmp_path / "runs") == []
-    cfg = make_cfg("evaluate.tasks=[my_yml,my_include]", *include)
-    assert task_configs(cfg.evaluate, {}) == [str(corpus / "user_tasks" / "my_yml.yml"), "my_include"]
-
-
-TASK_MUTATIONS = [("output_type", "generate_until"), ("output_type", None), ("doc_to_text", "{% if %}"),
-                  ("doc_to_target", "{{ nope.nope }}"), ("doc_to_choice", 7), ("test_split", "train"),
-                  ("metric_list", [{"metric": "exact_match"}]), ("metric_list", "acc"), ("dataset_kwargs", None),
-                  ("dataset_path", "csv"), ("num_fewshot", 3), ("fewshot_split", "nowhere"), ("task", ["x"]),
-                  ("filter_list", [{"name": "x"}]), ("generation_kwargs", {"until": 3}), ("include", "nope.yaml")]
-
-
-@pytest.mark.parametrize("field,value", TASK_MUTATIONS, ids=[f"{f}={v}" for f, v in TASK_MUTATIONS])
-def test_a_mutated_user_task_is_accepted_or_refused_naming_the_file(field, value, tmp_path):
-    """The user's task YAML fuzzed one field at a time (the shipped arith_mc as a user's copy): lm-eval's own
-    loading before launch either accepts it or the refusal names the key and the file; a check never crashes."""
-    import shutil
-
-    import yaml
-
-    from plugins.evaluate.harness import SHIPPED
-
-    folder = tmp_path / "tasks"
-    folder.mkdir()
-    shutil.copy(SHIPPED / "arith_mc.jsonl", folder / "q.jsonl")
-    config = yaml.safe_load((SHIPPED / "arith_mc.yaml").read_text())
-    config.update(task="mine", dataset_kwargs={"data_files": {"test": str(folder / "q.jsonl")}})
-    config[field] = value
-    (folder / "mine.yaml").write_text(yaml.safe_dump(config))
-    found = problems_of(["evaluate.tasks=[mine]", f"evaluate.include_path={folder}"], tmp_path / "runs")
-    assert all(p.key.startswith("evaluate.") and "report this" not in p.fix for p in found), found
-    assert all(str(folder) in p.rule or "no such task" in p.rule for p in found), found
-
-
 def problems_of(overrides: list[str], runs: Path) -> list:
     """Compose as the CLI does, then validate: the problems a user would be shown (none: accepted)."""
     own_dirs = any(o.startswith(("runs_dir=", "cache_dir=")) for o in overrides)
@@ -492,23 +418,6 @@ def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
     assert f"x {key}=" in result.stderr and "rule:" in result.stderr and "fix:" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     assert not (workdir / "runs").exists(), "written before the refusal: no run or sweep folder, no cache, no store"
-
-
-@pytest.mark.parametrize("args,key", [
-    (["optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=same"], "hydra.sweep.subdir"),  # one folder, two points
-    (["train.seed=1,2", "hydra.sweep.subdir=${optimizer.lr}"], "hydra.sweep.subdir"),  # differs by an unswept key
-    (["hydra/sweeper=optuna", "hydra.sweeper.direction=[minimize,maximize]", "optimizer.lr=interval(1e-4,1e-3)"],
-     "hydra.sweeper.direction"),  # two objectives asked of points that return one
-])
-def test_a_sweep_whose_points_collide_or_cannot_return_is_refused_whole(args, key, tmp_path, monkeypatch):
-    """Checked as the command checks a sweep before its first point (in process: tests/test_fuzz.sweep_outcome)."""
-    from tests.test_fuzz import sweep_outcome
-
-    monkeypatch.chdir(tmp_path)
-    code, found = sweep_outcome(args)
-    assert code == 2 and found[0].key == key and found[0].fix, found
-    assert not (tmp_path / "runs").exists()
-    assert sweep_outcome(["optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=${optimizer.lr}"])[0] == 0
 
 
 def test_checks_that_stopped_on_an_input_become_refusals_or_pass(corpus, tmp_path, workdir):

@@ -128,3 +128,18 @@ def _accepted_or_refused_naming(case, code: int, problems: list) -> None:
     if code == 2:
         assert problems and all(p.key and p.rule and p.fix for p in problems), problems
         assert any(_related(p, case.keys) for p in problems), "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize("args,key", [
+    (["optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=same"], "hydra.sweep.subdir"),  # one folder, two points
+    (["train.seed=1,2", "hydra.sweep.subdir=${optimizer.lr}"], "hydra.sweep.subdir"),  # differs by an unswept key
+    (["hydra/sweeper=optuna", "hydra.sweeper.direction=[minimize,maximize]", "optimizer.lr=interval(1e-4,1e-3)"],
+     "hydra.sweeper.direction"),  # two objectives asked of points that return one
+])
+def test_a_sweep_whose_points_collide_or_cannot_return_is_refused_whole(args, key, tmp_path, monkeypatch):
+    """Checked as the command checks a sweep before its first point (in process: sweep_outcome)."""
+    monkeypatch.chdir(tmp_path)
+    code, found = sweep_outcome(args)
+    assert code == 2 and found[0].key == key and found[0].fix, found
+    assert not (tmp_path / "runs").exists()
+    assert sweep_outcome(["optimizer.lr=1e-3,3e-4", "hydra.sweep.subdir=${optimizer.lr}"])[0] == 0
