@@ -11,8 +11,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
 
+from orchestrator.config.errors import ConfigError, from_hydra
 from orchestrator.config.schema import register
+from orchestrator.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -187,3 +190,19 @@ LONGEST_FIRST = ("test_layouts.py", "test_slurm_recovery.py", "test_slurm.py", "
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
+
+def problems_of(overrides: list[str], runs: Path) -> list:
+    """Compose as the CLI does, then validate: the problems a user would be shown (none: accepted)."""
+    own_dirs = any(o.startswith(("runs_dir=", "cache_dir=")) for o in overrides)
+    try:
+        cfg = make_cfg(*overrides, runs_dir=None if own_dirs else runs)
+    except HydraException as e:
+        translated = from_hydra(e, tuple(overrides))
+        assert translated is not None, f"untranslated Hydra error: {e}"
+        return translated.problems
+    try:
+        validate(cfg, overrides)
+    except ConfigError as e:
+        return e.problems
+    return []

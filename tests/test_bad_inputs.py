@@ -9,12 +9,11 @@ import re
 from pathlib import Path
 
 import pytest
-from hydra.errors import HydraException
 
 from common.problem import _show
-from orchestrator.config.errors import ConfigError, from_hydra
-from orchestrator.config.validate import validate, warnings
-from tests.conftest import ROOT, make_cfg, run_cli
+from orchestrator.config.errors import ConfigError
+from orchestrator.config.validate import warnings
+from tests.conftest import ROOT, make_cfg, problems_of, run_cli
 from tests.test_task_files import user_tasks
 
 # (overrides, the key named, words of the rule or fix); {tmp} is a folder holding the files made by `corpus` below
@@ -353,22 +352,6 @@ def corpus(tmp_path_factory) -> Path:
         "architectures": ["GPT2LMHeadModel"], "vocab_size": 259, "n_layer": 8, "n_head": 4, "n_embd": 64,
         "n_inner": 256, "n_positions": 128, "activation_function": "gelu"}))
     return tmp
-
-
-def problems_of(overrides: list[str], runs: Path) -> list:
-    """Compose as the CLI does, then validate: the problems a user would be shown (none: accepted)."""
-    own_dirs = any(o.startswith(("runs_dir=", "cache_dir=")) for o in overrides)
-    try:
-        cfg = make_cfg(*overrides, runs_dir=None if own_dirs else runs)
-    except HydraException as e:
-        translated = from_hydra(e, tuple(overrides))
-        assert translated is not None, f"untranslated Hydra error: {e}"
-        return translated.problems
-    try:
-        validate(cfg, overrides)
-    except ConfigError as e:
-        return e.problems
-    return []
 
 
 def test_the_catalogue_has_sixty_cases_or_more():

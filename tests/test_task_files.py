@@ -8,13 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_cfg
-
-
-def problems_of(overrides: list[str], runs: Path) -> list:
-    from tests.test_bad_inputs import problems_of as composed_and_validated
-
-    return composed_and_validated(overrides, runs)
+from tests.conftest import make_cfg, problems_of
 
 
 def user_tasks(folder: Path) -> None:
