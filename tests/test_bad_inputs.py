@@ -161,6 +161,8 @@ CATALOGUE = [
      "Cannot import module 'missing_utils'"),
     (["evaluate.tasks=[my_hub]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
      "the Hub cannot be reached"),
+    (["evaluate.tasks=[my_nofiles]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
+     "names no files"),
     (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.include_path",
      "is defined twice"),
     # evaluate keys that would do nothing

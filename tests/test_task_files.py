@@ -35,6 +35,7 @@ def user_tasks(folder: Path) -> None:
     task("my_nodata", dataset_kwargs={"data_files": {"test": str(folder / "nope.jsonl")}})
     task("my_split", test_split="validation")
     task("my_hub", dataset_path="someone/some_dataset", dataset_kwargs={})
+    task("my_nofiles", dataset_kwargs={})  # json with no data_files: every JSON file under the working folder
     task("arith_mc", "shadow.yaml")  # the shipped task's name
     task("my_yml", "my_yml.yml")
     task("my_helper", "helper.yaml", doc_to_text="HELPER")

@@ -12,6 +12,8 @@ Besides loading, the rules lm-eval would not raise but that would leave a run do
 - a task of the user's that has a shipped task's name: the stage would score one of them and say nothing, so both
   files are named and one must be renamed;
 - a metric that is neither lm-eval's nor a `!function`: refused before lm-eval goes to the Hub for it;
+- a local builder (`dataset_path: json`) with no `data_files`: datasets would read every JSON file under the folder
+  the command starts in (measured: thousands in a repository, for 90 s) and score those;
 - `evaluate.num_fewshot` where no task draws examples (a rolling loglikelihood, val_perplexity, has none);
 - `evaluate.onnx` where no task is a loglikelihood task (generation is scored from hf/ only).
 """
@@ -81,6 +83,13 @@ def _user_task_problems(name: str, path: Path, config: dict) -> list[Problem]:
         out.append(Problem("evaluate.tasks", name, f"{path}: dataset_path {source!r} is a Hugging Face Hub "
                            "dataset, and the Hub cannot be reached from here", "dataset_path: json with "
                            "dataset_kwargs.data_files naming a local copy"))
+    kwargs = config.get("dataset_kwargs")
+    named = isinstance(kwargs, dict) and (kwargs.get("data_files") or kwargs.get("data_dir"))
+    if source in LOCAL_BUILDERS and not named:
+        out.append(Problem("evaluate.tasks", name, f"{path}: dataset_path {source!r} names no files "
+                           "(dataset_kwargs.data_files): datasets would read every file of that kind under the "
+                           "folder the command starts in and score those", "dataset_kwargs: {data_files: {test: "
+                           "your_questions.jsonl}} in the task file"))
     return out
 
 
