@@ -241,8 +241,10 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.tokenizer=hf:{tmp}/truncated_config"],
      "data.tokenizer", "tokenizer_config.json is not JSON"),
     (["data=text", "data.paths=[{tmp}/*.nothing]"], "data.paths", "matches no file"),
-    (["data=text", "data.paths=[{tmp}/packed]"], "data.paths", "holds 1 compressed file(s) (b.jsonl.gz)"),
-    (["data=text", "data.paths=[{tmp}/packed/b.jsonl.gz]"], "data.paths", "gzip-compressed"),
+    (["data=text", "data.paths=[{tmp}/packed]"], "data.paths", "holds 1 compressed file(s) (notes.txt.gz)"),
+    (["data=text", "data.paths=[{tmp}/packed/notes.txt.gz]"], "data.paths", "reads for JSON Lines only"),
+    (["data=text", "data.paths=[{tmp}/packed/gz.jsonl]"], "data.paths", "its name does not say so"),
+    (["data=text", "data.paths=[{tmp}/packed/cut.jsonl.gz]"], "data.paths", "cannot be decompressed"),
     (["data=text", "data.paths=[{tmp}/pack*]"], "data.paths", "matches 1 folder(s)"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
@@ -344,9 +346,12 @@ def corpus(tmp_path_factory) -> Path:
     user_tasks(tmp / "user_tasks")
     import gzip
 
-    (tmp / "packed").mkdir()  # a corpus half in JSON Lines, half compressed (as public corpora ship it)
+    (tmp / "packed").mkdir()  # JSON Lines, compressed JSON Lines (read) and compressed text (not read)
     (tmp / "packed" / "a.jsonl").write_text('{"text": "a record of text"}\n' * 50)
     (tmp / "packed" / "b.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a record of text"}\n' * 50))
+    (tmp / "packed" / "notes.txt.gz").write_bytes(gzip.compress(b"some text\n" * 50))
+    (tmp / "packed" / "gz.jsonl").write_bytes(gzip.compress(b'{"text": "a record of text"}\n' * 50))
+    (tmp / "packed" / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a record of text"}\n' * 50)[:-9])
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)

@@ -1,7 +1,7 @@
 """Fuzz the data formats (issue 49): records of every type per field (strings with BOM, CRLF, NUL and non-BMP
 characters, empty strings, null, numbers, NaN, booleans, lists, objects, lists of messages right and wrong, bytes
 that are UTF-8 or not), missing and extra fields, in every container the tokenize stage reads (JSON Lines as .jsonl
-and .json, Parquet with string and binary columns, an Arrow IPC stream and file, a `datasets` DatasetDict with a
+and .json, gzip- and zstd-compressed, Parquet with string and binary columns, an Arrow IPC stream and file, a `datasets` DatasetDict with a
 .map() cache beside it), and damaged files (truncated, empty). Each generated input is either
 
 - refused before launch (the data rules, plugins/data/rules.check: a problem naming the key, and the file and the
@@ -142,9 +142,9 @@ def write(container: str, records: list[dict], folder: Path, damage: str, fields
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if container in ("jsonl", "json"):  # .json: JSON Lines by another name
+    if container.startswith("json"):  # .json: JSON Lines by another name; .jsonl.gz, .json.zst: compressed
         path = folder / f"records.{container}"
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        path.write_bytes(_compress(container, "".join(json.dumps(r) + "\n" for r in records).encode()))
     else:
         table = _table(records, fields)
         if container == "parquet":
@@ -168,10 +168,22 @@ def write(container: str, records: list[dict], folder: Path, damage: str, fields
             return path
     if damage == "truncated":  # a write that did not finish: cut inside the last line, or 2/3 of a binary file
         data = path.read_bytes()
-        path.write_bytes(data[:-3] if container in ("jsonl", "json") else data[:max(1, len(data) * 2 // 3)])
+        path.write_bytes(data[:-3] if container.startswith("json") else data[:max(1, len(data) * 2 // 3)])
     elif damage == "empty":
         path.write_bytes(b"")
     return path
+
+
+def _compress(container: str, data: bytes) -> bytes:
+    if container.endswith(".gz"):
+        import gzip
+
+        return gzip.compress(data)
+    if container.endswith(".zst"):
+        import zstandard
+
+        return zstandard.ZstdCompressor().compress(data)
+    return data
 
 
 def _table(records: list[dict], fields: tuple):
@@ -202,9 +214,10 @@ def pa_errors() -> tuple:
 def cases(draw):
     fmt = draw(st.sampled_from(["text", "prompt_completion", "chat"]))
     fields = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}[fmt]
-    container = draw(st.sampled_from(["jsonl", "jsonl", "json", "parquet", "arrow", "arrow_file", "datasets"]))
+    container = draw(st.sampled_from(["jsonl", "jsonl", "json", "jsonl.gz", "json.zst", "parquet", "arrow",
+                                      "arrow_file", "datasets"]))
     good = {"text": TEXT, "chat": MESSAGES, "prompt_completion": TEXT}[fmt]
-    values = st.one_of(VALUE, BYTES) if container not in ("jsonl", "json") else VALUE
+    values = st.one_of(VALUE, BYTES) if not container.startswith("json") else VALUE
 
     clean = draw(st.booleans())  # every record of the right types (else: a third of the values anything)
 
@@ -239,7 +252,7 @@ def test_every_record_trains_as_meant_or_is_refused_before_launch(bytes_hf, case
     fmt, fields, records, container, damage = case
     if container == "datasets" and not any(records):
         return  # datasets cannot save a DatasetDict of no rows or no columns
-    if container not in ("jsonl", "json"):
+    if not container.startswith("json"):
         if not _arrow_ok(records, fields):
             return  # Arrow cannot hold these values in one column: no such file can exist
         names = {k for r in records for k in r}

@@ -349,3 +349,43 @@ def test_a_dataset_cards_configs_name_the_splits_files_as_load_dataset_reads_the
     assert check(cfg) == []
     theirs = datasets.load_dataset(str(hub), split=split, cache_dir=str(tmp_path / "hf-cache"))  # not ~/.cache's
     assert _texts(tokenized(cfg)) == sorted(theirs["text"])
+
+
+def test_compressed_json_lines_are_read_as_they_decompress_as_datasets_reads_them(tmp_path):
+    """A corpus as public ones ship (c4's .json.gz, the Pile's .jsonl.zst): gzip, zstd (two frames), xz and bz2 in a
+    folder beside plain JSON Lines give the records datasets gives; data.max_bytes cuts inside a compressed file at
+    a line, as inside the same file decompressed; a file cut short fails the stage naming it."""
+    import bz2
+    import gzip
+    import lzma
+
+    import datasets
+    import zstandard
+
+    datasets.disable_progress_bars()
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rows = [json.dumps({"text": f"record {i}: " + "word " * (i % 40)}).encode() + b"\n" for i in range(400)]
+    parts = [b"".join(rows[k::5]) for k in range(5)]
+    zstd = zstandard.ZstdCompressor()
+    (corpus / "a.jsonl").write_bytes(parts[0])
+    (corpus / "b.jsonl.gz").write_bytes(gzip.compress(parts[1]))
+    (corpus / "c.jsonl.zst").write_bytes(zstd.compress(parts[2][:3000]) + zstd.compress(parts[2][3000:]))
+    (corpus / "d.jsonl.xz").write_bytes(lzma.compress(parts[3]))
+    (corpus / "e.jsonl.bz2").write_bytes(bz2.compress(parts[4]))
+    cfg = make_cfg(*BASE, f"data.paths=[{corpus}]", runs_dir=tmp_path)
+    assert check(cfg) == []
+    theirs = datasets.load_dataset("json", data_files=sorted(map(str, corpus.iterdir())), split="train",
+                                   cache_dir=str(tmp_path / "hf-cache"))
+    assert _texts(tokenized(cfg)) == sorted(theirs["text"]) and len(theirs) == 400
+
+    (tmp_path / "plain.jsonl").write_bytes(parts[1])
+    (tmp_path / "one").mkdir()
+    (tmp_path / "one" / "plain.jsonl.gz").write_bytes(gzip.compress(parts[1]))
+    cut = [make_cfg(*BASE, f"data.paths=[{path}]", "data.max_bytes=2000", runs_dir=tmp_path)
+           for path in (tmp_path / "plain.jsonl", tmp_path / "one" / "plain.jsonl.gz")]
+    assert _texts(tokenized(cut[0])) == _texts(tokenized(cut[1])) and 10 < len(_texts(tokenized(cut[1]))) < 80
+
+    (corpus / "b.jsonl.gz").write_bytes(gzip.compress(parts[1])[:-200])
+    with pytest.raises(ValueError, match=r"b\.jsonl\.gz: cannot be decompressed \(EOFError"):
+        tokenized(make_cfg(*BASE, f"data.paths=[{corpus}]", runs_dir=tmp_path / "again"))

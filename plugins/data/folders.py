@@ -8,6 +8,10 @@
   files' names (`train-00000-of-00001.parquet`, `data/test.jsonl`, ...; with no split in any name, every file is
   the train split).
 - Any other folder: every file with a suffix of `suffixes`, in name order.
+
+Compressed JSON Lines of those suffixes (`part-0001.jsonl.gz`, c4's `.json.gz`) are read (plugins/data/reading.py);
+other compressed files that would be read decompressed (`.txt.gz`) are refused, naming them: read without them, the
+corpus would be a part of itself.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from plugins.data.compressed import PACKED, reads
 from plugins.data.reading import ARROW
 
 # datasets.data_files' keywords of a split in a file's path (DEFAULT_PATTERNS_SPLIT_IN_FILENAME/_DIR_NAME)
@@ -65,7 +70,7 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], skip: froz
         return found
     by_split = _card_splits(folder)
     if by_split is None:
-        data = [f for f in found if f.suffix in DATA_SUFFIXES]
+        data = [f for f in found if reads(f.name, DATA_SUFFIXES)]
         by_split = {name: [f for f in data if _in_split(f.relative_to(folder).as_posix(), name)]
                     for name in SPLIT_KEYWORDS}
         if not any(by_split.values()):
@@ -77,17 +82,15 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], skip: froz
     return by_split[split]
 
 
-COMPRESSED = (".gz", ".zst", ".bz2", ".xz")  # how public corpora ship JSON Lines (c4, the Pile, Dolma: .json.gz)
-
-
 class UnreadFiles(FolderError):
     """A folder that holds data in a form the tokenize stage does not read: read without it, the corpus would be a
     part of itself, and nothing would say so."""
 
 
 def _compressed(filenames: list[str], suffixes: tuple[str, ...]) -> list[str]:
-    """The files that would be read but for their compression (`part-0001.jsonl.gz`)."""
-    return [f for f in filenames if f.endswith(COMPRESSED) and f.rsplit(".", 1)[0].endswith(suffixes)]
+    """The files that would be read but for their compression (`notes.txt.gz`; `part-0001.jsonl.gz` is read)."""
+    return [f for f in filenames if f.endswith(tuple(PACKED)) and f.rsplit(".", 1)[0].endswith(suffixes)
+            and not reads(f, suffixes)]
 
 
 def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) -> list[Path]:
@@ -100,11 +103,12 @@ def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) 
             continue
         dirnames[:] = sorted(d for d in dirnames if d not in skip)
         if packed := _compressed(sorted(filenames), suffixes):
-            read = sum(f.endswith(suffixes) for f in filenames)
+            read = sum(reads(f, suffixes) for f in filenames)
             raise UnreadFiles(f"{here} holds {len(packed)} compressed file(s) ({', '.join(packed[:3])}"
-                              f"{', ...' if len(packed) > 3 else ''}) that the tokenize stage does not read: the "
+                              f"{', ...' if len(packed) > 3 else ''}) that the tokenize stage does not read "
+                              "compressed (it reads compressed JSON Lines, x.jsonl.gz, alone): the "
                               f"corpus would be its other {read} file(s) alone")
-        found += [here / f for f in sorted(filenames) if f.endswith(suffixes)]
+        found += [here / f for f in sorted(filenames) if reads(f, suffixes)]
     return found
 
 
@@ -138,7 +142,7 @@ def _card_splits(folder: Path) -> Optional[dict[str, list[Path]]]:
     for name, patterns in files.items():
         patterns = [patterns] if isinstance(patterns, str) else list(patterns or [])
         found = sorted({p for pattern in patterns for p in folder.glob(pattern) if p.is_file()})
-        other = [p.name for p in found if p.suffix not in DATA_SUFFIXES]
+        other = [p.name for p in found if not reads(p.name, DATA_SUFFIXES)]
         if other:
             raise FolderError(f"{folder}'s card gives the split {name} files of a kind the tokenize stage does not "
                               f"read ({', '.join(other[:3])}; it reads {', '.join(DATA_SUFFIXES)})")

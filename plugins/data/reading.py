@@ -8,6 +8,12 @@ so N tasks that each take a contiguous run of pieces write, part after part, exa
 Which split a document belongs to is decided by its name, as before: a plain text file is one document, named by
 its path in the corpus (a lone file holds out its last data.val_fraction, cut at a line start); a record of a JSON
 Lines or Parquet file is one document, named `<file>@<byte offset>` or `<file>#<row>`.
+
+Compressed JSON Lines (`.jsonl.gz`, `.json.zst`, `.jsonl.xz`, `.jsonl.bz2`: how c4, the Pile and Dolma ship) are read
+as they decompress, a block at a time: one piece per file (a compressed stream has no byte to start at but its
+first), its records named by their offsets in the decompressed text, as the same file decompressed would name them.
+Its size is an estimate (the first SIZE_SAMPLE bytes decompressed), used for data.max_bytes's choice of files, the
+tasks' shares and the progress; a file chosen whole is read to its end whatever the estimate.
 """
 from __future__ import annotations
 
@@ -17,13 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from plugins.data.compressed import (JSON_LINES, decompressed_lines, open_decompressed, packed, packed_size,
+                                     suffix_of)
+
 CHUNK_BYTES = 1 << 20      # a piece of a text or JSON Lines file: what one read holds (plus the line it ends in)
 RECORD_BATCH = 256         # Parquet rows read at a time
 ARROW = (".arrow", ".feather")  # Arrow IPC: datasets' files and streams; Feather v2 is the IPC file format
 RECORDS = (".jsonl", ".json", ".parquet", *ARROW)  # .json: JSON Lines by another name (many Hub datasets)
-JSON_LINES = (".jsonl", ".json")
-
-
 @dataclass(frozen=True)
 class Piece:
     name: str                # the file's name in the corpus (its split and its records' names derive from it)
@@ -36,6 +42,7 @@ class Piece:
     split: Optional[str]     # text: the piece's split; records: None (each record's own name decides)
     closes: bool = True      # text: the piece ends its document in its split (an <eos> follows it)
     first_row: int = 0       # parquet, arrow: the piece's first row in the file
+    to_end: bool = False     # compressed JSON Lines read whole: to the file's end, whatever `end` estimated
     opens: bool = True       # text: the piece starts its document (a <bos> goes before it, where the tokenizer has one)
     cut: int = -1            # a lone text file: the byte where its held-out part starts (no piece reads across it)
 
@@ -81,18 +88,20 @@ def layout(files: list[tuple[str, Path]], max_bytes: int, val_fraction: float) -
     for name, path, size in sizes:
         if budget <= 0:
             break
-        chosen.append((name, path, min(size, budget)))
+        chosen.append((name, path, min(size, budget), size))
         budget -= size
-    plain = [name for name, path, _ in chosen if path.suffix not in RECORDS]
+    plain = [name for name, path, *_ in chosen if suffix_of(path) not in RECORDS]
     lone = len(chosen) == 1 and bool(plain)
     train, _ = assign(plain, val_fraction)
     train_names = {plain[i] for i in train}
     pieces: list[Piece] = []
-    for name, path, read in chosen:
+    for name, path, read, size in chosen:
         if path.suffix == ".parquet":
             pieces += _row_groups(name, path, read)
         elif path.suffix in ARROW:
             pieces += _batch_runs(name, path, read)
+        elif packed(path):
+            pieces.append(Piece(name, str(path), "jsonl", 0, read, read, None, to_end=read >= size))
         elif path.suffix in JSON_LINES:
             pieces += [Piece(name, str(path), "jsonl", a, b, b - a, None) for a, b in _grid(read)]
         elif lone:
@@ -134,7 +143,10 @@ def _size(path: Path) -> int:
     metadata are no corpus: counted, they would read as bytes data.max_bytes left out); a Parquet file's, its rows
     at the Arrow bytes per row of its first row group that has rows (its size on disk is compressed and dictionary-
     encoded, tenfold less than its text: a held-out split estimated from it refused legal train.eval_batches; one row
-    group read, as the tokenize stage reads them)."""
+    group read, as the tokenize stage reads them); compressed JSON Lines', an estimate (`packed_size`)."""
+    if packed(path):
+        stat = path.stat()
+        return packed_size(str(path), stat.st_size, stat.st_mtime_ns)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -317,8 +329,7 @@ def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterat
     record's name (file and line, or file and row). A record without one of the fields is refused, naming file and
     line."""
     if piece.kind == "jsonl":
-        offset, data = piece_bytes(piece)
-        for line_start, record in _json_records(piece, offset, data):
+        for line_start, record in _json_records(piece):
             missing = next((k for k, f in fields.items() if f not in record), None)
             if missing is not None:
                 raise ValueError(f"{Where(piece.path, line_start)} {no_field(fields[missing], record)}: "
@@ -431,10 +442,20 @@ def no_field(field: str, keys) -> str:
     return f"has no field {field!r} (its fields: {', '.join(keys) or 'none'})"
 
 
-def _json_records(piece: Piece, offset: int, data: bytes) -> Iterator[tuple[int, dict]]:
+def _lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
+    """(offset, line) of the lines that start in a JSON Lines piece."""
+    if packed(piece.path):
+        yield from decompressed_lines(piece.path, None if piece.to_end else piece.end)
+        return
+    offset, data = piece_bytes(piece)
     at = 0
     for line in data.split(b"\n"):
-        line_start, at = offset + at, at + len(line) + 1
+        yield offset + at, line
+        at += len(line) + 1
+
+
+def _json_records(piece: Piece) -> Iterator[tuple[int, dict]]:
+    for line_start, line in _lines(piece):
         if not line.strip():
             continue
         try:
@@ -447,7 +468,7 @@ def _json_records(piece: Piece, offset: int, data: bytes) -> Iterator[tuple[int,
 def line_number(path: str, offset: int) -> int:
     """The line that starts at byte `offset` (counted only when a message needs it)."""
     count, done = 1, 0
-    with open(path, "rb") as f:
+    with (open_decompressed(path) if packed(path) else open(path, "rb")) as f:
         while done < offset:
             block = f.read(min(1 << 24, offset - done))
             if not block:

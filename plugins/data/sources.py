@@ -20,6 +20,7 @@ import numpy as np
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
 from plugins.data.packing import packed_stream
+from plugins.data.compressed import PACKED, decompress_errors, open_decompressed, packed, suffix_of
 from plugins.data.reading import (ARROW, JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field,
                                   record_fields, stream_closed)
 from plugins.data.records import first_records_problem
@@ -44,10 +45,16 @@ def _field_missing(path: Path, field: str) -> str:
     SNIFF_BYTES of a JSON Lines file (the tokenize stage reads every line, naming file and line before publishing
     anything), a Parquet file's schema."""
     try:
-        if path.suffix in JSON_LINES:
-            with open(path, "rb") as f:
-                head = f.read(SNIFF_BYTES)
-            if path.suffix == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        if suffix_of(path) in JSON_LINES:
+            try:
+                with (open_decompressed(path) if packed(path) else open(path, "rb")) as f:
+                    head = f.read(SNIFF_BYTES)
+            except decompress_errors() as e:
+                return f"cannot be decompressed ({type(e).__name__}: {e}): it is damaged or cut short"
+            if not packed(path) and (how := compression(head)):
+                return (f"is {how}-compressed and its name does not say so; name it {path.name}"
+                        f"{next(k for k, v in PACKED.items() if v == how)}, which is read as it decompresses")
+            if suffix_of(path) == ".json" and head.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
                 return ("is a JSON array, not JSON Lines (one object per line), which the tokenize stage streams; "
                         f"write it as JSON Lines, e.g. jq -c '.[]' {path} > {path.with_suffix('.jsonl')}")
             lines = head.split(b"\n")
@@ -181,7 +188,8 @@ def unique_files(files: list[tuple[str, Path]]) -> Files:
     return kept
 
 
-MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"))  # compressed files' first bytes
+MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bz2"))  # first bytes
+DECOMPRESS = {"gzip": "gunzip -k", "zstd": "zstd -d", "xz": "unxz -k", "bz2": "bunzip2 -k"}
 SNIFF_BYTES = 1 << 20  # how much of each file is checked for binary content and UTF-8 before launch
 
 
@@ -234,7 +242,7 @@ def _check_text(cfg) -> list[tuple]:
     fields = record_fields(d)
     for name, path in files:
         why = why_not_a_file(path)
-        if not why and path.suffix in RECORDS:
+        if not why and suffix_of(path) in RECORDS:
             field_key, why = next(((k, w) for k, f in fields.items() if (w := _field_missing(path, f))), (None, ""))
         elif not why:
             why = _not_text(path) or (f"text, not records: data.format={d.format} reads JSON Lines or Parquet "
@@ -256,7 +264,7 @@ def _check_text(cfg) -> list[tuple]:
 def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> list[tuple]:
     """Keys set for what data.paths does not hold: ignored, they would let the run train on other data than meant."""
     problems = []
-    if d.format == "text" and d.text_field != "text" and files and not any(p.suffix in RECORDS for _, p in files):
+    if d.format == "text" and d.text_field != "text" and files and not any(suffix_of(p) in RECORDS for _, p in files):
         problems.append(("data.text_field", d.text_field, "names the field of JSON Lines, Parquet or Arrow records, "
                          f"and data.paths holds none ({len(files)} text file(s), each read whole as one document)",
                          "leave data.text_field unset, or data.paths= files of records"))
@@ -271,7 +279,7 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
     """The first records of each records file (its first piece: SNIFF_BYTES of JSON Lines, a Parquet row group, a
     run of Arrow batches) read as the tokenize stage reads them: a mistake in their types, messages or template is
     refused now, naming the file and record, not after the stages before tokenize ran."""
-    chosen = [(name, path) for name, path in files if path.suffix in RECORDS]
+    chosen = [(name, path) for name, path in files if suffix_of(path) in RECORDS]
     if not chosen:
         return []
     try:
@@ -295,7 +303,7 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
                              "records with something to learn, or data.loss_on=all"))]
         documents += learned
         whole = whole and complete and not lay.left_out and len(lay.pieces) <= 1
-    if whole and documents < 2 and all(path.suffix in RECORDS for _, path in files):
+    if whole and documents < 2 and all(suffix_of(path) in RECORDS for _, path in files):
         return [("data.paths", list(d.paths), f"the records hold {documents} document(s) with something to learn in "
                  "all: one is held out for evaluation (data.val_fraction) and one at least is trained on",
                  "more records (two at least)")]
@@ -311,9 +319,9 @@ def _not_text(path: Path) -> str:
         return f"not readable ({e.strerror})"
     if not head:
         return "empty"
-    if packed := next((name for magic, name in MAGIC if head.startswith(magic)), None):
-        return (f"{packed}-compressed, which the tokenize stage does not read (decompress it beside: "
-                f"{'gunzip -k' if packed == 'gzip' else 'zstd -d' if packed == 'zstd' else 'unxz -k'} {path.name})")
+    if how := compression(head):
+        return (f"{how}-compressed, which the tokenize stage reads for JSON Lines only (x.jsonl.gz); decompress it "
+                f"beside: {DECOMPRESS[how]} {path.name}")
     if b"\0" in head[:8192]:
         return "binary (NUL bytes)"
     try:
@@ -322,6 +330,11 @@ def _not_text(path: Path) -> str:
         if e.start < len(head) - 3:  # not merely a character cut at the end of the sample
             return f"not UTF-8 (byte {e.start}: 0x{head[e.start]:02x})"
     return ""
+
+
+def compression(head: bytes) -> str:
+    """The compression a file's first bytes show ('' for none)."""
+    return next((name for magic, name in MAGIC if head.startswith(magic)), "")
 
 
 def _is_glob(entry: str) -> bool:
