@@ -4,6 +4,7 @@ tokenizer folder's named chat templates; a file named twice is read once."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -172,17 +173,36 @@ def saved_datasets(tmp_path_factory):
     (hub / "README.md").write_text("---\nlicense: mit\n---\n# A dataset\n")
     for split, r in rows.items():
         datasets.Dataset.from_dict({"text": r}).to_parquet(str(hub / "data" / f"{split}-00000-of-00001.parquet"))
+    raw = tmp_path_factory.mktemp("raw", numbered=False)  # load_dataset's cache of JSON Lines files beside root
+    parts = {"train0": rows["train"][0::3], "train1": rows["train"][1::3], "train2": rows["train"][2::3],
+             "test0": rows["test"]}  # the train split in three files: datasets starts a shard between two
+    for name, r in parts.items():
+        (raw / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in r))
+    builder = cache_builder(root)
+    builder.download_and_prepare(max_shard_size=600)  # json-test.arrow, json-train-0000N-of-0000M.arrow
+    shutil.copytree(builder.cache_dir, root / "cache")
     return root
 
 
+def cache_builder(root):
+    import datasets
+
+    raw = root.parent / "raw"
+    return datasets.load_dataset_builder("json", data_files={s: sorted(map(str, raw.glob(f"{s}*.jsonl")))
+                                                             for s in ("train", "test")},
+                                         cache_dir=str(raw / "hf-cache"))
+
+
 @pytest.mark.parametrize("folder,split", [("dict", "train"), ("dict", "test"), ("mapped", "train"), ("hub", "train"),
-                                          ("hub", "test")])
+                                          ("hub", "test"), ("cache", "train"), ("cache", "test")])
 def test_a_datasets_folder_gives_the_rows_datasets_gives(tmp_path, saved_datasets, folder, split):
     import datasets
 
     path = saved_datasets / folder
     assert folder != "mapped" or any(p.name.startswith("cache-") for p in path.iterdir())
+    assert folder != "cache" or len(list(path.glob("json-train-0000*-of-*.arrow"))) > 1
     theirs = (datasets.load_dataset(str(path), split=split, cache_dir=str(tmp_path / "hf-cache")) if folder == "hub"
+              else cache_builder(saved_datasets).as_dataset(split=split) if folder == "cache"
               else datasets.load_from_disk(str(path)))
     theirs = theirs[split] if isinstance(theirs, datasets.DatasetDict) else theirs
     cfg = make_cfg(*BASE, f"data.paths=[{path}]", f"data.split={split}", runs_dir=tmp_path)
@@ -190,8 +210,9 @@ def test_a_datasets_folder_gives_the_rows_datasets_gives(tmp_path, saved_dataset
     assert _texts(tokenized(cfg)) == sorted(theirs["text"])
 
 
-def test_a_split_a_datasets_folder_lacks_is_refused_naming_its_splits(saved_datasets):
-    problems = check(make_cfg(*BASE, f"data.paths=[{saved_datasets / 'dict'}]", "data.split=validation"))
+@pytest.mark.parametrize("folder", ["dict", "cache"])
+def test_a_split_a_datasets_folder_lacks_is_refused_naming_its_splits(saved_datasets, folder):
+    problems = check(make_cfg(*BASE, f"data.paths=[{saved_datasets / folder}]", "data.split=validation"))
     assert [p.key for p in problems] == ["data.split"]
     assert 'splits are "train", "test"; data.split=validation is none of them' in problems[0].rule
 
@@ -294,7 +315,8 @@ def test_a_one_line_text_file_holds_out_its_tail_by_position(tmp_path):
 
 
 def test_datasets_folders_inside_a_folder_are_read_as_datasets_folders(tmp_path, saved_datasets):
-    """A plain folder holding a DatasetDict, a Dataset with a .map() cache and a Hub snapshot: each gives its train
+    """A plain folder holding a DatasetDict, a Dataset with a .map() cache, a Hub snapshot and load_dataset's cache:
+    each gives its train
     split's rows once (no test split, no cache, no metadata); a .json file of JSON Lines named in data.paths is
     records (folders are not searched for .json files: they hold configs and metadata as often as data)."""
     import shutil
@@ -305,7 +327,7 @@ def test_datasets_folders_inside_a_folder_are_read_as_datasets_folders(tmp_path,
     cfg = make_cfg(*BASE, f"data.paths=[{root},{root}/extra.json]", runs_dir=tmp_path)
     assert check(cfg) == []
     train = [f"train record {i}: " + "words " * (5 + i % 7) for i in range(40)]
-    assert _texts(tokenized(cfg)) == sorted(train * 3 + [f"extra {i}" for i in range(3)])  # dict/, mapped/, hub/
+    assert _texts(tokenized(cfg)) == sorted(train * 4 + [f"extra {i}" for i in range(3)])  # dict, mapped, hub, cache
 
 
 def test_the_preview_marks_a_completion_and_shows_text_whole_in_plain_text(tmp_path):

@@ -3,6 +3,8 @@
 - `Dataset.save_to_disk`: the Arrow files its state.json names (not the `cache-*.arrow` files `.map()` leaves
   beside them, nor its JSON metadata).
 - `DatasetDict.save_to_disk`: the split data.split names (dataset_dict.json lists them), read as above.
+- `load_dataset`'s cache (dataset_info.json beside `json-train.arrow`, `json-test-00000-of-00002.arrow`, ...): the
+  Arrow files of data.split, by the names datasets gives them (the splits' shard counts in dataset_info.json).
 - A Hub snapshot (a dataset card, README.md, beside its data files): the files of data.split as
   `load_dataset(folder)` finds them: the card's `configs: data_files` where it names them, else the split in the
   files' names (`train-00000-of-00001.parquet`, `data/test.jsonl`, ...; with no split in any name, every file is
@@ -36,11 +38,13 @@ class FolderError(ValueError):
 
 
 def kind(folder: Path) -> str:
-    """dataset_dict | dataset | hub | plain."""
+    """dataset_dict | dataset | cache | hub | plain."""
     if (folder / "dataset_dict.json").is_file():
         return "dataset_dict"
     if (folder / "state.json").is_file():
         return "dataset"
+    if (folder / "dataset_info.json").is_file() and any(folder.glob("*.arrow")):
+        return "cache"
     if _is_dataset_card(folder / "README.md"):
         return "hub"
     return "plain"
@@ -65,6 +69,8 @@ def folder_files(folder: Path, split: str, suffixes: tuple[str, ...], skip: froz
             raise FolderError(f"{folder} is a Dataset saved by save_to_disk whose state.json names "
                               + (f"files that are missing: {', '.join(missing[:3])}" if missing else "no data file"))
         return files
+    if what == "cache":
+        return _cache_files(folder, split)
     found = _walk(folder, split, suffixes, skip)
     if what == "plain":
         return found
@@ -110,6 +116,26 @@ def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) 
                               f"corpus would be its other {read} file(s) alone")
         found += [here / f for f in sorted(filenames) if reads(f, suffixes)]
     return found
+
+
+def _cache_files(folder: Path, split: str) -> list[Path]:
+    """A `load_dataset` cache's files of a split: `<name>-<split>.arrow`, or `<name>-<split>-00000-of-00003.arrow`
+    ... where it was written in shards (datasets.naming.filenames_for_dataset_split)."""
+    info = _json(folder / "dataset_info.json")
+    splits = info.get("splits") if isinstance(info.get("splits"), dict) else {}
+    if split not in splits:
+        raise FolderError(f"{folder} is a load_dataset cache whose splits are "
+                          f"{', '.join(map(json.dumps, splits)) or 'none'}; data.split={split} is none of them")
+    name = info.get("dataset_name") or info.get("builder_name")
+    shards = len((splits[split] or {}).get("shard_lengths") or []) if isinstance(splits[split], dict) else 0
+    stem = f"{name}-{split}"
+    files = [folder / f"{stem}-{k:05d}-of-{shards:05d}.arrow" for k in range(shards)] if shards > 1 else \
+        [folder / f"{stem}.arrow"]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing or not isinstance(name, str):
+        raise FolderError(f"{folder} is a load_dataset cache whose dataset_info.json names the split {split}, and "
+                          f"its files are missing: {', '.join(missing[:3]) or 'no dataset name'}")
+    return files
 
 
 def _card_splits(folder: Path) -> Optional[dict[str, list[Path]]]:

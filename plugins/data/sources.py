@@ -225,7 +225,8 @@ def _check_text(cfg) -> list[tuple]:
                 continue
             except FolderError as e:
                 problems.append(("data.split", d.split, str(e), "data.split= one of the splits it has"
-                                 if "data.split=" in str(e) else "save the dataset again (save_to_disk)"))
+                                 if "data.split=" in str(e) else "write the folder again (save_to_disk, or load_dataset "
+                                 "for its cache)"))
                 continue
             if not found:
                 problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
