@@ -163,6 +163,8 @@ CATALOGUE = [
      "the Hub cannot be reached"),
     (["evaluate.tasks=[my_nofiles]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.tasks",
      "names no files"),
+    (["evaluate.tasks=[arith_mc]", "evaluate.num_fewshot=32"], "evaluate.num_fewshot",
+     "lm-eval would cut 305 tokens from the left of such prompts"),
     (["evaluate.tasks=[arith_mc]", "evaluate.include_path={tmp}/user_tasks"], "evaluate.include_path",
      "is defined twice"),
     # evaluate keys that would do nothing
@@ -234,6 +236,10 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/empty_answers.jsonl]", "data.format=chat",
       "data.chat_template={tmp}/chatml.jinja"], "data.loss_on",
      "has a token to learn (no assistant message with text)"),
+    (["data.packing_strategy=bfd", "data.long_documents=refuse"], "data.long_documents",
+     "longer than a row (train.seq_len+1=129 tokens) whatever their text"),
+    (["data=text", "data.paths=[{tmp}/chats.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja",
+      "data.long_documents=refuse", "train.seq_len=16"], "data.long_documents", "line 1: a record of"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/broken.jinja"],
      "data.chat_template", "cannot be read as Jinja"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/latin1.jinja"],
@@ -309,6 +315,8 @@ def corpus(tmp_path_factory) -> Path:
     (tmp / "one.txt").write_text("a line of text\n" * 2000)
     (tmp / "a_file").write_text("not a folder")
     (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
+    chat = {"messages": [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5."}]}
+    (tmp / "chats.jsonl").write_text((json.dumps(chat) + "\n") * 50)
     (tmp / "chatml.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (tmp / "odd.jinja").write_text("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}<final>"
@@ -413,8 +421,13 @@ def test_the_command_exits_2_and_writes_nothing(args, key, workdir):
 def test_checks_that_stopped_on_an_input_become_refusals_or_pass(corpus, tmp_path, workdir):
     """Two inputs whose checks once stopped with "report this": a data.preview in a sweep (its points preview, not
     train: the sweep's time line leaves them out) runs; a DatasetDict with no train split is refused once, by the
-    data rule, not again by the plan's check that reads the same folder."""
+    data rule, not again by the plan's check that reads the same folder. And data.long_documents=refuse on chats,
+    once refused as read only with data.packing_strategy=bfd: auto is bfd for chats."""
     from datasets import Dataset, DatasetDict
+
+    assert problems_of(["data=text", f"data.paths=[{corpus}/chats.jsonl]", "data.format=chat",
+                        f"data.chat_template={corpus}/chatml.jinja", "data.long_documents=refuse",
+                        "train.eval_batches=1"], tmp_path) == []
 
     DatasetDict({"test": Dataset.from_dict({"text": ["hello world " * 50] * 20})}).save_to_disk(tmp_path / "no_train")
     found = problems_of(["data=text", f"data.paths=[{tmp_path}/no_train]"], tmp_path / "runs")

@@ -84,13 +84,19 @@ def test_a_document_longer_than_a_row_is_refused_when_splitting_is_off(tmp_path)
     data = ["data=text", f"data.paths=[{records}]", "data.format=prompt_completion", "data.long_documents=refuse"]
     with pytest.raises(ValueError) as e:
         tokenized(make_cfg(*data, "train.seq_len=32", runs_dir=tmp_path))
-    assert f"{records}: line 3: a record of 61 tokens is longer than a row (train.seq_len+1=33)" in str(e.value)
+    assert f"{records}: line 3: a document of 61 tokens is longer than a row (train.seq_len+1=33)" in str(e.value)
     assert "fix: data.long_documents=split" in str(e.value) and "train.seq_len=60 or more" in str(e.value)
     assert tokenized(make_cfg(*data, "train.seq_len=60", runs_dir=tmp_path))
     keys = {TOKENIZE.fingerprint(make_cfg(*data, f"train.seq_len={n}", runs_dir=tmp_path)) for n in (32, 60)}
     splitting = {TOKENIZE.fingerprint(make_cfg(*data, "data.long_documents=split", f"train.seq_len={n}",
                                                runs_dir=tmp_path)) for n in (32, 60)}
     assert len(keys) == 2 and len(splitting) == 1
+
+    big = tmp_path / "big.txt"  # a text file read in three pieces, each shorter than a row, the whole longer
+    big.write_bytes(b"a line of text\n" * 170_000)
+    with pytest.raises(ValueError, match=f"{big}: a document of 2,097,1[0-9]{{2}} tokens and more is longer than"):
+        tokenized(make_cfg("data=text", f"data.paths=[{big}]", "data.packing_strategy=bfd",
+                           "data.long_documents=refuse", "train.seq_len=1500000", runs_dir=tmp_path))
 
     with pytest.raises(LongDocument) as e:
         Batcher(corpus_of([10, 40, 5, 50]), 2, 32, seed=0, whole_documents="refuse")

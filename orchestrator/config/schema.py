@@ -230,11 +230,12 @@ class DataConfig:
                                         "positions restart at each, as if each ran alone: fine-tuning's way); auto: "
                                         "bfd for records of prompt_completion or chat, wrapped for text",
                                 choices=("auto", "wrapped", "bfd"), read_when=("data.packing", (True,)))
-    long_documents: str = key("split", "data.packing_strategy=bfd: a document longer than train.seq_len+1 tokens is "
-                                       "split into pieces that overlap by one token (each learned as a document of "
-                                       "its own) or refused: a record by the tokenize stage, naming its file and "
-                                       "line (train.seq_len then enters that stage's key), a text document by the "
-                                       "train stage before its first step",
+    long_documents: str = key("split", "data.packing_strategy=bfd (auto: for chats and prompt/completion records): a "
+                                       "document longer than train.seq_len+1 tokens is split into pieces that "
+                                       "overlap by one token (each learned as a document of its own) or refused: "
+                                       "before launch where its bytes make it longer whatever the tokenizer (a "
+                                       "text file, the first records of a file), else by the tokenize stage, "
+                                       "naming its file (and line) (train.seq_len then enters that stage's key)",
                               choices=("split", "refuse"),
                               read_when=[("data.packing", (True,)), ("data.packing_strategy", ("bfd",))])
     balance_ranks: bool = key(True, "data.packing=false: deal each batch's rows (documents padded to "

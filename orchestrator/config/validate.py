@@ -256,7 +256,7 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
     if plain == _default(f):
         return []
     for other, wanted in ([when] if isinstance(when[0], str) else when):
-        actual = OmegaConf.select(cfg, other)
+        actual = _effective(cfg, other)
         if actual in wanted:
             continue
         if isinstance(wanted, Filled):
@@ -267,10 +267,23 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
                             f"for it to apply, or leave {full} unset")]
         shown = " or ".join(str(w).lower() if isinstance(w, bool) else str(w) for w in wanted)
         now = str(actual).lower() if isinstance(actual, bool) else actual
+        if actual != (given := OmegaConf.select(cfg, other)):
+            now = f"{given} ({actual} here)"
         choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...
         return [Problem(full, value, f"{full} is read only when {other}={shown}; with {other}={now} it would do "
                         f"nothing", f"{choose}={shown.split(' or ')[0]} for it to apply, or leave {full} unset")]
     return []
+
+
+def _effective(cfg: DictConfig, key: str):
+    """A key's value as the run reads it: `auto` resolved where the config alone decides it (a chat's rows hold whole
+    records: data.packing_strategy=auto is bfd for them)."""
+    actual = OmegaConf.select(cfg, key)
+    if key == "data.packing_strategy" and actual == "auto":
+        from plugins.data.packing import packing_strategy
+
+        return packing_strategy(cfg.data)
+    return actual
 
 
 def _default(f: dataclasses.Field):

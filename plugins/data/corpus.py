@@ -164,10 +164,10 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     joint = cfg.data.get("prompt_encoding") == "joint"
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
-    held = read = unlearned = 0
+    held = read = unlearned = run = 0
 
     def flush():
-        nonlocal batch, held, unlearned
+        nonlocal batch, held, unlearned, run
         encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat)
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
@@ -179,11 +179,15 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
             else:
                 pieces = [next(encoded) for _ in encode_inputs(texts, joint)]
                 ids, trained = document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)
-            if longest is not None and len(ids) > longest:
-                raise ValueError(f"{texts.where}: a record of {len(ids):,} tokens is longer than a row "
+            run = (run if isinstance(texts, Continued) else 0) + len(ids)  # a text file's pieces: one document
+            if longest is not None and run > longest:
+                raise ValueError(f"{getattr(texts, 'where', 'a document of the source')}: a document of "
+                                 f"{run:,} tokens{'' if closes else ' and more'} is longer than a row "
                                  f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "
-                                 f"data.long_documents=split (pieces that overlap by one token), "
-                                 f"train.seq_len={len(ids) - 1} or more, or a shorter record")
+                                 "data.long_documents=split (pieces that overlap by one token), "
+                                 + ("data.packing_strategy=wrapped (windows of the text, pretraining's way), "
+                                    if cfg.data.get("format", "text") == "text" else "")
+                                 + f"train.seq_len={run - 1} or more, or a shorter document")
             writer.append(split, ids, closes, trained if masked else None)
         progress(read, sum(writer.tokens.values()))
         batch, held = [], 0

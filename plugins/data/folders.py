@@ -18,6 +18,7 @@ corpus would be a part of itself.
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import os
 from pathlib import Path
@@ -43,7 +44,7 @@ def kind(folder: Path) -> str:
         return "dataset_dict"
     if (folder / "state.json").is_file():
         return "dataset"
-    if (folder / "dataset_info.json").is_file() and any(folder.glob("*.arrow")):
+    if (folder / "dataset_info.json").is_file() and _is_cache(folder):
         return "cache"
     if _is_dataset_card(folder / "README.md"):
         return "hub"
@@ -116,6 +117,18 @@ def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) 
                               f"corpus would be its other {read} file(s) alone")
         found += [here / f for f in sorted(filenames) if reads(f, suffixes)]
     return found
+
+
+def _is_cache(folder: Path) -> bool:
+    """load_dataset's cache: dataset_info.json names splits and a dataset, and a split's file is there by that name."""
+    try:
+        info = json.loads((folder / "dataset_info.json").read_text())
+    except (OSError, ValueError):
+        return False
+    name = info.get("dataset_name") or info.get("builder_name") if isinstance(info, dict) else None
+    splits = info.get("splits") if isinstance(info, dict) else None
+    return isinstance(name, str) and isinstance(splits, dict) and any(
+        next(folder.glob(f"{glob.escape(name)}-{glob.escape(str(split))}*.arrow"), None) for split in splits)
 
 
 def _cache_files(folder: Path, split: str) -> list[Path]:

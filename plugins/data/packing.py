@@ -109,17 +109,22 @@ def whole_documents(data) -> Optional[str]:
     prompt_completion or chat), else None."""
     if not data.packing:
         return None
+    return data.get("long_documents", "split") if packing_strategy(data) == "bfd" else None
+
+
+def packing_strategy(data) -> str:
+    """data.packing_strategy, auto resolved: bfd for records of prompt_completion or chat, wrapped for text."""
     strategy = data.get("packing_strategy", "auto")
     if strategy == "auto":
-        strategy = "wrapped" if data.get("format", "text") == "text" else "bfd"
-    return data.get("long_documents", "split") if strategy == "bfd" else None
+        return "wrapped" if data.get("format", "text") == "text" else "bfd"
+    return strategy
 
 
 def longest_record(cfg) -> Optional[int]:
     """The most tokens a record may hold when a longer one is refused (data.long_documents=refuse, rows of whole
     records): a row's train.seq_len+1. The tokenize stage checks each record against it as it encodes it, naming
     its file and line (train.seq_len then enters that stage's key); None otherwise."""
-    if cfg.data.get("format", "text") == "text" or whole_documents(cfg.data) != "refuse":
+    if whole_documents(cfg.data) != "refuse":
         return None
     return cfg.train.seq_len + 1
 

@@ -288,16 +288,17 @@ def _line_start(f, at: int) -> int:
     return at + len(f.readline())
 
 
-def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tuple[str, bytes, bool]]:
-    """(split, text, closes its document) of a piece: a text piece whole, or each record of a records piece."""
+def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tuple[str, bytes, bool, object]]:
+    """(split, text, closes its document, where it is) of a piece: a text piece whole (where: its file), or each
+    record of a records piece."""
     if piece.kind == "text":
         _, data = piece_bytes(piece)
-        yield piece.split, data, piece.closes
+        yield piece.split, data, piece.closes, piece.path
         return
     for split, record, where in records(piece, {"text_field": text_field}, val_fraction):
         text = text_value(record["text_field"], where, "text_field", text_field)
         if text:  # an empty record is no document
-            yield split, text, True
+            yield split, text, True, where
 
 
 def record_fields(data_cfg) -> dict[str, str]:

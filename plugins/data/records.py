@@ -30,8 +30,8 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
     messages, TRL's conversational form: Conversation; one whose every answer is empty is left out as an empty
     completion is: it would teach the stop token alone)."""
     if d.format == "text":
-        for split, text, closes in documents(piece, d.text_field, d.val_fraction):
-            yield split, (text,) if piece.kind != "text" or piece.opens else Continued((text,)), closes
+        for split, text, closes, where in documents(piece, d.text_field, d.val_fraction):
+            yield split, (Record if piece.kind != "text" or piece.opens else Continued)((text,), where), closes
         return
     for split, record, where in records(piece, record_fields(d), d.val_fraction):
         if d.format == "chat":
@@ -68,8 +68,6 @@ class Unanswered(tuple):
         return left
 
 
-class Continued(tuple):
-    """A text piece that goes on a document begun in the piece before (no <bos> before it)."""
 
 
 def encode_inputs(texts, joint: bool) -> tuple[bytes, ...]:
@@ -104,6 +102,10 @@ class Record(tuple):
         record = super().__new__(cls, texts)
         record.where = where
         return record
+
+
+class Continued(Record):
+    """A text piece that goes on a document begun in the piece before (no <bos> before it)."""
 
 
 def messages_problem(messages, what: str) -> str:
@@ -224,18 +226,37 @@ def chat_spans(template: str, chat: Chat, masked: bool = True,
                          f"fix: data.chat_template= a template for these messages") from None
 
 
+def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: int, widest: int) -> str:
+    """Why a record is longer than a row of `tokens` whatever its tokens ('' when it may fit): its text (a chat
+    rendered by its template) over the most bytes one token covers."""
+    if isinstance(texts, Unanswered) or (isinstance(texts, Chat) and not template):
+        return ""
+    size = len(chat_spans(template, texts, False, **variables)[0].encode()) if isinstance(texts, Chat) \
+        else sum(map(len, texts))
+    least = -(-size // widest)
+    if least <= tokens:
+        return ""
+    return (f"{texts.where}: a record of {size:,} bytes, {least:,} tokens at least, is longer than a row "
+            f"(train.seq_len+1={tokens:,}) and data.long_documents=refuse; fix: data.long_documents=split (pieces "
+            f"that overlap by one token), train.seq_len={least - 1} or more, or shorter records")
+
+
 CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them
 
 
-def first_records_problem(d, piece, template: Optional[str],
-                          variables: dict) -> tuple[Optional[tuple[str, str]], int, bool]:
+def first_records_problem(d, piece, template: Optional[str], variables: dict,
+                          row: Optional[tuple[int, int]] = None) -> tuple[Optional[tuple[str, str]], int, bool]:
     """((key, why) or None, documents with something to learn, whether the piece was read to its end) of the first
     CHECKED_RECORDS records of a file's first piece, read as the tokenize stage reads them: the fields' types, the
-    messages, their roles, the template's rendering; a problem too when none of them has a token to learn."""
+    messages, their roles, the template's rendering; a problem too when none of them has a token to learn, or (row:
+    the tokens a row holds and the most bytes a token covers, where a longer record is refused) when one is longer
+    than a row whatever the tokenizer makes of it."""
     learned = seen = 0
     try:
         for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
             seen += 1
+            if row and (why := _longer_than_a_row(texts, template, variables, *row)):
+                return ("data.long_documents", why), learned, False
             if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
                 return ("data.paths", why), learned, False
             if not isinstance(texts, Chat):

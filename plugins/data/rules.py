@@ -11,6 +11,7 @@ from common.problem import Problem
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import NotExtending, assistant_spans, compiled, has_generation_tags, templates_of
 from plugins.data.corpus import corpus_layouts, sources_of
+from plugins.data.packing import whole_documents
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
 
@@ -37,6 +38,8 @@ def check(cfg) -> list[Problem]:
         return problems + _mix_problems(cfg, source)
     if source.check is not None:
         problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]
+    if not problems:
+        problems += _long_text_problems(cfg)
     if d.text_field != "text" and d.name != "text":
         problems.append(Problem("data.text_field", d.text_field, f"data.text_field names the field of JSON Lines or "
                                 f"Parquet records, which data=text reads; data={d.name} has no fields and would "
@@ -70,6 +73,39 @@ def _eval_problems(cfg, source) -> list[Problem]:
                     f"{t.eval_batches * per_batch:,} tokens from a held-out split of about {held_out:,.0f} at most "
                     f"(data.val_fraction={d.val_fraction}): over {EVAL_READS} times each token",
                     f"train.eval_batches={fits}, or a larger data.val_fraction")]
+
+
+def _long_text_problems(cfg) -> list[Problem]:
+    """data.long_documents=refuse where rows hold whole text documents: a text file is one document (a lone one, two:
+    its held-out tail apart), and one longer than a row whatever its text (its bytes over the most bytes one token
+    covers) is refused now, not by the tokenize stage after the other stages started. A BPE learned by the tokenize
+    stage has no such bound before it is learned: the stage refuses its documents, naming the file."""
+    d = cfg.data
+    widest = tokenizers.widest_token(d)
+    if whole_documents(d) != "refuse" or d.format != "text" or widest is None:
+        return []
+    row, long = cfg.train.seq_len + 1, []
+    try:
+        corpora = corpus_layouts(cfg)
+    except (OSError, ValueError):  # said by the source's own checks
+        return []
+    for _, lay in corpora:
+        size = 0
+        for piece in lay.pieces if lay is not None else ():
+            if piece.kind == "text":
+                size = (0 if piece.opens else size) + piece.size
+                if piece.closes and -(-size // widest) > row:
+                    long.append((size, piece.path))
+    if not long:
+        return []
+    size, path = max(long)
+    least = -(-size // widest)
+    return [Problem("data.long_documents", d.long_documents, f"rows hold whole documents, a text file is one "
+                    f"document, and {len(long):,} of them are longer than a row (train.seq_len+1={row:,} tokens) "
+                    f"whatever their text: {path} holds {size:,} bytes, {least:,} tokens at least with "
+                    f"data.tokenizer={d.tokenizer}", "data.long_documents=split (pieces that overlap by one token), "
+                    f"data.packing_strategy=wrapped (windows of the text, pretraining's way), or train.seq_len="
+                    f"{least - 1} or more")]
 
 
 def _tokenizer_problems(cfg, source) -> list[Problem]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
-from plugins.data.packing import packed_stream
+from plugins.data.packing import longest_record, packed_stream
 from plugins.data.compressed import PACKED, decompress_errors, open_decompressed, packed, suffix_of
 from plugins.data.reading import (ARROW, JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field,
                                   record_fields, stream_closed)
@@ -225,8 +225,8 @@ def _check_text(cfg) -> list[tuple]:
                 continue
             except FolderError as e:
                 problems.append(("data.split", d.split, str(e), "data.split= one of the splits it has"
-                                 if "data.split=" in str(e) else "write the folder again (save_to_disk, or load_dataset "
-                                 "for its cache)"))
+                                 if "data.split=" in str(e) else "write the folder again (save_to_disk, or "
+                                 "load_dataset for its cache)"))
                 continue
             if not found:
                 problems.append(("data.paths", entry, f"the folder holds no {', '.join(_TEXT_SUFFIXES)} files "
@@ -259,7 +259,7 @@ def _check_text(cfg) -> list[tuple]:
                          "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
                          "per line)" + (f"; data.format={d.format} reads .jsonl and .parquet files only"
                                         if d.format != "text" else "")))
-    return problems or _first_records_problems(files, d) or _check_amount(files, cfg)
+    return problems or _first_records_problems(files, cfg) or _check_amount(files, cfg)
 
 
 def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> list[tuple]:
@@ -276,10 +276,11 @@ def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> lis
     return problems
 
 
-def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
+def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     """The first records of each records file (its first piece: SNIFF_BYTES of JSON Lines, a Parquet row group, a
     run of Arrow batches) read as the tokenize stage reads them: a mistake in their types, messages or template is
     refused now, naming the file and record, not after the stages before tokenize ran."""
+    d = cfg.data
     chosen = [(name, path) for name, path in files if suffix_of(path) in RECORDS]
     if not chosen:
         return []
@@ -290,10 +291,12 @@ def _first_records_problems(files: list[tuple[str, Path]], d) -> list[tuple]:
         return []
     if template is None and d.format == "chat":
         return []  # said by the data rules (a chat needs a template)
+    widest = tokenizers.widest_token(d) if longest_record(cfg) else None
+    row = (longest_record(cfg), widest) if widest else None
     documents, whole = 0, True
     for name, path in chosen:
         lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)
-        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables) if lay.pieces \
+        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables, row) if lay.pieces \
             else (None, 0, True)
         if found:
             key, why = found

@@ -182,6 +182,23 @@ def added_before(backend) -> tuple:
     return tuple(full[:starts[0]]) if starts else ()
 
 
+def widest_token(d) -> Optional[int]:
+    """The most bytes one token of data.tokenizer covers (its vocabulary's longest, as UTF-8: never less than the
+    bytes it stands for); None for a BPE not learned yet, or a tokenizer that cannot be read (said elsewhere)."""
+    if d.tokenizer == "bytes":
+        return 1
+    folder = hf_folder(d.tokenizer)
+    if folder is None:
+        return None
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        vocab = HFTokenizer.from_file(str(folder / "tokenizer.json" if folder.is_dir() else folder)).get_vocab()
+    except Exception:  # noqa: BLE001 (the tokenizer rules say what is wrong with it)
+        return None
+    return max((len(token.encode("utf-8")) for token in vocab), default=None)
+
+
 def vocab_needed(data_cfg) -> Optional[int]:
     """The vocabulary the model needs for this data config, known before launch (None: adapts to the model)."""
     spec = data_cfg.tokenizer
