@@ -450,13 +450,23 @@ def test_an_unexpected_error_is_one_line_naming_the_file_that_holds_its_tracebac
     saved.unlink()
 
 
-def test_legal_but_unwise_settings_run_with_a_warning():
+def test_legal_but_unwise_settings_run_with_a_warning(tmp_path):
     many = make_cfg("parallel=dp2_hp2_pp2")
     notes = warnings(many)
     if (os.cpu_count() or 1) < 8:
         assert any("8 ranks (dp*hp*pp) on" in n and "share cores" in n for n in notes)
     assert any("reduce-overhead" in n for n in warnings(make_cfg("triton=on", "triton.mode=reduce-overhead")))
     assert warnings(make_cfg()) == []
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    letters = {c: i for i, c in enumerate(["[UNK]", "<eos>", *"abcdefghijklmnopqrstuvwxyz+=?"])}  # no digits
+    tok = Tokenizer(models.WordPiece(vocab=letters, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="[UNK]").save_pretrained(tmp_path)
+    notes = warnings(make_cfg("evaluate.tasks=[arith_mc]", f"data.tokenizer=hf:{tmp_path}", "model.vocab_size=64"))
+    assert any("16 of the 16 answers of arith_mc's first 4 questions hold data.tokenizer's unknown token" in n
+               for n in notes), notes
 
 
 def test_docs_list_every_case():

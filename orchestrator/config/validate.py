@@ -148,7 +148,9 @@ def warnings(cfg: DictConfig) -> list[str]:
                      "layout runs slowly here (fine for checking correctness; give it more cores or a cluster)")
     if cfg.triton.enabled and cfg.triton.mode == "reduce-overhead" and not machine.has_cuda():
         notes.append("warning: triton.mode=reduce-overhead uses CUDA graphs; on a CPU it compiles as mode=default")
-    return notes
+    from plugins.evaluate.prompts import warnings as task_warnings
+
+    return notes + task_warnings(cfg)
 
 
 def folder_problems(key: str, folder: str, what: str) -> list[Problem]:

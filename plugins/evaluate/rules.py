@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.problem import Problem
 from plugins.data.registry import get_source
 from plugins.data.tokenizer import chat_template
-from plugins.evaluate.fewshot import problems as fewshot_problems
+from plugins.evaluate.prompts import problems as prompt_problems
 from plugins.evaluate.harness import problems
 from plugins.evaluate.task_check import problems as task_problems
 
@@ -18,7 +18,7 @@ def check(cfg) -> list[Problem]:
     if not out:
         out = task_problems(ev)
     if not out:
-        out = fewshot_problems(cfg)
+        out = prompt_problems(cfg)
     if get_source(cfg.data.name).tokens is not None:
         out.append(Problem("evaluate.tasks", list(ev.tasks), f"data.name={cfg.data.name} is tokens with no tokenizer, "
                            "and lm-eval scores text (the hf/ folder would have no tokenizer)", "a text corpus "

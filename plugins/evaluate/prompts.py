@@ -1,5 +1,7 @@
-"""Few-shot prompts that fit the model's positions, checked before launch.
+"""The user's tasks as the model will read them, checked before launch: prompts that fit its positions, answers
+its tokenizer can spell.
 
+Prompts. 
 lm-eval puts `num_fewshot` examples before each question and, where the context and an answer are longer than the
 model's positions, cuts the context from its left (HFLM: `(context + continuation)[-(max_length + 1):]`) without a
 word: the examples first, then the question. The results still say "32-shot" (measured: 32-shot arith_mc on a
@@ -8,9 +10,15 @@ examples is built here by lm-eval (its TaskManager, its few-shot sampler seeded 
 questions' prompts rendered as lm-eval renders them, and counted with the run's tokenizer (bytes, or an hf: folder's;
 a BPE is learned by the tokenize stage, after launch, and is not counted). A prompt that does not fit is refused,
 naming the largest number of examples that does.
+
+Answers. A tokenizer that has no tokens for an answer's characters (a WordPiece vocabulary without digits: every
+number one [UNK]) makes the choices of a question the same tokens, and lm-eval scores the tie as it falls (measured:
+0.35 on arith_mc, a number that means nothing). Where most answers of a task's first questions hold the tokenizer's
+unknown token, the plan says so.
 """
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -22,12 +30,17 @@ LOGLIKELIHOOD = ("multiple_choice", "loglikelihood")  # the kinds HFLM cuts from
 
 
 def problems(cfg) -> list[Problem]:
+    """Few-shot prompts longer than the model's positions."""
     ev, positions = cfg.evaluate, cfg.model.max_seq_len
     count = _counter(cfg.data)
-    if count is None:
+    if count is None or not ev.tasks:
         return []
     out = []
-    for name, task, shots in _tasks_with_examples(ev):
+    for name, task in loglikelihood_tasks(ev):
+        shots = ev.num_fewshot or task.config.num_fewshot or 0
+        if not shots:
+            continue
+        task.set_fewshot_seed(seed=ev.seed)
         longest = _longest(task, shots, count)
         if longest <= positions + 1:
             continue
@@ -58,8 +71,43 @@ def _counter(d) -> Optional[Callable[[str], int]]:
     return lambda text: len(tok.bos) + len(tok.encode([text.encode("utf-8")])[0])
 
 
-def _tasks_with_examples(ev):
-    """(name, lm-eval's task, examples) of each local loglikelihood task that puts examples before its questions."""
+def warnings(cfg) -> list[str]:
+    """Tasks whose answers are mostly the tokenizer's unknown token (an hf: tokenizer with one)."""
+    ev = cfg.evaluate
+    unknown = _unknown(cfg.data) if ev.tasks else None
+    if unknown is None:
+        return []
+    notes = []
+    for name, task in loglikelihood_tasks(ev):
+        answers = [a for doc in _first(task) for a in _answers(task, doc)]
+        spelt = [unknown(a) for a in answers]
+        if answers and sum(spelt) * 2 > len(answers):
+            notes.append(f"warning: evaluate: {sum(spelt)} of the {len(answers)} answers of {name}'s first "
+                         f"{QUESTIONS} questions hold data.tokenizer's unknown token ({cfg.data.tokenizer}): their "
+                         "choices look alike to the model, and the score would not tell them apart (a tokenizer "
+                         "whose vocabulary spells them, or another task)")
+    return notes
+
+
+def _unknown(d) -> Optional[Callable[[str], bool]]:
+    """Whether a text holds the run's tokenizer's unknown token (None: a tokenizer without one, bytes and BPE)."""
+    from plugins.data import tokenizer as tokenizers
+
+    if tokenizers.hf_folder(d.tokenizer) is None:
+        return None
+    try:
+        tok = tokenizers.make(d)
+    except (OSError, ValueError):  # the data rules say what is wrong with it
+        return None
+    token = getattr(tok.backend.model, "unk_token", None)
+    unk = tok.backend.token_to_id(token) if isinstance(token, str) else None
+    if unk is None:
+        return None
+    return lambda text: unk in tok.encode([text.encode("utf-8")])[0]
+
+
+def loglikelihood_tasks(ev):
+    """(name, lm-eval's task) of each local loglikelihood task of evaluate.tasks, built by lm-eval's TaskManager."""
     import datasets
     from lm_eval.tasks import TaskManager
 
@@ -73,12 +121,8 @@ def _tasks_with_examples(ev):
             if name not in local or task_yaml(local[name]).get("output_type") not in LOGLIKELIHOOD:
                 continue  # lm-eval's own (the Hub's), or a task without examples (val_perplexity's data comes later)
             task = manager.load([spec])["tasks"].get(name)
-            if task is None or task.config.output_type not in LOGLIKELIHOOD:
-                continue
-            shots = ev.num_fewshot or task.config.num_fewshot or 0
-            if shots:
-                task.set_fewshot_seed(seed=ev.seed)
-                yield name, task, shots
+            if task is not None and task.config.output_type in LOGLIKELIHOOD:
+                yield name, task
     finally:
         if bars:
             datasets.enable_progress_bars()
@@ -98,14 +142,17 @@ def _most_that_fit(task, shots: int, count: Callable[[str], int], limit: int) ->
 
 def _longest(task, shots: int, count: Callable[[str], int]) -> int:
     """The most tokens of a prompt with its longest answer, over the first QUESTIONS questions."""
+    return max((count(task.fewshot_context(doc, shots) + max(_answers(task, doc), key=len, default=""))
+                for doc in _first(task)), default=0)
+
+
+def _first(task) -> list:
+    """The task's first QUESTIONS questions."""
     docs = task.test_docs() if task.has_test_docs() else task.validation_docs()
-    longest = 0
-    for i, doc in enumerate(docs or ()):
-        if i >= QUESTIONS:
-            break
-        context = task.fewshot_context(doc, shots)
-        choices = task.doc_to_choice(doc) if task.config.output_type == "multiple_choice" else [task.doc_to_target(doc)]
-        answer = max((f"{task.config.target_delimiter}{c}" for c in choices if isinstance(c, str)), key=len,
-                     default="")
-        longest = max(longest, count(context + answer))
-    return longest
+    return list(itertools.islice(docs or (), QUESTIONS))
+
+
+def _answers(task, doc) -> list[str]:
+    """A question's answers as lm-eval puts them after its prompt (the choices, or the target)."""
+    choices = task.doc_to_choice(doc) if task.config.output_type == "multiple_choice" else [task.doc_to_target(doc)]
+    return [f"{task.config.target_delimiter}{c}" for c in choices if isinstance(c, str)]
