@@ -58,17 +58,22 @@ def problems(cfg) -> list[Problem]:
 
 def _counter(d) -> Optional[Callable[[str], int]]:
     """Tokens of a text with the run's tokenizer (None where it is learned after launch)."""
-    from plugins.data import tokenizer as tokenizers
-
     if d.tokenizer == "bytes":
         return lambda text: len(text.encode("utf-8"))
+    tok = _hf_tokenizer(d)
+    return None if tok is None else lambda text: len(tok.bos) + len(tok.encode([text.encode("utf-8")])[0])
+
+
+def _hf_tokenizer(d):
+    """data.tokenizer's hf: folder loaded (None: another kind, or one the data rules refuse)."""
+    from plugins.data import tokenizer as tokenizers
+
     if tokenizers.hf_folder(d.tokenizer) is None:
         return None
     try:
-        tok = tokenizers.make(d)
-    except (OSError, ValueError):  # the data rules say what is wrong with it
+        return tokenizers.make(d)
+    except (OSError, ValueError):
         return None
-    return lambda text: len(tok.bos) + len(tok.encode([text.encode("utf-8")])[0])
 
 
 def warnings(cfg) -> list[str]:
@@ -91,13 +96,8 @@ def warnings(cfg) -> list[str]:
 
 def _unknown(d) -> Optional[Callable[[str], bool]]:
     """Whether a text holds the run's tokenizer's unknown token (None: a tokenizer without one, bytes and BPE)."""
-    from plugins.data import tokenizer as tokenizers
-
-    if tokenizers.hf_folder(d.tokenizer) is None:
-        return None
-    try:
-        tok = tokenizers.make(d)
-    except (OSError, ValueError):  # the data rules say what is wrong with it
+    tok = _hf_tokenizer(d)
+    if tok is None:
         return None
     token = getattr(tok.backend.model, "unk_token", None)
     unk = tok.backend.token_to_id(token) if isinstance(token, str) else None
