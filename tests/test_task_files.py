@@ -1,5 +1,5 @@
 """The user's own lm-eval task files (evaluate.include_path), loaded before launch by lm-eval's own task loading
-(plugins/evaluate/task_check.py): what fails there is refused naming the file (the catalogue in test_bad_inputs.py
+(plugins/evaluate/task_check.py): what fails there is refused naming the file (the catalogue in refusal_catalogue.py
 lists one case of each, on the files `user_tasks` writes), what lm-eval reads is accepted, and a task fuzzed one
 field at a time is one or the other, never a crash."""
 from __future__ import annotations
@@ -9,40 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_cfg, problems_of
-
-
-def user_tasks(folder: Path) -> None:
-    """lm-eval task files that parse as YAML and fail in lm-eval (one task each), beside good ones: a `.yml`, one
-    whose metrics come from an `include:`."""
-    import shutil
-
-    import yaml
-
-    from plugins.evaluate.harness import SHIPPED
-
-    folder.mkdir()
-    data = folder / "questions.jsonl"
-    shutil.copy(SHIPPED / "arith_mc.jsonl", data)
-    base = yaml.safe_load((SHIPPED / "arith_mc.yaml").read_text())
-    base["dataset_kwargs"]["data_files"] = {"test": str(data)}
-
-    def task(name: str, file: str = "", **changed) -> None:
-        (folder / (file or f"{name}.yaml")).write_text(yaml.safe_dump({**base, "task": name, **changed}))
-
-    task("my_metric", metric_list=[{"metric": "acuracy"}])
-    task("my_otype", output_type="multiple_chose")
-    task("my_jinja", doc_to_text="{{ question ")
-    task("my_nodata", dataset_kwargs={"data_files": {"test": str(folder / "nope.jsonl")}})
-    task("my_split", test_split="validation")
-    task("my_hub", dataset_path="someone/some_dataset", dataset_kwargs={})
-    task("my_nofiles", dataset_kwargs={})  # json with no data_files: every JSON file under the working folder
-    task("arith_mc", "shadow.yaml")  # the shipped task's name
-    task("my_yml", "my_yml.yml")
-    task("my_helper", "helper.yaml", doc_to_text="HELPER")
-    (folder / "helper.yaml").write_text((folder / "helper.yaml").read_text().replace(
-        "doc_to_text: HELPER", "doc_to_text: !function missing_utils.doc_to_text"))
-    (folder / "inc_base.yaml").write_text(yaml.safe_dump({k: v for k, v in base.items() if k != "task"}))
-    (folder / "inc.yaml").write_text("include: inc_base.yaml\ntask: my_include\n")
+from tests.refusal_catalogue import user_tasks
 
 
 def test_good_user_tasks_are_accepted_as_lm_eval_reads_them(tmp_path):

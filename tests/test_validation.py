@@ -50,7 +50,7 @@ def _machine_problem(p) -> bool:
     return (p.key == "parallel" and "a rank may use" in p.rule) or (p.key == "cache_dir" and "MB free" in p.rule)
 
 
-# Each rule's refusal (key, value, rule, fix) is in the catalogue of tests/test_bad_inputs.py; the tests here check
+# Each rule's refusal (key, value, rule, fix) is in the catalogue of tests/refusal_catalogue.py; the tests here check
 # composition, defaults and the finer points of particular messages.
 
 
