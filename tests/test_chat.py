@@ -123,8 +123,12 @@ def _supports_system(family: str) -> bool:
 def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenizer, family):
     """Llama 3, Qwen 2.5, Mistral, Gemma and Phi-3 as they ship: what the assistant said is found by rendering the
     conversation prefix by prefix; the ids and masks equal apply_chat_template's with generation tags added to a copy
-    of the template (return_assistant_tokens_mask)."""
+    of the template (return_assistant_tokens_mask) as TRL's training templates place them: the answer and the token
+    that closes its turn (<|im_end|>, <end_of_turn>, <|end|>), never the newline after it, nor an <eos> after it."""
     import transformers
+
+    from plugins.data.records import Chat, chat_ids
+    from plugins.data.tokenizer import Tokenizer
 
     bos, eos = SPECIAL[family]
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
@@ -138,6 +142,10 @@ def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenize
         ids, trained = encode_chat(family_tokenizer, plain, chat, bos_token=bos, eos_token=eos)
         assert ids.tolist() == list(theirs["input_ids"]), (family, name)
         assert trained.astype(int).tolist() == list(theirs["assistant_masks"]), (family, name)
+        tok = Tokenizer("hf", 400, family_tokenizer.token_to_id(eos), family_tokenizer.token_to_id(eos),
+                        family_tokenizer, plain, {"bos_token": bos, "eos_token": eos})
+        staged = chat_ids(tok, Chat(chat, "a record"))  # as the tokenize stage: no <eos> after the turn's own stop
+        assert [a.tolist() for a in staged] == [ids.tolist(), trained.tolist()], (family, name)
         said = hf.decode([i for i, t in zip(ids, trained) if t])
         assert all(m["content"].strip() in said for m in chat if m["role"] == "assistant"), (family, name, said)
         assert not any(m["content"] in said for m in chat if m["role"] != "assistant"), (family, name, said)

@@ -168,12 +168,15 @@ class NotExtending(ValueError):
 _PROBE = {"role": "user", "content": "?"}
 
 
-def prefix_spans(template: str, messages: list[dict], text: str, **variables) -> list[tuple[int, int]]:
+def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[str, ...] = (),
+                 **variables) -> list[tuple[int, int]]:
     """The character spans of the assistant's turns in `text` (the rendered conversation), for a template without
     generation tags: the k-th message is the assistant's from where the rendering of messages[:k] with the generation
     prompt ends (what inference gives the model) to where the rendering of messages[:k+1] stops agreeing with the
     same conversation followed by one more (user) turn: its closing text (<|im_end|>, <|eot_id|>, </s>, a newline),
-    not the text a template writes only at a conversation's end. Each rendering must be a prefix of the next."""
+    not the text a template writes only at a conversation's end; where that closing text starts with a special token
+    (`stops`), the span ends after it, as the model's generation stops there (ChatML's newline after <|im_end|>,
+    Gemma's after <end_of_turn>, is never generated). Each rendering must be a prefix of the next."""
     spans = []
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
@@ -199,8 +202,19 @@ def prefix_spans(template: str, messages: list[dict], text: str, **variables) ->
             raise NotExtending(f"the template renders message {k + 1} (the assistant's) otherwise when it ends the "
                                "conversation than when a turn follows it, so what the assistant said cannot be told "
                                "apart")
-        spans.append((len(prompt), end))
+        spans.append((len(prompt), stop_end(text, len(prompt), end, said, stops)))
     return spans
+
+
+def stop_end(text: str, start: int, end: int, said: str, stops: tuple[str, ...]) -> int:
+    """Where an assistant's turn text[start:end] ends for the model: after the special token that closes it (the first
+    of `stops` after its content, past whitespace), else at `end`."""
+    after = text.find(said, start, end) + len(said) if said else start
+    closing = text[after:end]
+    at = after + len(closing) - len(closing.lstrip())
+    stop = next((s for s in sorted(stops, key=len, reverse=True) if s and text.startswith(s, at) and at + len(s) <= end),
+                None)
+    return at + len(stop) if stop else end
 
 
 def _common_prefix(a: str, b: str) -> int:
@@ -211,7 +225,8 @@ def _common_prefix(a: str, b: str) -> int:
 def completion_span(template: str, prompt: list[dict], completion: list[dict],
                     **variables) -> tuple[str, tuple[int, int]]:
     """(the rendered prompt + completion, the completion's character span): TRL's conversational prompt-completion
-    records, the prompt rendered with the generation prompt and the completion as what follows it."""
+    records, the prompt rendered with the generation prompt and the completion as what follows it, all of it (TRL's
+    completion_mask: the newline a template writes after the stop token too)."""
     text, _ = render(template, prompt + completion, **variables)
     head, _ = render(template, prompt, add_generation_prompt=True, **variables)
     if not text.startswith(head):
@@ -220,20 +235,22 @@ def completion_span(template: str, prompt: list[dict], completion: list[dict],
     return text, (len(head), len(text))
 
 
-def assistant_spans(template: str, messages: list[dict], **variables) -> tuple[str, list[tuple[int, int]], bool]:
+def assistant_spans(template: str, messages: list[dict], stops: tuple[str, ...] = (),
+                    **variables) -> tuple[str, list[tuple[int, int]], bool]:
     """(the rendered chat, the assistant's character spans, whether they came from comparing renderings): the
     template's generation tags where it has them (transformers' return_assistant_tokens_mask), else its renderings
     of the conversation's prefixes (prefix_spans)."""
     text, tagged = render(template, messages, **variables)
     if has_generation_tags(template):
         return text, tagged, False
-    return text, prefix_spans(template, messages, text, **variables), True
+    return text, prefix_spans(template, messages, text, stops, **variables), True
 
 
 def encode_chat(tokenizer, template: str, messages: list[dict], **variables) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, which of them the model must learn) of a chat record, with a `tokenizers.Tokenizer`: the
     rendered text encoded without added special tokens (the template writes them), as apply_chat_template does."""
-    text, spans, by_prefix = assistant_spans(template, messages, **variables)
+    stops = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+    text, spans, by_prefix = assistant_spans(template, messages, stops, **variables)
     return encode_spans(tokenizer, text, spans, by_prefix)
 
 

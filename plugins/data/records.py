@@ -170,10 +170,11 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tupl
     assistant's (it learns to stop there)."""
     if why := render_problem(chat, tok.chat_template):
         raise ValueError(why)
-    text, spans, whole = chat_spans(tok.chat_template, chat, masked, **(tok.special or {}))
+    text, spans, whole = chat_spans(tok.chat_template, chat, masked, tok.stops, **(tok.special or {}))
     ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
-    if tok.eos in ids:  # the template ends turns with <eos> itself (ChatML's <|im_end|>, Llama 3's <|eot_id|>):
-        return ids, trained  # its assistant mask holds the stop; one more would teach a second stop after the first
+    closes = masked and any(text.endswith(s, 0, end) for _, end in spans[-1:] for s in tok.stops if s)
+    if tok.eos in ids or closes:  # the template ends turns with a stop itself (ChatML's <|im_end|>, Gemma's
+        return ids, trained  # <end_of_turn>): its assistant mask holds it; one more would teach a second stop
     return np.append(ids, tok.eos), np.append(trained, isinstance(chat, Conversation)
                                               or chat.messages[-1]["role"] == "assistant")
 
@@ -205,10 +206,11 @@ def tools_problem(chat: Chat, template: str) -> str:
             "template that renders tool calls (Qwen2.5's, Llama 3.1's), or records without them")
 
 
-def chat_spans(template: str, chat: Chat, masked: bool = True,
+def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str, ...] = (),
                **variables) -> tuple[str, list[tuple[int, int]], bool]:
     """(the rendered record, the character spans learned, whether their ends go back to whole tokens), the record
-    named on a failure."""
+    named on a failure; `stops`: the tokenizer's special tokens, after the one that closes a turn nothing is
+    learned."""
     try:
         if not masked:
             text, _ = render(template, chat.messages, **variables)
@@ -216,7 +218,7 @@ def chat_spans(template: str, chat: Chat, masked: bool = True,
         if isinstance(chat, Conversation):
             text, span = completion_span(template, chat.prompt, chat.completion, **variables)
             return text, [span], False
-        return assistant_spans(template, chat.messages, **variables)
+        return assistant_spans(template, chat.messages, stops, **variables)
     except NotExtending as e:
         raise ValueError(f"{chat.where}: {e}; fix: data.chat_template= a template whose renderings of a "
                          "conversation's beginning are the start of the whole (or with {% generation %} tags around "

@@ -7,6 +7,8 @@ ids are the byte values), so the aggregate's hf/ folder carries one `transformer
 """
 from __future__ import annotations
 
+import functools
+
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +48,14 @@ class Tokenizer:
     chat_template: Optional[str] = None   # the Jinja a chat record is rendered with (plugins/data/chat.py)
     special: Optional[dict] = None        # the special tokens' text templates read (bos_token, eos_token, ...)
     bos: tuple = ()                       # the ids its post-processor puts before a text (Llama 3: <|begin_of_text|>)
+
+    @functools.cached_property
+    def stops(self) -> tuple[str, ...]:
+        """The texts of its special tokens (a turn's stop among them: <|im_end|>, <end_of_turn>, <|eot_id|>, </s>):
+        where a template closes the assistant's turn with one, the learned span ends there (plugins/data/chat.py)."""
+        if self.backend is None:
+            return ()
+        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
 
     def with_offsets(self):
         """A tokenizers.Tokenizer that gives each token's character offsets (the bytes one: its byte-level twin)."""
