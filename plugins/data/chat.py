@@ -212,8 +212,8 @@ def stop_end(text: str, start: int, end: int, said: str, stops: tuple[str, ...])
     after = text.find(said, start, end) + len(said) if said else start
     closing = text[after:end]
     at = after + len(closing) - len(closing.lstrip())
-    stop = next((s for s in sorted(stops, key=len, reverse=True) if s and text.startswith(s, at) and at + len(s) <= end),
-                None)
+    longest_first = sorted(stops, key=len, reverse=True)
+    stop = next((s for s in longest_first if s and text.startswith(s, at) and at + len(s) <= end), None)
     return at + len(stop) if stop else end
 
 
