@@ -19,6 +19,12 @@ class Problem:
         return f"{self.key}={_show(self.value)}\n      rule: {self.rule}\n      fix:  {self.fix}"
 
 
+class InputFault(ValueError):
+    """A fault of the user's input that a stage finds as it reads it (a record past the ones checked before launch),
+    said in full by its message: the file and the line or row, what is wrong, the fix. The stage fails with the
+    message alone (orchestrator/worker.py): the Python traceback says nothing more to the user."""
+
+
 def _show(value: Any) -> str:
     if value is None:
         return "null"

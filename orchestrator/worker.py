@@ -21,6 +21,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
+from common.problem import InputFault
 from common.quick_exit import exit_now
 
 from orchestrator import interrupt
@@ -144,8 +145,11 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
     except KeyboardInterrupt:
         log.warning("stage %s interrupted on rank %d", stage.name, rank)
         raise
-    except BaseException:
-        log.exception("stage %s failed on rank %d", stage.name, rank)
+    except BaseException as e:
+        if isinstance(e, InputFault):  # the user's input, said in full: no traceback to read past
+            log.error("stage %s failed on rank %d: %s", stage.name, rank, e)
+        else:
+            log.exception("stage %s failed on rank %d", stage.name, rank)
         if rank == 0 and closes_run:
             try:
                 tracker.end("FAILED")

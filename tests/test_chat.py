@@ -159,3 +159,24 @@ def test_a_template_whose_renderings_do_not_extend_each_other_is_refused():
            "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     with pytest.raises(NotExtending, match="what the assistant said cannot be told apart"):
         assistant_spans(odd, CONVERSATIONS["one-turn"])
+
+
+@pytest.mark.parametrize("cluster", ["local", "debug"])
+def test_a_bad_record_past_the_checked_ones_fails_the_stage_in_one_clean_message(tmp_path, cluster):
+    """Line 41 (the checks before launch read a file's first records): the tokenize stage fails naming the file, the
+    line and the fix, exit status 1, no Python traceback (a rank's, or the debug cluster's in-process one)."""
+    import json
+
+    from plugins.data.records import CHECKED_RECORDS
+    from tests.conftest import run_cli
+
+    rows = [[{"role": "user", "content": f"What is {a}+1?"}, {"role": "assistant", "content": f"{a + 1}."}]
+            for a in range(80)]
+    rows[40][1]["content"] = 7
+    assert 40 > CHECKED_RECORDS
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
+    done = run_cli(["data=chat", "data.paths=[chats.jsonl]", f"data.chat_template={TEMPLATES}/qwen2.5.jinja",
+                    "train.steps=2", "train.eval_batches=1", "tracking=none", f"cluster={cluster}"], tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in out, out[-4000:]
+    assert "chats.jsonl: line 41: the record's data.messages_field's message 2 has a 'content' that is a number" in out

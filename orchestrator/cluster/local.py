@@ -32,6 +32,7 @@ from typing import Optional
 
 import psutil
 
+from common.problem import InputFault
 from orchestrator import interrupt
 from runtime import preemption
 from orchestrator.cluster import fork_server
@@ -69,6 +70,8 @@ class DebugExecutor:
         except preemption.Preempted as e:
             interrupt.note(signal.Signals[e.reason] if e.reason in signal.Signals.__members__ else signal.SIGINT)
             return Outcome(False, time.perf_counter() - t0, f"interrupted ({interrupt.said()})", interrupted=True)
+        except InputFault as e:  # the user's input, said in full (as a rank says it)
+            return Outcome(False, time.perf_counter() - t0, str(e))
         except Exception:
             return Outcome(False, time.perf_counter() - t0, traceback.format_exc())
         finally:

@@ -12,6 +12,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from common.problem import InputFault
 from plugins.data import shards
 from plugins.data.corpus import sources_of, tokenized
 from plugins.data.packing import PADDING, balances_ranks, deal, packed_stream, plan_rows, whole_documents
@@ -57,7 +58,7 @@ class Batcher:
                 longest = max(len(d) for d in getattr(c, split))
                 if longest < seq_len + 1:
                     where = f"source {i}'s " if self.weights is not None else "the "
-                    raise ValueError(f"{where}{split} split holds {longest} tokens, fewer than train.seq_len+1="
+                    raise InputFault(f"{where}{split} split holds {longest} tokens, fewer than train.seq_len+1="
                                      f"{seq_len + 1}: use more data or a shorter train.seq_len")
         self.pad = corpora[0].pad
         self.rows = [{split: plan_rows(getattr(c, split), seq_len + 1, whole_documents == "split", split)

@@ -10,6 +10,8 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Optional
 
+from common.problem import InputFault
+
 JSON_LINES = (".jsonl", ".json")  # .json: JSON Lines by another name (many Hub datasets)
 PACKED = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bz2"}  # compressed JSON Lines' last suffix
 SIZE_SAMPLE = 1 << 22  # decompressed bytes read to estimate a compressed file's size
@@ -98,7 +100,7 @@ def decompress_errors() -> tuple[type, ...]:
 
 
 def damaged(path, e: BaseException) -> ValueError:
-    return ValueError(f"{path}: cannot be decompressed ({type(e).__name__}: {e}); "
+    return InputFault(f"{path}: cannot be decompressed ({type(e).__name__}: {e}); "
                       "fix: the file is damaged or cut short: fetch it again, or remove it from data.paths")
 
 

@@ -18,6 +18,7 @@ from typing import Callable, Iterable, Iterator, Optional
 
 import numpy as np
 
+from common.problem import InputFault
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.packing import longest_record, packed_stream
@@ -181,7 +182,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                 ids, trained = document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)
             run = (run if isinstance(texts, Continued) else 0) + len(ids)  # a text file's pieces: one document
             if longest is not None and run > longest:
-                raise ValueError(f"{getattr(texts, 'where', 'a document of the source')}: a document of "
+                raise InputFault(f"{getattr(texts, 'where', 'a document of the source')}: a document of "
                                  f"{run:,} tokens{'' if closes else ' and more'} is longer than a row "
                                  f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "
                                  "data.long_documents=split (pieces that overlap by one token), "
@@ -221,7 +222,7 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
         if not index[dst]["documents"] and index[src]["documents"] > 1:
             index = shards.move_last_document(folder, index, src, dst)
     if index.get("unlearned") and not index["train"]["documents"] + index["val"]["documents"]:
-        raise ValueError(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
+        raise InputFault(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
                          "the answers" if cfg.data.format != "chat" else
                          f"data.messages_field={cfg.data.messages_field}: no record has an assistant message "
@@ -230,7 +231,7 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     for split in shards.SPLITS:
         if not index[split]["tokens"]:
             read = f"{lay.read_bytes:,} bytes of {lay.files} file(s)" if lay else "the source's documents"
-            raise ValueError(f"data.name={cfg.data.name}: the {'held-out' if split == 'val' else 'training'} split "
+            raise InputFault(f"data.name={cfg.data.name}: the {'held-out' if split == 'val' else 'training'} split "
                              f"got no document from {read} (data.val_fraction={cfg.data.val_fraction}): too little "
                              "to hold part out for evaluation; fix: more data, or a larger data.val_fraction")
     return index

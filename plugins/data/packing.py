@@ -18,10 +18,12 @@ from typing import Optional
 
 import numpy as np
 
+from common.problem import InputFault
+
 PADDING = -1  # the document number of a row's padding (a run of its own: it attends only to itself)
 
 
-class LongDocument(ValueError):
+class LongDocument(InputFault):
     """A document longer than a row, with data.long_documents=refuse."""
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from common.problem import InputFault
 from plugins.data.compressed import (JSON_LINES, decompressed_lines, open_decompressed, packed, packed_size,
                                      suffix_of)
 
@@ -333,7 +334,7 @@ def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterat
         for line_start, record in _json_records(piece):
             missing = next((k for k, f in fields.items() if f not in record), None)
             if missing is not None:
-                raise ValueError(f"{Where(piece.path, line_start)} {no_field(fields[missing], record)}: "
+                raise InputFault(f"{Where(piece.path, line_start)} {no_field(fields[missing], record)}: "
                                  f"data.{missing}= the field that holds it")
             yield (_split(f"{piece.name}@{line_start}", val_fraction), {k: record[f] for k, f in fields.items()},
                    Where(piece.path, line_start))
@@ -354,18 +355,18 @@ def text_value(value, where, key: str, field: str) -> bytes:
         try:
             return value.encode("utf-8")
         except UnicodeEncodeError as e:  # a lone surrogate, which JSON's \ud800 escapes allow
-            raise ValueError(f"{where}: the field {field!r} (data.{key}) holds a string that is not valid Unicode "
+            raise InputFault(f"{where}: the field {field!r} (data.{key}) holds a string that is not valid Unicode "
                              f"({e.reason} at character {e.start}); fix: repair the record") from None
     if isinstance(value, (bytes, bytearray, memoryview)):
         data = bytes(value)
         try:
             data.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"{where}: the field {field!r} (data.{key}) is binary and not UTF-8 text (byte {e.start}: "
+            raise InputFault(f"{where}: the field {field!r} (data.{key}) is binary and not UTF-8 text (byte {e.start}: "
                              f"0x{data[e.start]:02x}); fix: store the text as a string column, or decode it to "
                              "UTF-8") from None
         return data
-    raise ValueError(f"{where}: the field {field!r} (data.{key}) holds {kind_of(value)}, not text: "
+    raise InputFault(f"{where}: the field {field!r} (data.{key}) holds {kind_of(value)}, not text: "
                      f"{preview(value)}; fix: data.{key}= a field that holds text, or repair the record")
 
 
@@ -406,7 +407,7 @@ def _rows(piece: Piece, fields: tuple[str, ...]) -> Iterator[dict]:
         yield from _rows_of(piece, fields)
     except (OSError, pa.ArrowException) as e:  # pyarrow's own words name no file ("Corrupt snappy compressed data.")
         where = f"row group {piece.start}" if piece.kind == "parquet" else f"record batches {piece.start}-{piece.end}"
-        raise ValueError(f"{piece.path}: {where} (rows from {piece.first_row}) cannot be read ({type(e).__name__}: "
+        raise InputFault(f"{piece.path}: {where} (rows from {piece.first_row}) cannot be read ({type(e).__name__}: "
                          f"{e}); fix: repair the file or remove it from data.paths") from None
 
 
@@ -462,7 +463,7 @@ def _json_records(piece: Piece) -> Iterator[tuple[int, dict]]:
         try:
             record = json_object(line)
         except ValueError as e:
-            raise ValueError(f"{piece.path}: line {line_number(piece.path, line_start)} {e}") from None
+            raise InputFault(f"{piece.path}: line {line_number(piece.path, line_start)} {e}") from None
         yield line_start, record
 
 

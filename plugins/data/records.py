@@ -8,6 +8,7 @@ from typing import Iterator, Optional
 
 import numpy as np
 
+from common.problem import InputFault
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import (STANDARD_ROLES, NotExtending, assistant_spans, completion_span, encode_spans, render,
                                roles)
@@ -136,7 +137,7 @@ class Chat(Record):
 
     def __new__(cls, messages, where):
         if why := messages_problem(messages, "the record's data.messages_field"):
-            raise ValueError(f"{where}: {why}; fix: records whose data.messages_field is a list of "
+            raise InputFault(f"{where}: {why}; fix: records whose data.messages_field is a list of "
                              "{\"role\": ..., \"content\": \"text\"} objects")
         chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages), where)
         chat.messages = messages
@@ -151,13 +152,13 @@ class Conversation(Chat):
         if isinstance(prompt, list) != isinstance(completion, list):
             key, other_key, other = ("prompt_field", "completion_field", completion) if isinstance(prompt, list) \
                 else ("completion_field", "prompt_field", prompt)
-            raise ValueError(f"{where}: data.{key} ({d[key]!r}) is a list of messages and data.{other_key} "
+            raise InputFault(f"{where}: data.{key} ({d[key]!r}) is a list of messages and data.{other_key} "
                              f"({d[other_key]!r}) is {_kind(other)}: a prompt/completion record is either two texts "
                              "or two lists of {role, content} messages (TRL's conversational form); fix: repair the "
                              "record")
         for value, key in ((prompt, "prompt_field"), (completion, "completion_field")):
             if why := messages_problem(value, f"data.{key} ({d[key]!r})"):
-                raise ValueError(f"{where}: {why}; a prompt/completion record is either two texts or two lists "
+                raise InputFault(f"{where}: {why}; a prompt/completion record is either two texts or two lists "
                                  "of messages (TRL's conversational form); fix: repair the record")
         chat = super().__new__(cls, prompt + completion, where)
         chat.prompt, chat.completion = prompt, completion
@@ -169,7 +170,7 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tupl
     assistant's (a Conversation: its completion's): an appended <eos> too when the chat's last message is the
     assistant's (it learns to stop there)."""
     if why := render_problem(chat, tok.chat_template):
-        raise ValueError(why)
+        raise InputFault(why)
     text, spans, whole = chat_spans(tok.chat_template, chat, masked, tok.stops, **(tok.special or {}))
     ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
     closes = masked and any(text.endswith(s, 0, end) for _, end in spans[-1:] for s in tok.stops if s)
@@ -220,11 +221,11 @@ def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str,
             return text, [span], False
         return assistant_spans(template, chat.messages, stops, **variables)
     except NotExtending as e:
-        raise ValueError(f"{chat.where}: {e}; fix: data.chat_template= a template whose renderings of a "
+        raise InputFault(f"{chat.where}: {e}; fix: data.chat_template= a template whose renderings of a "
                          "conversation's beginning are the start of the whole (or with {% generation %} tags around "
                          "the assistant's turns), or data.loss_on=all") from None
     except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
-        raise ValueError(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
+        raise InputFault(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
                          f"fix: data.chat_template= a template for these messages") from None
 
 
