@@ -134,8 +134,10 @@ def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenize
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
     plain, tagged = (TEMPLATES / f"{family}.jinja").read_text(), (TEMPLATES / f"{family}.tagged.jinja").read_text()
     chats = dict(CONVERSATIONS)
-    if _supports_system(family):
+    if _supports_system(family):  # these three do not insist on alternating roles from a user's turn either
         chats["system"] = [SYSTEM] + CONVERSATIONS["two-turns"]
+        chats["opens-with-assistant"] = [{"role": "assistant", "content": "Hello! How can I help?"},
+                                         *CONVERSATIONS["one-turn"]]
     for name, chat in chats.items():
         theirs = hf.apply_chat_template(chat, chat_template=tagged, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)

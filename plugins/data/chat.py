@@ -181,20 +181,23 @@ def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[st
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
+        said = message["content"].strip()
         try:
-            prompt, _ = render(template, messages[:k], add_generation_prompt=True, **variables)
             upto, _ = render(template, messages[:k + 1], **variables)
             probe, _ = render(template, messages[:k + 1] + [_PROBE], **variables)
+            end = _common_prefix(upto, probe)
+            if k or not said:
+                prompt, _ = render(template, messages[:k], add_generation_prompt=True, **variables)
+            else:  # a chat that opens with the assistant: no empty conversation is rendered (templates read
+                prompt = upto[:upto.rfind(said, 0, end)]  # messages[0]); its turn starts where its text does
         except Exception as e:  # raise_exception (roles must alternate, ...), a template reading messages[0]
             raise NotExtending(f"the template cannot render the conversation up to message {k + 1} (the "
                                f"assistant's), which finding what the assistant said needs: {type(e).__name__}: "
                                f"{e}") from None
-        end = _common_prefix(upto, probe)
         if not (text.startswith(prompt) and upto.startswith(prompt) and text[:end] == upto[:end]):
             raise NotExtending(f"the template's rendering of the messages before message {k + 1} (the "
                                "assistant's), with the generation prompt, is not the start of the whole "
                                "conversation's rendering, so what the assistant said cannot be told apart")
-        said = message["content"].strip()
         if said and said not in text:
             raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s content (the "
                                "assistant's), so there is nothing of it to learn")
