@@ -223,6 +223,10 @@ CATALOGUE = [
      "of messages and data.prompt_field ('prompt') is a string"),
     (["data=text", "data.paths=[{tmp}/tool_calls.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
      "data.paths", "message 2 has tool_calls, and the chat template never reads tool_calls"),
+    (["data=text", "data.paths=[{tmp}/tools_named.jsonl]", "data.format=chat",
+      "data.chat_template={tmp}/chatml.jinja"], "data.paths", "line 1: the record's tools (data.tools_field) are a string, not a list of JSON schemas"),
+    (["data=text", "data.paths=[{tmp}/tools.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
+     "data.paths", "line 1: the record has tools (data.tools_field), and the chat template never reads tools"),
     (["data=text", "data.paths=[{tmp}/empty_answers.jsonl]", "data.format=chat",
       "data.chat_template={tmp}/chatml.jinja"], "data.loss_on",
      "has a token to learn (no assistant message with text)"),
@@ -306,6 +310,9 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "records.jsonl").write_text('{"text": "a record of text"}\n' * 50)
     chat = {"messages": [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": "5."}]}
     (tmp / "chats.jsonl").write_text((json.dumps(chat) + "\n") * 50)
+    (tmp / "tools_named.jsonl").write_text((json.dumps({**chat, "tools": "add"}) + "\n") * 50)
+    (tmp / "tools.jsonl").write_text((json.dumps({**chat, "tools": [{"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {}}}}]}) + "\n") * 50)
     (tmp / "chatml.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     (tmp / "odd.jinja").write_text("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}<final>"

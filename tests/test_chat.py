@@ -182,3 +182,50 @@ def test_a_bad_record_past_the_checked_ones_fails_the_stage_in_one_clean_message
     out = done.stdout + done.stderr
     assert done.returncode == 1 and "Traceback" not in out, out[-4000:]
     assert "chats.jsonl: line 41: the record's data.messages_field's message 2 has a 'content' that is a number" in out
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
+CALLING = [{"role": "user", "content": "Add 2 and 3."},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+           {"role": "tool", "content": "5"}, {"role": "assistant", "content": "2 + 3 = 5."}]
+
+
+def test_tools_and_tool_calls_reach_the_template_as_transformers_passes_them(family_tokenizer, tmp_path):
+    """A record's `tools` (data.tools_field) render Qwen 2.5's tools block; its tool calls are learned through the
+    stop token, the tool's response is not: ids and masks equal apply_chat_template(tools=...) on the tagged copy.
+    A template that never reads tools refuses the record, naming it."""
+    import transformers
+
+    from plugins.data.records import Chat, chat_ids, render_problem
+    from plugins.data.tokenizer import Tokenizer
+
+    bos, eos = SPECIAL["qwen2.5"]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
+    plain, tagged = (TEMPLATES / "qwen2.5.jinja").read_text(), (TEMPLATES / "qwen2.5.tagged.jinja").read_text()
+    tok = Tokenizer("hf", 400, family_tokenizer.token_to_id(eos), family_tokenizer.token_to_id(eos),
+                    family_tokenizer, plain, {"bos_token": bos, "eos_token": eos})
+    for chat in (CONVERSATIONS["one-turn"], CALLING):
+        theirs = hf.apply_chat_template(chat, tools=[ADD], chat_template=tagged, tokenize=True, return_dict=True,
+                                        return_assistant_tokens_mask=True)
+        ids, trained = chat_ids(tok, Chat(chat, "a record", [ADD]))
+        assert ids.tolist() == list(theirs["input_ids"]) and "# Tools" in hf.decode(ids)
+        assert trained.astype(int).tolist() == list(theirs["assistant_masks"])
+    said = hf.decode([i for i, t in zip(ids, trained) if t])
+    assert '<tool_call>\n{"name": "add"' in said and "<tool_response>" not in said
+    import json
+
+    from plugins.data.corpus import tokenized
+    from tests.conftest import make_cfg
+
+    hf.chat_template = plain
+    hf.save_pretrained(tmp_path / "tok")  # the same records read from JSON Lines by the tokenize stage
+    (tmp_path / "calls.jsonl").write_text("".join(json.dumps({"messages": CALLING, **({"tools": [ADD]} if i % 2 else
+                                                                                        {})}) + "\n" for i in range(8)))
+    corpus = tokenized(make_cfg("data=chat", f"data.paths=[{tmp_path}/calls.jsonl]",
+                                f"data.tokenizer=hf:{tmp_path}/tok", "data.packing=false", "train.seq_len=512",
+                                runs_dir=tmp_path))
+    assert {len(d) for d in corpus.train + corpus.val} == {len(ids), len(chat_ids(tok, Chat(CALLING, "x"))[0])}
+    llama = (TEMPLATES / "llama3.jinja").read_text()  # Llama 3's first template has no tools
+    assert "never reads tools" in render_problem(Chat(CONVERSATIONS["one-turn"], "a record", [ADD]), llama)

@@ -270,6 +270,10 @@ class DataConfig:
                                read_when=PROMPT_COMPLETION)
     messages_field: str = key("messages", "data.format=chat: the field that holds a record's messages",
                               read_when=CHAT)
+    tools_field: str = key("tools", "data.format=chat: the field that holds a record's tools (a list of JSON "
+                                    "schemas, TRL's `tools`), passed to the chat template as transformers' "
+                                    "apply_chat_template(tools=...) passes them; a record without it has none",
+                           read_when=CHAT)
     chat_template: str = key("", "records rendered as chats (data.format=chat, and prompt/completion records whose "
                                  "prompt and completion are lists of messages): the Jinja template, as transformers' "
                                  "apply_chat_template; a value with Jinja markup ({{ or {%) is the template's text, "

@@ -211,13 +211,10 @@ def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[st
 
 def stop_end(text: str, start: int, end: int, said: str, stops: tuple[str, ...]) -> int:
     """Where an assistant's turn text[start:end] ends for the model: after the special token that closes it (the first
-    of `stops` after its content, past whitespace), else at `end`."""
+    of `stops` after its content: a turn of tool calls alone has its calls before it), else at `end`."""
     after = text.find(said, start, end) + len(said) if said else start
-    closing = text[after:end]
-    at = after + len(closing) - len(closing.lstrip())
-    longest_first = sorted(stops, key=len, reverse=True)
-    stop = next((s for s in longest_first if s and text.startswith(s, at) and at + len(s) <= end), None)
-    return at + len(stop) if stop else end
+    found = [(at, -len(s)) for s in stops if s and 0 <= (at := text.find(s, after, end)) and at + len(s) <= end]
+    return min(found)[0] - min(found)[1] if found else end
 
 
 def _common_prefix(a: str, b: str) -> int:

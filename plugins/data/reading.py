@@ -325,23 +325,36 @@ class Where:
         return f"{self.path}: row {self.row}"
 
 
-def records(piece: Piece, fields: dict[str, str], val_fraction: float) -> Iterator[tuple[str, dict, Where]]:
+def records(piece: Piece, fields: dict[str, str], val_fraction: float,
+            optional: Optional[dict[str, str]] = None) -> Iterator[tuple[str, dict, Where]]:
     """(split, {key: the value of its field}, where it is) of each record of a JSON Lines or Parquet piece; fields
     maps the data keys that name fields (text_field, prompt_field, ...) to the names. The split comes from the
     record's name (file and line, or file and row). A record without one of the fields is refused, naming file and
-    line."""
+    line; one without an `optional` field (data.tools_field) has None there."""
+    optional = optional or {}
     if piece.kind == "jsonl":
         for line_start, record in _json_records(piece):
             missing = next((k for k, f in fields.items() if f not in record), None)
             if missing is not None:
                 raise InputFault(f"{Where(piece.path, line_start)} {no_field(fields[missing], record)}: "
                                  f"data.{missing}= the field that holds it")
-            yield (_split(f"{piece.name}@{line_start}", val_fraction), {k: record[f] for k, f in fields.items()},
+            yield (_split(f"{piece.name}@{line_start}", val_fraction),
+                   {**{k: record.get(f) for k, f in optional.items()}, **{k: record[f] for k, f in fields.items()}},
                    Where(piece.path, line_start))
     elif piece.kind != "text":
-        for row, values in enumerate(_rows(piece, tuple(fields.values())), piece.first_row):
-            yield (_split(f"{piece.name}#{row}", val_fraction), {k: values[f] for k, f in fields.items()},
+        present = set() if not optional else set(arrow_fields(Path(piece.path)) if piece.kind == "arrow" else
+                                                  _parquet_fields(piece.path))
+        columns = {**{k: f for k, f in optional.items() if f in present}, **fields}
+        for row, values in enumerate(_rows(piece, tuple(dict.fromkeys(columns.values()))), piece.first_row):
+            yield (_split(f"{piece.name}#{row}", val_fraction),
+                   {**{k: None for k in optional}, **{k: values[f] for k, f in columns.items()}},
                    Where(piece.path, row=row))
+
+
+def _parquet_fields(path: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_schema(path).names
 
 
 def text_value(value, where, key: str, field: str) -> bytes:

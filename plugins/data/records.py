@@ -4,6 +4,7 @@ launch (first_records_problem), so that a format mistake is refused before any s
 from __future__ import annotations
 
 import itertools
+import re
 from typing import Iterator, Optional
 
 import numpy as np
@@ -34,9 +35,10 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
         for split, text, closes, where in documents(piece, d.text_field, d.val_fraction):
             yield split, (Record if piece.kind != "text" or piece.opens else Continued)((text,), where), closes
         return
-    for split, record, where in records(piece, record_fields(d), d.val_fraction):
+    optional = {"tools_field": d.tools_field} if d.format == "chat" else None
+    for split, record, where in records(piece, record_fields(d), d.val_fraction, optional):
         if d.format == "chat":
-            chat = Chat(record["messages_field"], where)
+            chat = Chat(record["messages_field"], where, record.get("tools_field"))
             yield split, chat if answers(chat, d) else Unanswered(chat), True
             continue
         prompt, completion = record["prompt_field"], record["completion_field"]
@@ -135,12 +137,16 @@ class Chat(Record):
     """A chat record's messages, as a document's texts (their contents: what a BPE learns from); the tokenize stage
     renders it with the chat template and learns the assistant's tokens (plugins/data/chat.py)."""
 
-    def __new__(cls, messages, where):
+    def __new__(cls, messages, where, tools=None):
         if why := messages_problem(messages, "the record's data.messages_field"):
             raise InputFault(f"{where}: {why}; fix: records whose data.messages_field is a list of "
                              "{\"role\": ..., \"content\": \"text\"} objects")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise InputFault(f"{where}: the record's tools (data.tools_field) are {_kind(tools)}, not a list of JSON "
+                             f"schemas: {preview(tools)}; fix: a list of {{\"type\": \"function\", \"function\": "
+                             "{...}} objects, as transformers' apply_chat_template(tools=...) takes them")
         chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages), where)
-        chat.messages = messages
+        chat.messages, chat.tools = messages, tools or None
         return chat
 
 
@@ -199,6 +205,10 @@ def render_problem(chat: Chat, template: str) -> str:
 def tools_problem(chat: Chat, template: str) -> str:
     """Why a message's tool calls would not reach the model ('' when they would): a template that never reads
     `tool_calls` drops them, and a call with empty content trains an empty turn."""
+    if getattr(chat, "tools", None) and not re.search(r"\btools\b", template):
+        return (f"{chat.where}: the record has tools (data.tools_field), and the chat template never reads tools: "
+                "the model would not see them; fix: data.chat_template= the model's own template that renders "
+                "tools (Qwen2.5's, Llama 3.1's), or records without them")
     at = next((i for i, m in enumerate(chat.messages, 1) if m.get("tool_calls")), None)
     if at is None or "tool_calls" in template:
         return ""
@@ -219,6 +229,8 @@ def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str,
         if isinstance(chat, Conversation):
             text, span = completion_span(template, chat.prompt, chat.completion, **variables)
             return text, [span], False
+        if getattr(chat, "tools", None):  # as transformers passes them (templates test `{% if tools %}`)
+            variables = {**variables, "tools": chat.tools}
         return assistant_spans(template, chat.messages, stops, **variables)
     except NotExtending as e:
         raise InputFault(f"{chat.where}: {e}; fix: data.chat_template= a template whose renderings of a "
