@@ -246,11 +246,16 @@ def assistant_spans(template: str, messages: list[dict], stops: tuple[str, ...] 
     return text, prefix_spans(template, messages, text, stops, **variables), True
 
 
+def special_texts(tokenizer) -> tuple[str, ...]:
+    """The texts of a `tokenizers.Tokenizer`'s special tokens: a turn's stop among them (<|im_end|>, <end_of_turn>,
+    <|eot_id|>, </s>), after which nothing of an assistant's turn is learned (prefix_spans's `stops`)."""
+    return tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
+
+
 def encode_chat(tokenizer, template: str, messages: list[dict], **variables) -> tuple[np.ndarray, np.ndarray]:
     """(token ids, which of them the model must learn) of a chat record, with a `tokenizers.Tokenizer`: the
     rendered text encoded without added special tokens (the template writes them), as apply_chat_template does."""
-    stops = tuple(t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special)
-    text, spans, by_prefix = assistant_spans(template, messages, stops, **variables)
+    text, spans, by_prefix = assistant_spans(template, messages, special_texts(tokenizer), **variables)
     return encode_spans(tokenizer, text, spans, by_prefix)
 
 

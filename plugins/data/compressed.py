@@ -99,7 +99,7 @@ def decompress_errors() -> tuple[type, ...]:
     return OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError
 
 
-def damaged(path, e: BaseException) -> ValueError:
+def damaged(path, e: BaseException) -> InputFault:
     return InputFault(f"{path}: cannot be decompressed ({type(e).__name__}: {e}); "
                       "fix: the file is damaged or cut short: fetch it again, or remove it from data.paths")
 

@@ -119,35 +119,41 @@ def _walk(folder: Path, split: str, suffixes: tuple[str, ...], skip: frozenset) 
     return found
 
 
-def _is_cache(folder: Path) -> bool:
-    """load_dataset's cache: dataset_info.json names splits and a dataset, and a split's file is there by that name."""
+def _cache_info(folder: Path) -> Optional[tuple[str, dict]]:
+    """(the dataset's name, its splits) as load_dataset's cache's dataset_info.json gives them; None where it names
+    neither."""
     try:
         info = json.loads((folder / "dataset_info.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
     name = info.get("dataset_name") or info.get("builder_name") if isinstance(info, dict) else None
     splits = info.get("splits") if isinstance(info, dict) else None
-    return isinstance(name, str) and isinstance(splits, dict) and any(
-        next(folder.glob(f"{glob.escape(name)}-{glob.escape(str(split))}*.arrow"), None) for split in splits)
+    return (name, splits) if isinstance(name, str) and isinstance(splits, dict) else None
+
+
+def _is_cache(folder: Path) -> bool:
+    """load_dataset's cache: dataset_info.json names splits and a dataset, and a split's file is there by that name."""
+    info = _cache_info(folder)
+    return info is not None and any(
+        next(folder.glob(f"{glob.escape(info[0])}-{glob.escape(str(split))}*.arrow"), None) for split in info[1])
 
 
 def _cache_files(folder: Path, split: str) -> list[Path]:
-    """A `load_dataset` cache's files of a split: `<name>-<split>.arrow`, or `<name>-<split>-00000-of-00003.arrow`
-    ... where it was written in shards (datasets.naming.filenames_for_dataset_split)."""
-    info = _json(folder / "dataset_info.json")
-    splits = info.get("splits") if isinstance(info.get("splits"), dict) else {}
+    """A `load_dataset` cache's files of a split (kind: cache): `<name>-<split>.arrow`, or
+    `<name>-<split>-00000-of-00003.arrow` ... where it was written in shards
+    (datasets.naming.filenames_for_dataset_split)."""
+    name, splits = _cache_info(folder)
     if split not in splits:
         raise FolderError(f"{folder} is a load_dataset cache whose splits are "
                           f"{', '.join(map(json.dumps, splits)) or 'none'}; data.split={split} is none of them")
-    name = info.get("dataset_name") or info.get("builder_name")
     shards = len((splits[split] or {}).get("shard_lengths") or []) if isinstance(splits[split], dict) else 0
     stem = f"{name}-{split}"
     files = [folder / f"{stem}-{k:05d}-of-{shards:05d}.arrow" for k in range(shards)] if shards > 1 else \
         [folder / f"{stem}.arrow"]
     missing = [f.name for f in files if not f.is_file()]
-    if missing or not isinstance(name, str):
+    if missing:
         raise FolderError(f"{folder} is a load_dataset cache whose dataset_info.json names the split {split}, and "
-                          f"its files are missing: {', '.join(missing[:3]) or 'no dataset name'}")
+                          f"its files are missing: {', '.join(missing[:3])}")
     return files
 
 

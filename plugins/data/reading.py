@@ -31,6 +31,8 @@ CHUNK_BYTES = 1 << 20      # a piece of a text or JSON Lines file: what one read
 RECORD_BATCH = 256         # Parquet rows read at a time
 ARROW = (".arrow", ".feather")  # Arrow IPC: datasets' files and streams; Feather v2 is the IPC file format
 RECORDS = (".jsonl", ".json", ".parquet", *ARROW)  # .json: JSON Lines by another name (many Hub datasets)
+
+
 @dataclass(frozen=True)
 class Piece:
     name: str                # the file's name in the corpus (its split and its records' names derive from it)

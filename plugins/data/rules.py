@@ -81,8 +81,10 @@ def _long_text_problems(cfg) -> list[Problem]:
     covers) is refused now, not by the tokenize stage after the other stages started. A BPE learned by the tokenize
     stage has no such bound before it is learned: the stage refuses its documents, naming the file."""
     d = cfg.data
-    widest = tokenizers.widest_token(d)
-    if whole_documents(d) != "refuse" or d.format != "text" or widest is None:
+    if whole_documents(d) != "refuse" or d.format != "text":
+        return []
+    widest = tokenizers.widest_token(d)  # a tokenizer folder read only where documents may be refused
+    if widest is None:
         return []
     row, long = cfg.train.seq_len + 1, []
     try:

@@ -291,8 +291,9 @@ def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
         return []
     if template is None and d.format == "chat":
         return []  # said by the data rules (a chat needs a template)
-    widest = tokenizers.widest_token(d) if longest_record(cfg) else None
-    row = (longest_record(cfg), widest) if widest else None
+    longest = longest_record(cfg)
+    widest = tokenizers.widest_token(d) if longest else None
+    row = (longest, widest) if widest else None
     documents, whole = 0, True
     for name, path in chosen:
         lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)

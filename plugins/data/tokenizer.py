@@ -16,7 +16,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from plugins.data.chat import read_template_file, templates_of
+from plugins.data.chat import read_template_file, special_texts, templates_of
 
 EOS = 256
 PAD = 257
@@ -53,9 +53,7 @@ class Tokenizer:
     def stops(self) -> tuple[str, ...]:
         """The texts of its special tokens (a turn's stop among them: <|im_end|>, <end_of_turn>, <|eot_id|>, </s>):
         where a template closes the assistant's turn with one, the learned span ends there (plugins/data/chat.py)."""
-        if self.backend is None:
-            return ()
-        return tuple(t.content for t in self.backend.get_added_tokens_decoder().values() if t.special)
+        return () if self.backend is None else special_texts(self.backend)
 
     def with_offsets(self):
         """A tokenizers.Tokenizer that gives each token's character offsets (the bytes one: its byte-level twin)."""

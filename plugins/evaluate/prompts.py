@@ -26,7 +26,7 @@ from common.problem import Problem
 from plugins.evaluate.harness import SHIPPED, local_tasks, task_configs, task_yaml
 
 QUESTIONS = 4          # the first questions of each task whose prompts are counted
-LOGLIKELIHOOD = ("multiple_choice", "loglikelihood")  # the kinds HFLM cuts from the left (rolling has no examples)
+CHOICES = ("multiple_choice", "loglikelihood")  # answers after a prompt: what HFLM cuts from the left (rolling: none)
 
 
 def problems(cfg) -> list[Problem]:
@@ -118,10 +118,10 @@ def loglikelihood_tasks(ev):
     datasets.disable_progress_bars()
     try:
         for name, spec in zip(ev.tasks, task_configs(ev, {})):
-            if name not in local or task_yaml(local[name]).get("output_type") not in LOGLIKELIHOOD:
+            if name not in local or task_yaml(local[name]).get("output_type") not in CHOICES:
                 continue  # lm-eval's own (the Hub's), or a task without examples (val_perplexity's data comes later)
             task = manager.load([spec])["tasks"].get(name)
-            if task is not None and task.config.output_type in LOGLIKELIHOOD:
+            if task is not None and task.config.output_type in CHOICES:
                 yield name, task
     finally:
         if bars:
