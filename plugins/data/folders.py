@@ -11,7 +11,7 @@
   the train split).
 - Any other folder: every file with a suffix of `suffixes`, in name order.
 
-Compressed JSON Lines of those suffixes (`part-0001.jsonl.gz`, c4's `.json.gz`) are read (plugins/data/reading.py);
+Compressed JSON Lines of those suffixes (`part-0001.jsonl.gz`, c4's `.json.gz`) are read (plugins/data/compressed.py);
 other compressed files that would be read decompressed (`.txt.gz`) are refused, naming them: read without them, the
 corpus would be a part of itself.
 """

@@ -13,7 +13,7 @@ from common.problem import InputFault
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import (STANDARD_ROLES, NotExtending, assistant_spans, completion_span, encode_spans, render,
                                roles)
-from plugins.data.reading import documents, kind_of, preview, record_fields, records, text_value
+from plugins.data.piece_records import documents, kind_of, preview, record_fields, records, text_value
 
 
 def masks_loss(cfg) -> bool:

@@ -21,8 +21,8 @@ from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.compressed import PACKED, decompress_errors, open_decompressed, packed, suffix_of
-from plugins.data.reading import (ARROW, JSON_LINES, RECORDS, arrow_fields, json_object, layout, no_field,
-                                  record_fields, stream_closed)
+from plugins.data.piece_records import json_object, no_field, record_fields
+from plugins.data.reading import ARROW, JSON_LINES, RECORDS, arrow_fields, layout, stream_closed
 from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
