@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from tests.user_task_files import user_tasks
+
 # (overrides, the key named, words of the rule or fix); {tmp} is a folder holding the files made by `corpus` below
 CATALOGUE = [
     # types, names and options (Hydra's composition errors, in config terms)
@@ -227,6 +229,12 @@ CATALOGUE = [
       "data.chat_template={tmp}/chatml.jinja"], "data.paths", "line 1: the record's tools (data.tools_field) are a string, not a list of JSON schemas"),
     (["data=text", "data.paths=[{tmp}/tools.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
      "data.paths", "line 1: the record has tools (data.tools_field), and the chat template never reads tools"),
+    (["data=text", "data.paths=[{tmp}/reasoning.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
+     "data.paths", "message 2 has reasoning (reasoning_content), and the chat template reads none"),
+    (["data=text", "data.paths=[{tmp}/reasoning_typed.jsonl]", "data.format=chat",
+      "data.chat_template={tmp}/chatml.jinja"], "data.paths", "message 2 has a 'reasoning_content' that is a number"),
+    (["data=text", "data.paths=[{tmp}/chats.jsonl]", "data.format=chat", "data.chat_template={tmp}/thinking.jinja",
+      "data.chat_turns=all"], "data.chat_template", "data.chat_turns=each (an example per assistant turn"),
     (["data=text", "data.paths=[{tmp}/empty_answers.jsonl]", "data.format=chat",
       "data.chat_template={tmp}/chatml.jinja"], "data.loss_on",
      "has a token to learn (no assistant message with text)"),
@@ -326,6 +334,13 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "tool_calls.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "2+3?"}, call]}) + "\n")
     (tmp / "empty_answers.jsonl").write_text(json.dumps({"messages": [
         {"role": "user", "content": "hello"}, {"role": "assistant", "content": " "}]}) + "\n")
+    said = {"role": "assistant", "content": "5.", "reasoning_content": "2+3 is 5."}  # Qwen3's empty <think> below
+    (tmp / "reasoning.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "2+3?"}, said]}) + "\n")
+    (tmp / "reasoning_typed.jsonl").write_text(json.dumps({"messages": [
+        {"role": "user", "content": "2+3?"}, {**said, "reasoning_content": 5}]}) + "\n")
+    (tmp / "thinking.jinja").write_text((tmp / "chatml.jinja").read_text().replace(
+        "{{ m.content }}", "{% if loop.last and m.role == 'assistant' %}<think>\n\n</think>\n\n{% endif %}"
+                           "{{ m.content }}"))
     (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed
     (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever
@@ -363,37 +378,3 @@ def write_corpus(tmp: Path) -> Path:
         "architectures": ["GPT2LMHeadModel"], "vocab_size": 259, "n_layer": 8, "n_head": 4, "n_embd": 64,
         "n_inner": 256, "n_positions": 128, "activation_function": "gelu"}))
     return tmp
-
-
-def user_tasks(folder: Path) -> None:
-    """lm-eval task files that parse as YAML and fail in lm-eval (one task each), beside good ones: a `.yml`, one
-    whose metrics come from an `include:`."""
-    import shutil
-
-    import yaml
-
-    from plugins.evaluate.harness import SHIPPED
-
-    folder.mkdir()
-    data = folder / "questions.jsonl"
-    shutil.copy(SHIPPED / "arith_mc.jsonl", data)
-    base = yaml.safe_load((SHIPPED / "arith_mc.yaml").read_text())
-    base["dataset_kwargs"]["data_files"] = {"test": str(data)}
-
-    def task(name: str, file: str = "", **changed) -> None:
-        (folder / (file or f"{name}.yaml")).write_text(yaml.safe_dump({**base, "task": name, **changed}))
-
-    task("my_metric", metric_list=[{"metric": "acuracy"}])
-    task("my_otype", output_type="multiple_chose")
-    task("my_jinja", doc_to_text="{{ question ")
-    task("my_nodata", dataset_kwargs={"data_files": {"test": str(folder / "nope.jsonl")}})
-    task("my_split", test_split="validation")
-    task("my_hub", dataset_path="someone/some_dataset", dataset_kwargs={})
-    task("my_nofiles", dataset_kwargs={})  # json with no data_files: every JSON file under the working folder
-    task("arith_mc", "shadow.yaml")  # the shipped task's name
-    task("my_yml", "my_yml.yml")
-    task("my_helper", "helper.yaml", doc_to_text="HELPER")
-    (folder / "helper.yaml").write_text((folder / "helper.yaml").read_text().replace(
-        "doc_to_text: HELPER", "doc_to_text: !function missing_utils.doc_to_text"))
-    (folder / "inc_base.yaml").write_text(yaml.safe_dump({k: v for k, v in base.items() if k != "task"}))
-    (folder / "inc.yaml").write_text("include: inc_base.yaml\ntask: my_include\n")

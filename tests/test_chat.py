@@ -146,7 +146,7 @@ def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenize
         assert trained.astype(int).tolist() == list(theirs["assistant_masks"]), (family, name)
         tok = Tokenizer("hf", 400, family_tokenizer.token_to_id(eos), family_tokenizer.token_to_id(eos),
                         family_tokenizer, plain, {"bos_token": bos, "eos_token": eos})
-        staged = chat_ids(tok, Chat(chat, "a record"))  # as the tokenize stage: no <eos> after the turn's own stop
+        (staged,) = chat_ids(tok, Chat(chat, "a record"))  # as the tokenize stage: no <eos> after the turn's own stop
         assert [a.tolist() for a in staged] == [ids.tolist(), trained.tolist()], (family, name)
         said = hf.decode([i for i, t in zip(ids, trained) if t])
         assert all(m["content"].strip() in said for m in chat if m["role"] == "assistant"), (family, name, said)
@@ -209,7 +209,7 @@ def test_tools_and_tool_calls_reach_the_template_as_transformers_passes_them(fam
     for chat in (CONVERSATIONS["one-turn"], CALLING):
         theirs = hf.apply_chat_template(chat, tools=[ADD], chat_template=tagged, tokenize=True, return_dict=True,
                                         return_assistant_tokens_mask=True)
-        ids, trained = chat_ids(tok, Chat(chat, "a record", [ADD]))
+        ((ids, trained),) = chat_ids(tok, Chat(chat, "a record", [ADD]))
         assert ids.tolist() == list(theirs["input_ids"]) and "# Tools" in hf.decode(ids)
         assert trained.astype(int).tolist() == list(theirs["assistant_masks"])
     said = hf.decode([i for i, t in zip(ids, trained) if t])
@@ -226,6 +226,6 @@ def test_tools_and_tool_calls_reach_the_template_as_transformers_passes_them(fam
     corpus = tokenized(make_cfg("data=chat", f"data.paths=[{tmp_path}/calls.jsonl]",
                                 f"data.tokenizer=hf:{tmp_path}/tok", "data.packing=false", "train.seq_len=512",
                                 runs_dir=tmp_path))
-    assert {len(d) for d in corpus.train + corpus.val} == {len(ids), len(chat_ids(tok, Chat(CALLING, "x"))[0])}
+    assert {len(d) for d in corpus.train + corpus.val} == {len(ids), len(chat_ids(tok, Chat(CALLING, "x"))[0][0])}
     llama = (TEMPLATES / "llama3.jinja").read_text()  # Llama 3's first template has no tools
     assert "never reads tools" in render_problem(Chat(CONVERSATIONS["one-turn"], "a record", [ADD]), llama)

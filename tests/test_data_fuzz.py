@@ -43,7 +43,10 @@ TEXT = st.one_of(PLAIN, SPICY)
 NOT_TEXT = st.one_of(st.integers(-5, 5), st.floats(allow_nan=True, allow_infinity=True), st.booleans(),
                      st.lists(PLAIN, max_size=2), st.dictionaries(st.sampled_from("ab"), PLAIN, max_size=2),
                      st.just("\ud800"))                                            # a lone surrogate: not Unicode
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": TEXT})
+REASONING = st.one_of(st.none(), st.sampled_from(["", " "]), PLAIN, st.integers(0, 3))  # never read by CHATML
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(ROLES), "content": TEXT},
+                                optional={"reasoning_content": REASONING})
+TOOLS = st.one_of(st.none(), st.just([]), st.just([{"type": "function", "function": {"name": "add"}}]), TEXT)
 BAD_MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(ROLES + ("human",)), "content": NOT_TEXT}),
                         st.fixed_dictionaries({"role": st.sampled_from(("human", "gpt"))}, optional={"content": TEXT}),
                         st.fixed_dictionaries({"content": TEXT}), PLAIN)
@@ -85,6 +88,9 @@ def _messages(value) -> list[dict]:
                 or m["role"] not in ROLES:
             raise Refused
         _text(m["content"])
+        reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str) or isinstance(reasoning, str) and reasoning.strip():
+            raise Refused  # not text; or reasoning that a template reading none would drop
     return value
 
 
@@ -111,6 +117,8 @@ def expected(fmt: str, record: dict, hf) -> tuple | None:
         if "messages" not in record:
             raise Refused
         messages = _messages(record["messages"])
+        if record.get("tools") not in (None, []):
+            raise Refused  # not a list of schemas; or tools that a template reading none would drop
         if _unanswered([m for m in messages if m["role"] == "assistant"]):
             return None  # nothing to learn but the stop token: left out, as an empty completion is
         ids, mask = _chat(hf, messages)
@@ -227,6 +235,8 @@ def cases(draw):
             r.pop(draw(st.sampled_from(fields)))               # a missing field
         if draw(st.booleans()):
             r["extra"] = draw(TEXT if clean else values)        # an extra field, read by no one
+        if fmt == "chat" and draw(st.integers(0, 4)) == 0:
+            r["tools"] = draw(TOOLS)                            # data.tools_field's default
         return r
 
     records = [record() for _ in range(draw(st.integers(0, 6)))]

@@ -4,12 +4,11 @@ lists one case of each, on the files `user_tasks` writes), what lm-eval reads is
 field at a time is one or the other, never a crash."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import make_cfg, problems_of
-from tests.refusal_catalogue import user_tasks
+from tests.user_task_files import user_tasks
 
 
 def test_good_user_tasks_are_accepted_as_lm_eval_reads_them(tmp_path):

@@ -60,6 +60,7 @@ PROMPT_COMPLETION = ("data.format", ("prompt_completion",))
 CHAT = ("data.format", ("chat",))
 CHAT_OR_PROMPT = ("data.format", ("chat", "prompt_completion"))
 LAYOUT_TUNING = ("tune.name", ("layout",))
+COMPLETION_ONLY = ("data.loss_on", ("completion",))
 
 
 @dataclass
@@ -274,6 +275,17 @@ class DataConfig:
                                     "schemas, TRL's `tools`), passed to the chat template as transformers' "
                                     "apply_chat_template(tools=...) passes them; a record without it has none",
                            read_when=CHAT)
+    chat_turns: str = key("auto", "data.format=chat, data.loss_on=completion: the training examples a chat makes: all "
+                                  "(one, every assistant turn learned), each (one per assistant turn: the "
+                                  "conversation up to it as inference renders it, that turn learned), last (the "
+                                  "last assistant turn's), or auto (all where the template's renderings of a "
+                                  "conversation's beginnings are the start of the whole, else each: reasoning "
+                                  "models' templates, Qwen3's and DeepSeek-R1's, drop earlier turns' reasoning)",
+                          choices=("auto", "all", "each", "last"), read_when=[CHAT, COMPLETION_ONLY])
+    learn_reasoning: bool = key(True, "data.format=chat, data.loss_on=completion: an assistant turn's reasoning "
+                                      "(reasoning_content, or the <think> block opening its content) is learned "
+                                      "with its answer; false: read, not learned (what follows it is)",
+                                read_when=[CHAT, COMPLETION_ONLY])
     chat_template: str = key("", "records rendered as chats (data.format=chat, and prompt/completion records whose "
                                  "prompt and completion are lists of messages): the Jinja template, as transformers' "
                                  "apply_chat_template; a value with Jinja markup ({{ or {%) is the template's text, "

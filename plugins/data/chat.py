@@ -21,6 +21,8 @@ from typing import Optional
 
 import numpy as np
 
+from plugins.data.reasoning import reasoning_of
+
 TEMPLATE_FILE = "tokenizer_config.json"
 STANDARD_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (OpenAI's and HF's roles)
 
@@ -181,7 +183,7 @@ def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[st
     for k, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        said = message["content"].strip()
+        reasoning, said = (s.strip() for s in reasoning_of(message))
         try:
             upto, _ = render(template, messages[:k + 1], **variables)
             probe, _ = render(template, messages[:k + 1] + [_PROBE], **variables)
@@ -197,10 +199,15 @@ def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[st
         if not (text.startswith(prompt) and upto.startswith(prompt) and text[:end] == upto[:end]):
             raise NotExtending(f"the template's rendering of the messages before message {k + 1} (the "
                                "assistant's), with the generation prompt, is not the start of the whole "
-                               "conversation's rendering, so what the assistant said cannot be told apart")
+                               f"conversation's rendering ({parting(prompt, text)}), so what the assistant said "
+                               "cannot be told apart")
         if said and said not in text:
             raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s content (the "
                                "assistant's), so there is nothing of it to learn")
+        if reasoning and reasoning not in text[len(prompt):end]:
+            raise NotExtending(f"the template drops message {k + 1}'s reasoning (the assistant's) once a turn "
+                               "follows it, so the whole conversation is not what the model read and "
+                               "wrote at that turn")
         if said and said not in text[len(prompt):end]:
             raise NotExtending(f"the template renders message {k + 1} (the assistant's) otherwise when it ends the "
                                "conversation than when a turn follows it, so what the assistant said cannot be told "
@@ -215,6 +222,12 @@ def stop_end(text: str, start: int, end: int, said: str, stops: tuple[str, ...])
     after = text.find(said, start, end) + len(said) if said else start
     found = [(at, -len(s)) for s in stops if s and 0 <= (at := text.find(s, after, end)) and at + len(s) <= end]
     return min(found)[0] - min(found)[1] if found else end
+
+
+def parting(prompt: str, text: str) -> str:
+    """Where two renderings part, in words: what each has there."""
+    at = _common_prefix(prompt, text)
+    return f"after {at:,} characters the prompt has {prompt[at:at + 24]!r}, the whole {text[at:at + 24]!r}"
 
 
 def _common_prefix(a: str, b: str) -> int:

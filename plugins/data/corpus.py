@@ -23,7 +23,8 @@ from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.reading import Layout, in_val, layout, partition
-from plugins.data.records import Chat, Continued, chat_ids, document_ids, encode_inputs, masks_loss, piece_documents
+from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs, masks_loss,
+                                  piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -161,35 +162,41 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                progress: Callable[[int, int], None] = lambda read, tokens: None, attempt: str = "") -> dict:
     """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards."""
     t0 = time.perf_counter()
-    masked, longest = masks_loss(cfg), longest_record(cfg)
+    masked, longest, chatting = masks_loss(cfg), longest_record(cfg), chat_options(cfg.data)
     joint = cfg.data.get("prompt_encoding") == "joint"
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
     held = read = unlearned = run = 0
 
+    def check_length(texts, ids, closes):
+        nonlocal run
+        run = (run if isinstance(texts, Continued) else 0) + len(ids)  # a text file's pieces: one document
+        if longest is not None and run > longest:
+            raise InputFault(f"{getattr(texts, 'where', 'a document of the source')}: a document of "
+                             f"{run:,} tokens{'' if closes else ' and more'} is longer than a row "
+                             f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "
+                             "data.long_documents=split (pieces that overlap by one token), "
+                             + ("data.packing_strategy=wrapped (windows of the text, pretraining's way), "
+                                if cfg.data.get("format", "text") == "text" else "")
+                             + f"train.seq_len={run - 1} or more, or a shorter document")
+
     def flush():
-        nonlocal batch, held, unlearned, run
+        nonlocal batch, held, unlearned
         encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat)
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
             if isinstance(texts, Chat):
-                ids, trained = chat_ids(tok, texts, masked)
-                if masked and not trained[:-1].any():
-                    unlearned += 1  # the template marks nothing of it as the assistant's
+                made = [(ids, trained) for ids, trained in chat_ids(tok, texts, masked, **chatting)
+                        if not masked or trained[:-1].any()]  # else the template marks nothing as the assistant's
+                if not made:
+                    unlearned += 1
                     continue
             else:
                 pieces = [next(encoded) for _ in encode_inputs(texts, joint)]
-                ids, trained = document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)
-            run = (run if isinstance(texts, Continued) else 0) + len(ids)  # a text file's pieces: one document
-            if longest is not None and run > longest:
-                raise InputFault(f"{getattr(texts, 'where', 'a document of the source')}: a document of "
-                                 f"{run:,} tokens{'' if closes else ' and more'} is longer than a row "
-                                 f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "
-                                 "data.long_documents=split (pieces that overlap by one token), "
-                                 + ("data.packing_strategy=wrapped (windows of the text, pretraining's way), "
-                                    if cfg.data.get("format", "text") == "text" else "")
-                                 + f"train.seq_len={run - 1} or more, or a shorter document")
-            writer.append(split, ids, closes, trained if masked else None)
+                made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
+            for ids, trained in made:
+                check_length(texts, ids, closes)
+                writer.append(split, ids, closes, trained if masked else None)
         progress(read, sum(writer.tokens.values()))
         batch, held = [], 0
 

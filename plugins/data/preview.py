@@ -13,7 +13,8 @@ from rich.text import Text
 
 from plugins.data import tokenizer as tokenizers
 from plugins.data.corpus import corpus_layouts
-from plugins.data.records import Chat, Continued, chat_ids, document_ids, encode_inputs, masks_loss_of, piece_documents
+from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
+                                  masks_loss_of, piece_documents)
 
 LEARNED = ("⟦", "⟧")            # around the learned part where no style can show it
 LEARNED_STYLE = "bold green underline"
@@ -62,11 +63,16 @@ def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarra
             if not texts or not any(texts):
                 continue
             if isinstance(texts, Chat):
-                ids, trained = chat_ids(tok, texts, masked)
+                made = chat_ids(tok, texts, masked, **chat_options(d))
             else:
                 pieces = tok.encode(list(encode_inputs(texts, joint)))
-                ids, trained = document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)
-            yield _where(texts, piece), ids, trained
+                made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
+            turns = chat_options(d)["turns"]
+            why = ("auto: the template renders earlier turns otherwise once a later one follows, so each assistant "
+                   "turn is an example as at inference" if turns == "auto" else f"{turns}: one per assistant turn")
+            for turn, (ids, trained) in enumerate(made, 1):
+                yield _where(texts, piece) + (f", example {turn} of {len(made)} (data.chat_turns={why})"
+                                              if len(made) > 1 else ""), ids, trained
             shown += 1
             if shown >= records:
                 return

@@ -11,8 +11,11 @@ import numpy as np
 
 from common.problem import InputFault
 from plugins.data import tokenizer as tokenizers
-from plugins.data.chat import (STANDARD_ROLES, NotExtending, assistant_spans, completion_span, encode_spans, render,
+from plugins.data.chat import (STANDARD_ROLES, NotExtending, completion_span, encode_spans, render,
                                roles)
+from plugins.data.chat_turns import Example, examples
+from plugins.data.reasoning import FIELD as REASONING
+from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
 from plugins.data.piece_records import documents, kind_of, preview, record_fields, records, text_value
 
 
@@ -58,7 +61,9 @@ def answers(chat: "Chat", d) -> bool:
         return True
     said = chat.completion if isinstance(chat, Conversation) else \
         [m for m in chat.messages if m["role"] == "assistant"]
-    return not said or any(m["content"].strip() or m.get("tool_calls") for m in said)
+    learns_reasoning = d.get("learn_reasoning", True)
+    return not said or any(m.get("tool_calls") or any(part.strip() for part in reasoning_of(m)[learns_reasoning ^ 1:])
+                           for m in said)
 
 
 class Unanswered(tuple):
@@ -126,6 +131,9 @@ def messages_problem(messages, what: str) -> str:
             if not isinstance(m[field], str):
                 return (f"{what}'s message {i} has a {field!r} that is {_kind(m[field])}, not text: "
                         f"{preview(m[field])}")
+        if m.get(REASONING) is not None and not isinstance(m[REASONING], str):
+            return (f"{what}'s message {i} has a {REASONING!r} that is {_kind(m[REASONING])}, not text (or null): "
+                    f"{preview(m[REASONING])}")
     return ""
 
 
@@ -145,7 +153,7 @@ class Chat(Record):
             raise InputFault(f"{where}: the record's tools (data.tools_field) are {_kind(tools)}, not a list of JSON "
                              f"schemas: {preview(tools)}; fix: a list of {{\"type\": \"function\", \"function\": "
                              "{...}} objects, as transformers' apply_chat_template(tools=...) takes them")
-        chat = super().__new__(cls, (m["content"].encode("utf-8") for m in messages), where)
+        chat = super().__new__(cls, ("".join(reasoning_of(m)).encode("utf-8") for m in messages), where)
         chat.messages, chat.tools = messages, tools or None
         return chat
 
@@ -171,19 +179,28 @@ class Conversation(Chat):
         return chat
 
 
-def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """A chat record's ids (the rendered template's, then <eos> unless the template writes it) and which are the
-    assistant's (a Conversation: its completion's): an appended <eos> too when the chat's last message is the
-    assistant's (it learns to stop there)."""
+def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True, turns: str = "auto",
+             learn_reasoning: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A chat record's training examples (data.chat_turns: one, or one per assistant turn), each as (its ids: the
+    rendered template's, then <eos> unless the template writes it; which are the assistant's, a Conversation's
+    completion's): an appended <eos> too when the example ends with the assistant's turn (it learns to stop there)."""
     if why := render_problem(chat, tok.chat_template):
         raise InputFault(why)
-    text, spans, whole = chat_spans(tok.chat_template, chat, masked, tok.stops, **(tok.special or {}))
-    ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
-    closes = masked and any(text.endswith(s, 0, end) for _, end in spans[-1:] for s in tok.stops if s)
-    if tok.eos in ids or closes:  # the template ends turns with a stop itself (ChatML's <|im_end|>, Gemma's
-        return ids, trained  # <end_of_turn>): its assistant mask holds it; one more would teach a second stop
-    return np.append(ids, tok.eos), np.append(trained, isinstance(chat, Conversation)
-                                              or chat.messages[-1]["role"] == "assistant")
+    made = []
+    for text, spans, whole, ends_with_answer in chat_spans(tok.chat_template, chat, masked, tok.stops, turns,
+                                                           learn_reasoning, **(tok.special or {})):
+        ids, trained = encode_spans(tok.with_offsets(), text, spans, whole)
+        closes = masked and any(text.endswith(s, 0, end) for _, end in spans[-1:] for s in tok.stops if s)
+        if tok.eos in ids or closes:  # the template ends turns with a stop itself (ChatML's <|im_end|>, Gemma's
+            made.append((ids, trained))  # <end_of_turn>): its assistant mask holds it; one more: a second stop
+            continue
+        made.append((np.append(ids, tok.eos), np.append(trained, ends_with_answer)))
+    return made
+
+
+def chat_options(d) -> dict:
+    """data.chat_turns and data.learn_reasoning, as chat_ids takes them."""
+    return {"turns": d.get("chat_turns", "auto"), "learn_reasoning": d.get("learn_reasoning", True)}
 
 
 def role_problem(chat: Chat, template: str) -> str:
@@ -199,7 +216,8 @@ def role_problem(chat: Chat, template: str) -> str:
 
 def render_problem(chat: Chat, template: str) -> str:
     """Why the template cannot render the chat as meant ('' when it can): its roles, then its tool calls."""
-    return role_problem(chat, template) or tools_problem(chat, template)
+    return role_problem(chat, template) or tools_problem(chat, template) or \
+        (f"{chat.where}: {why}" if (why := reasoning_problem(chat.messages, template)) else "")
 
 
 def tools_problem(chat: Chat, template: str) -> str:
@@ -217,25 +235,29 @@ def tools_problem(chat: Chat, template: str) -> str:
             "template that renders tool calls (Qwen2.5's, Llama 3.1's), or records without them")
 
 
-def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str, ...] = (),
-               **variables) -> tuple[str, list[tuple[int, int]], bool]:
-    """(the rendered record, the character spans learned, whether their ends go back to whole tokens), the record
-    named on a failure; `stops`: the tokenizer's special tokens, after the one that closes a turn nothing is
-    learned."""
+def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str, ...] = (), turns: str = "auto",
+               learn_reasoning: bool = True, **variables) -> list[Example]:
+    """The record's training examples (plugins/data/chat_turns.py): (the rendered text, the character spans learned,
+    whether their ends go back to whole tokens), the record named on a failure; `stops`: the tokenizer's special
+    tokens, after the one that closes a turn nothing is learned."""
+    messages = as_template_reads(chat.messages, template)
     try:
         if not masked:
-            text, _ = render(template, chat.messages, **variables)
-            return text, [(0, len(text))], False
+            text, _ = render(template, messages, **variables)
+            return [Example(text, [(0, len(text))], False, messages[-1]["role"] == "assistant")]
         if isinstance(chat, Conversation):
-            text, span = completion_span(template, chat.prompt, chat.completion, **variables)
-            return text, [span], False
+            text, span = completion_span(template, as_template_reads(chat.prompt, template),
+                                         as_template_reads(chat.completion, template), **variables)
+            return [Example(text, [span], False, True)]
         if getattr(chat, "tools", None):  # as transformers passes them (templates test `{% if tools %}`)
             variables = {**variables, "tools": chat.tools}
-        return assistant_spans(template, chat.messages, stops, **variables)
+        return examples(template, messages, turns, stops, learn_reasoning, **variables)
     except NotExtending as e:
-        raise InputFault(f"{chat.where}: {e}; fix: data.chat_template= a template whose renderings of a "
-                         "conversation's beginning are the start of the whole (or with {% generation %} tags around "
-                         "the assistant's turns), or data.loss_on=all") from None
+        raise InputFault(f"{chat.where}: {e}; fix: " + ("data.chat_turns=each (an example per assistant turn, each "
+                                                        "as at inference), " if turns == "all" else "")
+                         + "data.chat_template= a template whose renderings of a conversation's beginning are the "
+                         "start of the whole (or with {% generation %} tags around the assistant's turns), or "
+                         "data.loss_on=all") from None
     except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
         raise InputFault(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
                          f"fix: data.chat_template= a template for these messages") from None
@@ -246,7 +268,7 @@ def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: 
     rendered by its template) over the most bytes one token covers."""
     if isinstance(texts, Unanswered) or (isinstance(texts, Chat) and not template):
         return ""
-    size = len(chat_spans(template, texts, False, **variables)[0].encode()) if isinstance(texts, Chat) \
+    size = len(chat_spans(template, texts, False, **variables)[0][0].encode()) if isinstance(texts, Chat) \
         else sum(map(len, texts))
     least = -(-size // widest)
     if least <= tokens:
@@ -282,8 +304,8 @@ def first_records_problem(d, piece, template: Optional[str], variables: dict,
                                               "a chat template, and there is none"), learned, False
             if why := render_problem(texts, template):
                 return ("data.paths", why), learned, False
-            text, spans, _ = chat_spans(template, texts, masks_loss_of(d), **variables)
-            learned += any(b > a for a, b in spans)
+            made = chat_spans(template, texts, masks_loss_of(d), (), **chat_options(d), **variables)
+            learned += any(b > a for example in made for a, b in example.spans)
     except ValueError as e:
         return ("data.paths", str(e)), learned, False
     except Exception as e:  # OSError, pyarrow's ArrowInvalid: a corrupt or truncated file

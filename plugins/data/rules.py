@@ -9,7 +9,8 @@ from pathlib import Path
 
 from common.problem import Problem
 from plugins.data import tokenizer as tokenizers
-from plugins.data.chat import NotExtending, assistant_spans, compiled, has_generation_tags, templates_of
+from plugins.data.chat import NotExtending, compiled, has_generation_tags, templates_of
+from plugins.data.chat_turns import examples
 from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.packing import whole_documents
 from plugins.data.registry import get_source, source_names
@@ -72,7 +73,8 @@ def _eval_problems(cfg, source) -> list[Problem]:
     return [Problem("train.eval_batches", t.eval_batches, f"an evaluation of {t.eval_batches:,} batches reads "
                     f"{t.eval_batches * per_batch:,} tokens from a held-out split of about {held_out:,.0f} at most "
                     f"(data.val_fraction={d.val_fraction}): over {EVAL_READS} times each token",
-                    f"train.eval_batches={fits}, or a larger data.val_fraction")]
+                    (f"train.eval_batches={fits}, or a larger data.val_fraction" if fits < t.eval_batches else
+                     "a larger data.val_fraction, more records, or train.eval_every=0 (no evaluation)"))]
 
 
 def _long_text_problems(cfg) -> list[Problem]:
@@ -254,12 +256,14 @@ def _chat_problems(d) -> list[Problem]:
                         "refuse this one too)")]
     if d.loss_on == "completion" and not has_generation_tags(template):
         try:
-            assistant_spans(template, PROBE_CHAT, **tokenizers.template_variables(d))
+            examples(template, PROBE_CHAT, d.chat_turns, **tokenizers.template_variables(d))
         except NotExtending as e:
             return [Problem("data.chat_template", d.chat_template or tokenizers.hf_folder(d.tokenizer),
                             f"only the assistant's tokens are learned (data.loss_on=completion), and on a one-turn "
-                            f"conversation {e}", "{% generation %} ... {% endgeneration %} around the assistant's "
-                            "turns in a copy of the template, or data.loss_on=all")]
+                            f"conversation {e}", ("data.chat_turns=each (an example per assistant turn, as at "
+                                                  "inference), " if d.chat_turns == "all" else "")
+                            + "{% generation %} ... {% endgeneration %} around the assistant's turns in a copy of the "
+                            "template, or data.loss_on=all")]
         except Exception:  # a template that cannot render this conversation: the first records' check says so
             pass
     return []
