@@ -186,7 +186,9 @@ def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[st
         reasoning, said = (s.strip() for s in reasoning_of(message))
         try:
             upto, _ = render(template, messages[:k + 1], **variables)
-            probe, _ = render(template, messages[:k + 1] + [_PROBE], **variables)
+            # what follows the turn: the conversation's own next message, else one more (user) turn rendered
+            probe = render(template, messages[:k + 1] + [_PROBE], **variables)[0] if k + 1 == len(messages) \
+                or messages[k + 1]["role"] != "user" else text
             end = _common_prefix(upto, probe)
             if k or not said:
                 prompt, _ = render(template, messages[:k], add_generation_prompt=True, **variables)
