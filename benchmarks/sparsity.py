@@ -15,7 +15,7 @@ Time: ROUNDS alternating rounds of STEPS steps per variant in this process (the 
 the ratio is the median over rounds). Memory: each variant again in a fresh process, its peak RSS over STEPS steps
 (what `top` shows; on a CPU freed memory stays in the heap, so this is the step's high-water mark).
 
-    python benchmarks/sparsity.py [models=gpt_small,gpt2_124m] [batch=4] [seq=512] [masked=0.7] [density=0.5]
+    python benchmarks/sparsity.py [models=gpt_small,gpt2_124m] [batch=4] [seq=256] [masked=0.7] [density=0.5]
                                   [steps=3] [rounds=3] [engines=torch,ort] [threads=2]
 """
 from __future__ import annotations
@@ -109,14 +109,19 @@ def main(argv: list[str]) -> None:
     a = arguments(argv, __doc__)
     args = {"masked": float(a.get("masked", 0.7)), "density": float(a.get("density", 0.5)),
             "steps": int(a.get("steps", 3)), "threads": int(a.get("threads", 2))}
-    rows, seq, rounds = int(a.get("batch", 4)), int(a.get("seq", 512)), int(a.get("rounds", 3))
-    engines = a.get("engines", "torch,ort").split(",")
+    rows, seq, rounds = int(a.get("batch", 4)), int(a.get("seq", 256)), int(a.get("rounds", 3))
+    engines, models = a.get("engines", "torch,ort").split(","), a.get("models", "gpt_small,gpt2_124m").split(",")
+    short = {m: positions for m in models if (positions := make_cfg(f"model={m}").model.max_seq_len) < seq}
+    if short:  # before anything runs: a row longer than a model's positions has no position embedding to read
+        print(f"seq={seq} is longer than the positions of {', '.join(f'{m} ({n})' for m, n in short.items())}; "
+              f"fix: seq={min(short.values())}, or models= without {', '.join(short)}", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(args["threads"])
     print(f"batch {rows}x{seq}, {args['threads']} thread(s); masked: {args['masked']:.0%} of labels ignored; "
           f"padded: {args['density']:.0%} of positions real")
     print("| model | engine | batch | dense ms/step | sparse ms/step | tokens/s sparse/dense | peak GB dense | "
           "peak GB sparse |\n|---|---|---|---|---|---|---|---|")
-    for model in a.get("models", "gpt_small,gpt2_124m").split(","):
+    for model in models:
         with tempfile.TemporaryDirectory() as tmp:
             for engine in engines:
                 transform = transform_dir(model, Path(tmp), rows, seq) if engine == "ort" else ""

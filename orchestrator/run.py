@@ -203,8 +203,9 @@ def _new_store(cfg: DictConfig, fresh: bool) -> list[str]:
     if not fresh:
         return []
     store = f" and a new MLflow store, {absolute_uri(cfg.tracking.uri)}," if cfg.tracking.name == "mlflow" else ""
-    return [f"a new cache{store} in {Path(cfg.cache_dir).resolve()}: none there yet (runs_dir={cfg.runs_dir} is "
-            "relative to the folder the command runs in; earlier runs are reused from theirs)"]
+    where = "" if Path(cfg.runs_dir).is_absolute() else (f" (runs_dir={cfg.runs_dir} is relative to the folder the "
+                                                          "command runs in; earlier runs are reused from theirs)")
+    return [f"a new cache{store} in {Path(cfg.cache_dir).resolve()}: none there yet{where}"]
 
 
 def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launch], cache: Cache, run_dir: Path,
