@@ -55,6 +55,8 @@ def test_an_optuna_study_ranks_fine_tunes_by_their_chat_score_each_as_lm_eval_sc
         assert metrics["onnx"]["arith_chat/acc"] == values["arith_chat/acc"]
         assert metrics["onnx"]["val_perplexity/bits_per_byte"] == pytest.approx(values["val_perplexity/bits_per_byte"],
                                                                                 rel=1e-5)
+        files = json.loads((out / "results.json").read_text())["configs"]["val_perplexity"]["dataset_kwargs"]
+        assert all(Path(f).is_file() for f in files["data_files"].values()), files  # where the cache keeps it
         table = json.loads((out / "generations.json").read_text())  # the first validation chats, as trained
         assert len(table["prompt"]) == 2 and all(p.endswith("<|im_start|>assistant\n") for p in table["prompt"])
         assert all(r.strip().endswith(".") for r in table["reference"])
