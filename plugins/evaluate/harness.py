@@ -271,10 +271,18 @@ def score(lm, ev, tasks: list) -> dict:
     builtin = any(isinstance(t, str) and t not in local for t in tasks)  # lm-eval's index: 15-40 s
     manager = TaskManager(include_path=str(Path(ev.include_path).expanduser()) if ev.include_path else None,
                           include_defaults=builtin)
-    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, num_fewshot=ev.num_fewshot or None,
-                                   limit=ev.limit, apply_chat_template=ev.apply_chat_template, log_samples=True,
-                                   random_seed=ev.seed, numpy_random_seed=ev.seed, torch_random_seed=ev.seed,
-                                   fewshot_random_seed=ev.seed)
+    from unittest import mock
+
+    # lm-eval records the git commit of the folder the command runs in (`git describe`, whose "fatal: not a git
+    # repository" lands in the stage's output) and torch's collect_env (pip, nvidia-smi, ... run as processes): not
+    # the scored model's, and the stage keeps none of it
+    with mock.patch("lm_eval.evaluator.get_git_commit_hash", lambda: None), \
+            mock.patch("lm_eval.evaluator.add_env_info", lambda results: None):
+        return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager,
+                                       num_fewshot=ev.num_fewshot or None, limit=ev.limit,
+                                       apply_chat_template=ev.apply_chat_template, log_samples=True,
+                                       random_seed=ev.seed, numpy_random_seed=ev.seed, torch_random_seed=ev.seed,
+                                       fewshot_random_seed=ev.seed)
 
 
 LOGLIKELIHOOD = ("multiple_choice", "loglikelihood", "loglikelihood_rolling")
