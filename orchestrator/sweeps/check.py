@@ -342,7 +342,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         first = {k: v[0] for k, v in spaces.items()}
         points = [first] + [{**first, k: v} for k in keys for v in spaces[k][1:]]
     loader = GlobalHydra.instance().hydra.config_loader
-    failures, seen, checked, folders = [], set(), [], {}
+    failures, seen, checked, folders, directions = [], set(), [], {}, {}
     for point in points:
         if interrupt.requested():  # a signal whose KeyboardInterrupt a library swallowed (C code clears errors)
             raise KeyboardInterrupt
@@ -355,7 +355,10 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             _check_folder(loaded, len(seen) - 1, overrides, folders)
             cfg = experiment(loaded)
             check_experiment(cfg, overrides)
-            _check_direction(cfg, config)
+            try:  # the sweeper's direction against the objective's: one problem for the sweep, said once
+                _check_direction(cfg, config)
+            except ConfigError as e:
+                directions.update({(p.key, p.rule, p.fix): p for p in e.problems})
             checked.append(cfg)
         except ConfigError as e:
             failures.append((overrides, e))
@@ -366,4 +369,6 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             failures.append((overrides, translated))
     if failures:
         raise SweepConfigError(failures)
+    if directions:
+        raise ConfigError(list(directions.values()))
     return checked
