@@ -207,11 +207,11 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat"], "data.chat_template",
      "carries no chat template"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/one.txt"],
-     "data.chat_template", "holds nothing of message 2's content (the assistant's)"),
+     "data.chat_template", "holds nothing of message 2's answer (the assistant's)"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jnja"],
      "data.chat_template", "did you mean"),
-    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/odd.jinja"],
-     "data.chat_template", "what the assistant said cannot be told apart"),
+    (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/odd.jinja",
+      "data.chat_turns=all"], "data.chat_template", "what the assistant said cannot be told apart"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
      "data.messages_field", "has no field 'messages'"),
     (["data=text", "data.paths=[{tmp}/one.txt]", "data.text_field=body"], "data.text_field",
@@ -233,8 +233,6 @@ CATALOGUE = [
      "data.paths", "message 2 has reasoning (reasoning_content), and the chat template reads none"),
     (["data=text", "data.paths=[{tmp}/reasoning_typed.jsonl]", "data.format=chat",
       "data.chat_template={tmp}/chatml.jinja"], "data.paths", "message 2 has a 'reasoning_content' that is a number"),
-    (["data=text", "data.paths=[{tmp}/chats.jsonl]", "data.format=chat", "data.chat_template={tmp}/thinking.jinja",
-      "data.chat_turns=all"], "data.chat_template", "data.chat_turns=each (an example per assistant turn"),
     (["data=text", "data.paths=[{tmp}/empty_answers.jsonl]", "data.format=chat",
       "data.chat_template={tmp}/chatml.jinja"], "data.loss_on",
      "has a token to learn (no assistant message with text)"),
@@ -334,13 +332,10 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "tool_calls.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "2+3?"}, call]}) + "\n")
     (tmp / "empty_answers.jsonl").write_text(json.dumps({"messages": [
         {"role": "user", "content": "hello"}, {"role": "assistant", "content": " "}]}) + "\n")
-    said = {"role": "assistant", "content": "5.", "reasoning_content": "2+3 is 5."}  # Qwen3's empty <think> below
+    said = {"role": "assistant", "content": "5.", "reasoning_content": "2+3 is 5."}
     (tmp / "reasoning.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "2+3?"}, said]}) + "\n")
     (tmp / "reasoning_typed.jsonl").write_text(json.dumps({"messages": [
         {"role": "user", "content": "2+3?"}, {**said, "reasoning_content": 5}]}) + "\n")
-    (tmp / "thinking.jinja").write_text((tmp / "chatml.jinja").read_text().replace(
-        "{{ m.content }}", "{% if loop.last and m.role == 'assistant' %}<think>\n\n</think>\n\n{% endif %}"
-                           "{{ m.content }}"))
     (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed
     (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever
