@@ -128,7 +128,8 @@ def execute(spec: dict, rank: int = 0, world: int = 1) -> None:
             raise RuntimeError(f"injected failure: {FAULT_ENV}={stage.name} (a rehearsal of a crashed stage)")
         ctx = StageContext(cfg=OmegaConf.load(spec["config"]), inputs={k: Path(v) for k, v in spec["inputs"].items()},
                            out=Path(spec["out"]), scratch=Path(spec["scratch"]),
-                           aside=Path(spec["aside"]) if spec.get("aside") else None, key=spec["key"], rank=rank,
+                           aside=Path(spec["aside"]) if spec.get("aside") else None, key=spec["key"],
+                           published=Cache(Path(spec["cache_root"])).entry(stage.name, spec["key"]), rank=rank,
                            world_size=world, tracker=tracker, log=log, interactive=bool(spec.get("interactive")))
         stage.run(ctx)
         tracker.flush()

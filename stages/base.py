@@ -50,6 +50,7 @@ class StageContext:
     out: Path                       # write outputs here; published atomically when run() returns
     scratch: Path                   # survives a failed attempt (resume state), deleted after publishing
     aside: Optional[Path] = None    # where damaged data found in scratch is kept (outlives the scratch folder)
+    published: Optional[Path] = None  # where `out` is kept once published (the cache entry), for files that name it
     key: str = ""                   # this stage's content key (hash of its config, inputs and code)
     rank: int = 0
     world_size: int = 1

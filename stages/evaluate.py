@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from pathlib import Path
 from typing import Optional
 
 from plugins.evaluate import generations, harness, models, validation
@@ -50,8 +51,8 @@ def evaluate(ctx: StageContext) -> None:
     values = harness.metrics(results)
     onnx = _onnx_scores(ctx, results, tasks, device) if ev.onnx else None
     table = _generations(ctx, lm)
-    kept = _published({k: results[k] for k in KEPT if k in results}, str(ctx.out),
-                      str(ctx.out.parent.with_name(ctx.key)) if ctx.key else str(ctx.out))
+    kept = {k: results[k] for k in KEPT if k in results}
+    kept = _published(kept, ctx.out, ctx.published) if ctx.published else kept
     atomic_write_json(ctx.out / "results.json", {**kept, "scored": scored, "lm_eval": harness.version(),
                                                  **({"onnx": onnx} if onnx else {}),
                                                  "peak_rss_mb": peak_rss_bytes() / 2**20})  # the plan's is checked by it
@@ -66,14 +67,16 @@ def evaluate(ctx: StageContext) -> None:
                  ", ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr")))
 
 
-def _published(value, out: str, entry: str):
+def _published(value, out: Path, entry: Path):
     """lm-eval's recorded configs with this stage's files named where the cache keeps them once published (the
     validation task's data_files: `out` is a scratch folder gone after publishing), so they can be scored again."""
     if isinstance(value, dict):
         return {k: _published(v, out, entry) for k, v in value.items()}
     if isinstance(value, list):
         return [_published(v, out, entry) for v in value]
-    return entry + value[len(out):] if isinstance(value, str) and value.startswith(out) else value
+    if isinstance(value, str) and Path(value).is_relative_to(out):
+        return os.fspath(entry / Path(value).relative_to(out))
+    return value
 
 
 def _onnx_scores(ctx: StageContext, results: dict, tasks: list, device: str) -> dict:

@@ -57,19 +57,18 @@ def _as_bytes(d):
 
 
 def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarray, Optional[np.ndarray]]]:
-    masked, joint, shown = masks_loss_of(d), d.get("prompt_encoding") == "joint", 0
+    masked, joint, shown, chatting = masks_loss_of(d), d.get("prompt_encoding") == "joint", 0, chat_options(d)
+    why = ("auto: the template renders earlier turns otherwise once a later one follows, so each assistant turn is an "
+           "example as at inference" if chatting["turns"] == "auto" else f"{chatting['turns']}: one per assistant turn")
     for piece in lay.pieces:
         for _, texts, closes in piece_documents(d, piece):
             if not texts or not any(texts):
                 continue
             if isinstance(texts, Chat):
-                made = chat_ids(tok, texts, masked, **chat_options(d))
+                made = chat_ids(tok, texts, masked, **chatting)
             else:
                 pieces = tok.encode(list(encode_inputs(texts, joint)))
                 made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
-            turns = chat_options(d)["turns"]
-            why = ("auto: the template renders earlier turns otherwise once a later one follows, so each assistant "
-                   "turn is an example as at inference" if turns == "auto" else f"{turns}: one per assistant turn")
             for turn, (ids, trained) in enumerate(made, 1):
                 yield _where(texts, piece) + (f", example {turn} of {len(made)} (data.chat_turns={why})"
                                               if len(made) > 1 else ""), ids, trained

@@ -61,8 +61,8 @@ def answers(chat: "Chat", d) -> bool:
         return True
     said = chat.completion if isinstance(chat, Conversation) else \
         [m for m in chat.messages if m["role"] == "assistant"]
-    learns_reasoning = d.get("learn_reasoning", True)
-    return not said or any(m.get("tool_calls") or any(part.strip() for part in reasoning_of(m)[learns_reasoning ^ 1:])
+    learned = slice(None) if d.get("learn_reasoning", True) else slice(1, None)  # (reasoning, answer), or answer
+    return not said or any(m.get("tool_calls") or any(part.strip() for part in reasoning_of(m)[learned])
                            for m in said)
 
 
