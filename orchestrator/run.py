@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -42,6 +43,12 @@ from storage.fsio import atomic_write_json, disk_space, read_json
 from stages import all_stages
 
 ATTEMPT_FILE = "attempt.json"
+# A sweep's points side by side (sweep.parallelism) are threads of one process: each validates and plans, then runs.
+# Planning reads and sets process-wide state (torch's thread count while the matmul rate is measured, the modules a
+# check imports on first use, the cache's folders it creates), so the points plan one at a time, and each point's
+# plan prints as one block; a calibration (a plan's first timed steps) runs within its point's planning, so a point
+# beside it finds the layout timed instead of timing it again. Only the stages themselves run side by side.
+_PLANNING = threading.RLock()
 
 
 def data_preview(cfg) -> list:
@@ -56,69 +63,78 @@ def data_preview(cfg) -> list:
 
 
 def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
-                follow_jobs: bool = True, until: Optional[str] = None, kind: str = "invocation") -> Report:
+                follow_jobs: bool = True, until: Optional[str] = None, kind: str = "invocation",
+                heading: Optional[str] = None) -> Report:
     """Run the experiment described by cfg (a dry run only plans it).
 
     sweep_run_id: the MLflow run of the sweep (or tune) this is a point of (its parent). follow_jobs=False (SLURM):
     return once the jobs are submitted (a sweep follows all its points' jobs together). until: run that stage and
-    the stages it needs only (a layout trial stops after train). kind: the MLflow parent run's orchestrator.kind."""
+    the stages it needs only (a layout trial stops after train). kind: the MLflow parent run's orchestrator.kind.
+    heading: a rule printed above the plan (a sweep's point: its plan stays under it with points side by side)."""
     t0 = time.perf_counter()
-    fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
-    choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
-    validate(cfg, overrides)
-    cache = Cache(Path(cfg.cache_dir).resolve())
-    with refusing("overrides", " ".join(overrides), "planning the stages (orchestrator/dag.py)"):
-        plan = make_plan(cfg, all_stages(until), cache)  # it reads the inputs again: they may have changed since
-    _check_cache_writable(cfg, plan, cache)
-    to_run = [ps.name for ps in plan if not ps.cached]
-    if calibration.wanted(cfg, to_run, cache.root, until):
-        timed = _calibrate(cfg, run_dir, overrides, cache, sweep_run_id)
-        if timed.exit_code:
-            return timed
-        fresh, plan = False, make_plan(cfg, all_stages(until), cache)  # the stages before train are cached now
+    with _PLANNING:  # one point of a sweep at a time (see _PLANNING)
+        if interrupt.requested():  # a signal came while this point waited for another's plan: it does not start
+            raise KeyboardInterrupt
+        if heading:
+            console.rule(Text(heading))
+        fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
+        choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
+        validate(cfg, overrides)
+        cache = Cache(Path(cfg.cache_dir).resolve())
+        with refusing("overrides", " ".join(overrides), "planning the stages (orchestrator/dag.py)"):
+            plan = make_plan(cfg, all_stages(until), cache)  # it reads the inputs again: they may have changed since
+        _check_cache_writable(cfg, plan, cache)
         to_run = [ps.name for ps in plan if not ps.cached]
-    tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
-    with refusing("overrides", " ".join(overrides), "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"):
-        data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
-        startup = cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver" and not fork_server.running()
-        planned = expected_times(cfg, to_run, cache.root, startup)
-        estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
-                     time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))),
-                     *planned_lines(planned, stage_time.where(cfg))]
+        if calibration.wanted(cfg, to_run, cache.root, until):
+            timed = _calibrate(cfg, run_dir, overrides, cache, sweep_run_id)
+            if timed.exit_code:
+                return timed
+            fresh, plan = False, make_plan(cfg, all_stages(until), cache)  # the stages before train are cached now
+            to_run = [ps.name for ps in plan if not ps.cached]
+        tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
+        estimating = "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"
+        with refusing("overrides", " ".join(overrides), estimating):
+            data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
+            startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
+                       and not fork_server.running())
+            planned = expected_times(cfg, to_run, cache.root, startup)
+            estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
+                         time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))),
+                         *planned_lines(planned, stage_time.where(cfg))]
 
-    run_dir = run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.yaml"
-    config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    executor = _executor(cfg.cluster)
-    launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
-    where = {name: executor.describe(launches[name]) for name in to_run}
-    commands = {name: executor.command(launches[name]) for name in to_run}
-    _write_plan(run_dir, plan, where, commands)
-    console.print(plan_table(plan, where))
-    said = [*choices, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]
-    for line in [*_new_store(cfg, fresh), *(said if kind != "calibration" else [])]:  # the run's plan says them
-        console.print(line, soft_wrap=True)
-    if cfg.data.preview:
-        console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)
-        return Report(run_dir)
-    for ps in plan:
-        if ps.damage:
-            console.print(f"warning: the cached {ps.name} output {cache.entry(ps.name, ps.key)} is damaged "
-                          f"({'; '.join(ps.damage)}): the stage runs again", soft_wrap=True)
-    if cfg.dry_run:
-        for name, command in commands.items():
-            write_spec(launches[name].spec_path, launches[name].spec)  # the printed commands work when pasted
-            after = [u for u in launches[name].planned.stage.after if u in commands]
-            chain = f" (submitted with --dependency=afterok on the jobs of {', '.join(after)})" \
-                if cfg.cluster.name == "slurm" and after else ""
-            console.print(f"{name}{chain}: {command}", soft_wrap=True)
-        console.print(f"dry run: nothing was started (plan written to {run_dir / 'plan.json'})", soft_wrap=True)
-        return Report(run_dir)
-    if not to_run:
-        console.print("every stage is cached: nothing to run")
-    else:  # e.g. the local fork server imports torch while MLflow's runs are opened
-        executor.prepare(tracking=cfg.tracking.name == "mlflow")
+        run_dir = run_dir.resolve()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        config_path = run_dir / "config.yaml"
+        config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        executor = _executor(cfg.cluster)
+        launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
+        where = {name: executor.describe(launches[name]) for name in to_run}
+        commands = {name: executor.command(launches[name]) for name in to_run}
+        _write_plan(run_dir, plan, where, commands)
+        console.print(plan_table(plan, where))
+        said = [*choices, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]
+        for line in [*_new_store(cfg, fresh), *(said if kind != "calibration" else [])]:  # the run's plan says them
+            console.print(line, soft_wrap=True)
+        if cfg.data.preview:
+            console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)
+            return Report(run_dir)
+        for ps in plan:
+            if ps.damage:
+                console.print(f"warning: the cached {ps.name} output {cache.entry(ps.name, ps.key)} is damaged "
+                              f"({'; '.join(ps.damage)}): the stage runs again", soft_wrap=True)
+        if cfg.dry_run:
+            for name, command in commands.items():
+                write_spec(launches[name].spec_path, launches[name].spec)  # the printed commands work when pasted
+                after = [u for u in launches[name].planned.stage.after if u in commands]
+                chain = f" (submitted with --dependency=afterok on the jobs of {', '.join(after)})" \
+                    if cfg.cluster.name == "slurm" and after else ""
+                console.print(f"{name}{chain}: {command}", soft_wrap=True)
+            console.print(f"dry run: nothing was started (plan written to {run_dir / 'plan.json'})", soft_wrap=True)
+            return Report(run_dir)
+        if not to_run:
+            console.print("every stage is cached: nothing to run")
+        else:  # e.g. the local fork server imports torch while MLflow's runs are opened
+            executor.prepare(tracking=cfg.tracking.name == "mlflow")
 
     tags = {"orchestrator.kind": kind, "orchestrator.run_dir": str(run_dir),
             "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],

@@ -198,9 +198,9 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
     def run(p: Point, follow_jobs: bool) -> None:
         if stopped.is_set() or interrupt.requested():  # a point queued behind others (sweep.parallelism)
             return
-        console.rule(f"point {p.index}: {' '.join(p.overrides) or '(no overrides)'}")
         try:
-            p.report = orchestrate(p.cfg, p.run_dir, p.overrides, sweep_run, follow_jobs=follow_jobs)
+            p.report = orchestrate(p.cfg, p.run_dir, p.overrides, sweep_run, follow_jobs=follow_jobs,
+                                   heading=f"point {p.index}: {' '.join(p.overrides) or '(no overrides)'}")
         except ConfigError as e:  # e.g. SLURM refused a job: that point is reported, the others go on
             p.error = str(e)
             console.print(f"error: {e}", soft_wrap=True)
