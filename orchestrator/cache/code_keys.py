@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import threading
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
+# CPython 3.11's AST construction is not thread-safe: two threads parsing at once (sweep points planning side by
+# side) raised "SystemError: AST constructor recursion depth mismatch (before=48, after=43)" under CI's load
+# (python/cpython#106905). One parse at a time.
+_PARSING = threading.Lock()
 PACKAGES = ("stages", "plugins", "storage", "planning", "runtime", "common", "orchestrator")  # what a stage may reach
 
 
@@ -35,7 +40,9 @@ def _imported(module: str, path: Path) -> frozenset[str]:
     once per process: the stages reach many of the same modules)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    with _PARSING:
+        tree = ast.parse(path.read_text(), str(path))
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
