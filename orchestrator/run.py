@@ -134,7 +134,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         if not to_run:
             console.print("every stage is cached: nothing to run")
         else:  # e.g. the local fork server imports torch while MLflow's runs are opened
-            executor.prepare(tracking=cfg.tracking.name == "mlflow")
+            executor.prepare(tracking=cfg.tracking.name == "mlflow", pipeline="train" in to_run and cfg.parallel.pp > 1)
 
     tags = {"orchestrator.kind": kind, "orchestrator.run_dir": str(run_dir),
             "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],

@@ -30,18 +30,23 @@ from stages import ORDER
 PRELOAD = ["orchestrator.cluster.fork_server_preload", "torch", "torch.distributed", "orchestrator.worker",
            *(f"stages.{name}" for name in ORDER)]
 TRACKING_PRELOAD = ["mlflow", "orchestrator.tracking.preload"]
+# A pipeline's ranks import torch's pipelining (torch.export and FX with it): 1.1 s of CPU each, eight of them on a
+# small machine 4-5 s of the train stage's start. Only when the run has pipeline stages: others would wait for it.
+PIPELINE_PRELOAD = ["torch.distributed.pipelining"]
 
 _context: Optional[multiprocessing.context.BaseContext] = None
 _lock = threading.Lock()  # sweep points may start stages from several threads (sweep.parallelism)
 
 
-def context(tracking: bool) -> multiprocessing.context.BaseContext:
-    """The forkserver context, its server preloading PRELOAD (+ MLflow when tracking); started on first use."""
+def context(tracking: bool, pipeline: bool = False) -> multiprocessing.context.BaseContext:
+    """The forkserver context, its server preloading PRELOAD (+ MLflow when tracking, + torch's pipelining for a
+    pipeline's ranks); started on first use (what the first call asks for is what the server has)."""
     global _context
     with _lock:
         if _context is None:
             _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(PRELOAD + (TRACKING_PRELOAD if tracking else []))
+            _context.set_forkserver_preload(PRELOAD + (TRACKING_PRELOAD if tracking else []) +
+                                            (PIPELINE_PRELOAD if pipeline else []))
         return _context
 
 
@@ -50,11 +55,11 @@ def running() -> bool:
     return _context is not None
 
 
-def start(tracking: bool) -> None:
+def start(tracking: bool, pipeline: bool = False) -> None:
     """Start the server now (it imports in the background; the first rank waits for it only if it has not done)."""
     from multiprocessing import forkserver
 
-    context(tracking)
+    context(tracking, pipeline)
     forkserver.ensure_running()
 
 

@@ -51,7 +51,7 @@ class DebugExecutor:
     def command(self, launch: Launch) -> str:
         return f"orchestrator.worker.execute({launch.spec_path}) in this process"
 
-    def prepare(self, tracking: bool) -> None:
+    def prepare(self, tracking: bool, pipeline: bool = False) -> None:
         """Nothing to start ahead: the stages run in this process."""
 
     def run(self, launch: Launch) -> Outcome:
@@ -132,10 +132,11 @@ class LocalExecutor:
         n = launch.planned.resources.tasks
         return f"local, {n} process{'es' if n > 1 else ''}"
 
-    def prepare(self, tracking: bool) -> None:
-        """Start the fork server now, so that its imports overlap the orchestrator's own work."""
+    def prepare(self, tracking: bool, pipeline: bool = False) -> None:
+        """Start the fork server now, so that its imports overlap the orchestrator's own work (pipeline: the run's
+        train stage has pipeline stages)."""
         if self.fork:
-            fork_server.start(tracking)
+            fork_server.start(tracking, pipeline)
 
     def _start(self, launch: Launch, env: dict, out_fd: int):
         """One rank, its stdout and stderr on out_fd (closed here once the rank holds it)."""

@@ -39,7 +39,7 @@ class SlurmView:
         where = f" on {self.cluster.partition}" if self.cluster.partition else ""
         return f"slurm job{where}, {tasks} task{'s' if tasks > 1 else ''}" + (f", {nodes} nodes" if nodes > 1 else "")
 
-    def prepare(self, tracking: bool) -> None:
+    def prepare(self, tracking: bool, pipeline: bool = False) -> None:
         """Nothing to start ahead: each job starts its own Python on its node."""
 
     def command(self, launch: Launch) -> str:
