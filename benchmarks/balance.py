@@ -32,7 +32,7 @@ from plugins.data.packing import rank_tokens, repack  # noqa: E402
 from plugins.data.registry import Corpus  # noqa: E402
 from plugins.models import get_model  # noqa: E402
 from plugins.models.transformer import init_weights  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 
 def corpus(seq_len: int, vocab: int, n: int = 4000) -> Corpus:
@@ -91,7 +91,7 @@ def main() -> None:
     a = arguments(sys.argv[1:], __doc__)
     seq_len, batch, steps = int(a.get("seq_len", 256)), int(a.get("batch", 32)), int(a.get("steps", 6))
     torch.set_num_threads(int(a.get("threads", 2)))
-    cfg = make_cfg(f"model={a.get('model', 'gpt_small')}")
+    cfg = compose_config(f"model={a.get('model', 'gpt_small')}")
     model = get_model(cfg.model.name).build(cfg.model)
     init_weights(model, cfg.model, seed=0)
     data = corpus(seq_len, cfg.model.vocab_size)

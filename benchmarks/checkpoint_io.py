@@ -50,13 +50,13 @@ def rank_main(model: str, layout: str, repeats: int, workdir: Path) -> None:
     from runtime.optim import build_optimizer
     from plugins.parallel.layout import build_layout
     from planning.partition import build_plan
-    from tests.conftest import make_cfg
+    from orchestrator.config.compose import compose_config
 
     torch.set_num_threads(1 if "WORLD_SIZE" in os.environ else 2)
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    cfg = make_cfg(f"model={model}", f"parallel={layout}", "train.batch_size=8", "train.seq_len=32")
+    cfg = compose_config(f"model={model}", f"parallel={layout}", "train.batch_size=8", "train.seq_len=32")
     plan = build_plan(cfg.model, cfg.parallel)
     spec = get_model(cfg.model.name)
     lay = build_layout(cfg, plan, spec, torch.device("cpu"))

@@ -28,11 +28,11 @@ from runtime.optim import build_optimizer  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
 from runtime.step import StepSettings, train_step  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 
 def memmap_vs_memory(rounds: int, steps: int, tasks: int) -> None:
-    cfg = make_cfg("train.batch_size=16", "train.seq_len=128")
+    cfg = compose_config("train.batch_size=16", "train.seq_len=128")
     with tempfile.TemporaryDirectory() as tmp:
         lay = corpus_layout(cfg)
         tok = build_tokenizer(cfg, [(cfg, lay)])

@@ -39,7 +39,7 @@ from plugins.data import data_fingerprint, get_source  # noqa: E402
 from plugins.data.corpus import ENCODE_BYTES, corpus_layout, task_documents  # noqa: E402
 from plugins.data.tokenizer import load_saved  # noqa: E402
 from runtime.threads import usable_cores  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 GB = 1e9
 
@@ -99,8 +99,8 @@ def run_stage(corpus: Path, args: list[str], tasks: int, work: Path, threads: Op
     overrides = ["data=text", f"data.paths=[{corpus}]", "data.max_bytes=0", f"data.tasks={tasks}", "tracking=none",
                  f"cache_dir={cache}", *args]
     try:
-        report = orchestrate(make_cfg(*overrides, runs_dir=work / "runs"), work / "runs" / f"run-{time.time_ns()}",
-                             overrides, until="tokenize")
+        report = orchestrate(compose_config(*overrides, runs_dir=work / "runs"),
+                             work / "runs" / f"run-{time.time_ns()}", overrides, until="tokenize")
     finally:
         os.environ.pop("RAYON_NUM_THREADS", None)
     assert report.results["tokenize"].status == "ran", report.results["tokenize"]
@@ -118,7 +118,7 @@ def run_stage(corpus: Path, args: list[str], tasks: int, work: Path, threads: Op
 def direct_rate(corpus: Path, entry: Path, args: list[str]) -> float:
     """`tokenizers`' encode_batch on the same texts, read in ENCODE_BYTES batches beforehand, only the calls
     timed: tokens/s on every core of this machine."""
-    cfg = make_cfg("data=text", f"data.paths=[{corpus}]", "data.max_bytes=0", *args)
+    cfg = compose_config("data=text", f"data.paths=[{corpus}]", "data.max_bytes=0", *args)
     backend = load_saved(entry / "tokenizer").backend
     lay = corpus_layout(cfg)
     seconds = tokens = 0
@@ -143,7 +143,7 @@ def direct_rate(corpus: Path, entry: Path, args: list[str]) -> float:
 
 def checks_and_fingerprint(corpus: Path, cache: Path) -> float:
     """A second plan's data work on the untouched corpus: the source's checks and the fingerprint."""
-    cfg = make_cfg("data=text", f"data.paths=[{corpus}]", "data.max_bytes=0", f"cache_dir={cache}")
+    cfg = compose_config("data=text", f"data.paths=[{corpus}]", "data.max_bytes=0", f"cache_dir={cache}")
     source = get_source("text")
     data_fingerprint(cfg)  # the first plan hashes what it has not seen (stamps remembered)
     time.sleep(2.1)        # past the racy window: the stamps of files just written are remembered from now on

@@ -57,7 +57,7 @@ from runtime.precision import LossScaler, mfu, of as precision_of, peak_flops  #
 from runtime.sdpa import attention_kernel  # noqa: E402
 from runtime.metrics import MetricsWindow  # noqa: E402
 from runtime.step import StepSettings, train_step  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 MODES = {  # mode -> (precision, tf32, compile)
     "fp32": ("fp32", False, False), "tf32": ("fp32", True, False),
@@ -70,10 +70,10 @@ NO_CUDA = ("benchmarks/gpu.py measures GPU training speed and needs a CUDA GPU, 
 
 def config(model: str, batch: int, seq: int, mode: str, log_every: int, overrides: tuple[str, ...] = ()):
     precision, tf32, compiled = MODES[mode]
-    cfg = make_cfg(f"model={model}", f"train.batch_size={batch}", f"train.seq_len={seq}", f"precision={precision}",
-                   f"precision.tf32={str(tf32).lower()}", f"train.log_every={log_every}", "data=synthetic",
-                   *(["triton=on"] if compiled else []),
-                   *(o for o in overrides if compiled or not o.startswith("triton.")))
+    cfg = compose_config(f"model={model}", f"train.batch_size={batch}", f"train.seq_len={seq}",
+                         f"precision={precision}", f"precision.tf32={str(tf32).lower()}",
+                         f"train.log_every={log_every}", "data=synthetic", *(["triton=on"] if compiled else []),
+                         *(o for o in overrides if compiled or not o.startswith("triton.")))
     OmegaConf.update(cfg, "model.max_seq_len", max(seq, cfg.model.max_seq_len))
     return cfg
 

@@ -29,11 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.support.cli import arguments  # noqa: E402
 from runtime.kernels import apply_kernels  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 
 def setup(model: str, cache_dir: str, batch: int, seq: int):
-    cfg = make_cfg(f"model={model}", "triton=on", f"train.batch_size={batch}", f"train.seq_len={seq}")
+    cfg = compose_config(f"model={model}", "triton=on", f"train.batch_size={batch}", f"train.seq_len={seq}")
     OmegaConf.update(cfg, "triton.cache_dir", cache_dir)
     spec = get_model(cfg.model.name)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

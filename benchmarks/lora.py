@@ -38,7 +38,7 @@ from runtime.optim import build_optimizer  # noqa: E402
 from runtime.step import StepSettings, train_step  # noqa: E402
 from storage import checkpoint as ckpt  # noqa: E402
 from storage.fsio import tree_bytes  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 VARIANTS = ("full", "lora")
 SHAPES = {"llama_0.5b": ["model=llama_1b", "model.vocab_size=151936", "model.d_model=896", "model.n_layers=24",
@@ -47,8 +47,8 @@ SHAPES = {"llama_0.5b": ["model=llama_1b", "model.vocab_size=151936", "model.d_m
 
 def setup(model: str, variant: str, rank: int, rows: int, seq: int):
     peft = ["peft=lora", f"peft.rank={rank}", f"peft.alpha={2 * rank}"] if variant == "lora" else []
-    cfg = make_cfg(*SHAPES.get(model, [f"model={model}"]), f"train.batch_size={rows}", f"train.seq_len={seq}",
-                   "model.dropout=0", *peft)
+    cfg = compose_config(*SHAPES.get(model, [f"model={model}"]), f"train.batch_size={rows}", f"train.seq_len={seq}",
+                         "model.dropout=0", *peft)
     layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), get_model(cfg.model.name),
                           torch.device("cpu"))
     return cfg, layout, [build_optimizer(cfg.optimizer, p) for p in layout.parts], StepSettings.of(cfg)

@@ -20,7 +20,7 @@ from benchmarks.support.cli import arguments  # noqa: E402
 
 from planning.estimate import estimate  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 
 def measured_mb(args: list[str], workdir: Path) -> float:
@@ -43,7 +43,7 @@ def main(argv: list[str]) -> None:
         for model in models:
             for layout in layouts:
                 overrides = [f"model={model}", f"parallel={layout}", *common]
-                cfg = make_cfg(*overrides)
+                cfg = compose_config(*overrides)
                 est = estimate(cfg, build_plan(cfg.model, cfg.parallel)).total / 2**20
                 got = measured_mb(overrides, Path(tmp))
                 print(f"{model:<10} {layout:<14} {est:>12,.0f} {got:>12,.0f} {got / est:>18.2f}", flush=True)

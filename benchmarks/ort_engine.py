@@ -32,14 +32,14 @@ from plugins.models import get_model  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from runtime.step import StepSettings, train_step  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 
 def prepare(model: str, tmp: Path) -> tuple[Path, dict]:
     """Run the DAG once in-process (engine=ort, 1 step): the graphs land in the cache; stage times."""
     args = ["cluster=debug", "tracking=none", "engine=ort", f"model={model}", "train.steps=1", "train.progress=false",
             "train.log_every=0"]
-    report = orchestrate(make_cfg(*args, runs_dir=tmp / "runs"), tmp / "run", args)
+    report = orchestrate(compose_config(*args, runs_dir=tmp / "runs"), tmp / "run", args)
     key = report.results["transform"].key
     return tmp / "runs" / "cache" / "transform" / key, {n: r.seconds for n, r in report.results.items()}
 
@@ -65,7 +65,7 @@ def main(argv: list[str]) -> None:
     for model in models:
         with tempfile.TemporaryDirectory() as tmp:
             transform, stage_s = prepare(model, Path(tmp))
-            cfg = make_cfg("engine=ort", f"model={model}")
+            cfg = compose_config("engine=ort", f"model={model}")
             spec = get_model(cfg.model.name)
             plan = read_json(transform / "partition_plan.json")
             batcher = build_batcher(cfg)

@@ -102,9 +102,9 @@ def estimates(args: list[str]) -> dict:
     """The plan's figures for this config (what `python -m orchestrator` prints before it runs)."""
     from planning.plan import partition_plan
     from planning.estimate import estimate, stage_costs
-    from tests.conftest import make_cfg
+    from orchestrator.config.compose import compose_config
 
-    cfg = make_cfg(*args)
+    cfg = compose_config(*args)
     plan = partition_plan(cfg)
     costs = stage_costs(cfg, plan)
     return {"train": estimate(cfg, plan).total, **{k: v.peak for k, v in costs.items()},
@@ -187,7 +187,7 @@ def projection(rows: list[dict]) -> list[str]:
     stages from the largest measured size's per-byte figures."""
     from planning.plan import partition_plan
     from planning.estimate import estimate, stage_costs
-    from tests.conftest import make_cfg
+    from orchestrator.config.compose import compose_config
 
     big = max(rows, key=lambda r: r["n_parameters"])
     ckpt_rate = big["checkpoint_bytes"] / big["seconds"]["checkpoint"]
@@ -205,8 +205,8 @@ def projection(rows: list[dict]) -> list[str]:
              f"{big['size']} run's per-byte figures: checkpoint {ckpt_rate / 1e6:,.0f} MB/s, aggregate "
              f"{agg_rate / 1e6:,.0f} MB/s of checkpoint, full hash {hash_rate / 1e6:,.0f} MB/s, on this VM's disk)"]
     for name, args in cases.items():
-        cfg = make_cfg(*args, "cluster=slurm", "cluster.gpus_per_task=1", "cluster.mem_per_task_gb=80",
-                       "precision=bf16")
+        cfg = compose_config(*args, "cluster=slurm", "cluster.gpus_per_task=1", "cluster.mem_per_task_gb=80",
+                             "precision=bf16")
         plan = partition_plan(cfg)
         costs = stage_costs(cfg, plan)
         ckpt = costs["checkpoint"].writes

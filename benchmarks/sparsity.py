@@ -39,7 +39,7 @@ from planning.partition import build_plan  # noqa: E402
 from runtime.metrics import MemoryProbe  # noqa: E402
 from runtime.optim import build_optimizer  # noqa: E402
 from runtime.step import StepSettings, train_step  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 VARIANTS = ("dense", "sparse")
 
@@ -61,8 +61,8 @@ def batch(kind: str, rows: int, seq: int, vocab: int, masked: float, density: fl
 
 
 def setup(model: str, engine: str, variant: str, rows: int, seq: int, transform: str):
-    cfg = make_cfg(f"model={model}", f"engine={engine}", f"train.batch_size={rows}", f"train.seq_len={seq}",
-                   f"train.label_sparsity={variant == 'sparse'}", "model.dropout=0", "data.packing=false")
+    cfg = compose_config(f"model={model}", f"engine={engine}", f"train.batch_size={rows}", f"train.seq_len={seq}",
+                         f"train.label_sparsity={variant == 'sparse'}", "model.dropout=0", "data.packing=false")
     spec = get_model(cfg.model.name)
     layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), spec, torch.device("cpu"))
     if engine == "ort":
@@ -91,7 +91,7 @@ def transform_dir(model: str, tmp: Path, rows: int, seq: int) -> str:
 
     args = ["cluster=debug", "tracking=none", "engine=ort", f"model={model}", "train.steps=1", "train.progress=false",
             "train.log_every=0", f"train.batch_size={rows}", f"train.seq_len={seq}", "model.dropout=0"]
-    report = orchestrate(make_cfg(*args, runs_dir=tmp / "runs"), tmp / "run", args)
+    report = orchestrate(compose_config(*args, runs_dir=tmp / "runs"), tmp / "run", args)
     return str(tmp / "runs" / "cache" / "transform" / report.results["transform"].key)
 
 
@@ -111,7 +111,7 @@ def main(argv: list[str]) -> None:
             "steps": int(a.get("steps", 3)), "threads": int(a.get("threads", 2))}
     rows, seq, rounds = int(a.get("batch", 4)), int(a.get("seq", 256)), int(a.get("rounds", 3))
     engines, models = a.get("engines", "torch,ort").split(","), a.get("models", "gpt_small,gpt2_124m").split(",")
-    short = {m: positions for m in models if (positions := make_cfg(f"model={m}").model.max_seq_len) < seq}
+    short = {m: positions for m in models if (positions := compose_config(f"model={m}").model.max_seq_len) < seq}
     if short:  # before anything runs: a row longer than a model's positions has no position embedding to read
         print(f"seq={seq} is longer than the positions of {', '.join(f'{m} ({n})' for m, n in short.items())}; "
               f"fix: seq={min(short.values())}, or models= without {', '.join(short)}", file=sys.stderr)

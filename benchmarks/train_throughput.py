@@ -36,7 +36,7 @@ from planning.partition import build_plan  # noqa: E402
 from stages.base import StageContext  # noqa: E402
 from stages.tokenize import tokenize  # noqa: E402
 from stages.train import train  # noqa: E402
-from tests.conftest import make_cfg  # noqa: E402
+from orchestrator.config.compose import compose_config  # noqa: E402
 
 WARMUP = 5
 
@@ -94,8 +94,8 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        cfg = make_cfg(f"model={model}", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0",
-                       runs_dir=workdir / "runs")
+        cfg = compose_config(f"model={model}", f"train.steps={steps}", "train.eval_every=0", "train.checkpoint_every=0",
+                             runs_dir=workdir / "runs")
         resolve_auto(cfg)  # precision=auto -> this machine's choice, as the orchestrator does before a run
         invocation = Invocation(cfg, "benchmark", {})
         inputs = stage_inputs(cfg, workdir)

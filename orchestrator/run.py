@@ -36,7 +36,8 @@ from planning import stage_time
 from planning.plan import (STARTUP_SAID_S, actual_line, compute_line, expected_times, memory_line, partition_plan,
                            peft_line, planned_lines, time_line)
 from planning.stage_time import Expected
-from plugins.data.corpus import plan_lines
+from plugins.data.corpus import TOKENS_DIR, passes_line, plan_lines
+from plugins.data.shards import INDEX
 from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores
 from storage.fsio import atomic_write_json, disk_space, read_json
@@ -95,6 +96,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         estimating = "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"
         with refusing("overrides", " ".join(overrides), estimating):
             data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
+            if tokenize and tokenize.cached and "train" in to_run:  # its counts are known: what the steps draw
+                data += passes_line(cfg, read_json(cache.entry("tokenize", tokenize.key) / TOKENS_DIR / INDEX))
             startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
                        and not fork_server.running())
             planned = expected_times(cfg, to_run, cache.root, startup)
@@ -184,8 +187,10 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         console.print(against, soft_wrap=True)
     console.print(f"outputs: {run_dir}", soft_wrap=True)
     if results.get("aggregate") and results["aggregate"].status in ("ran", "cached"):
-        console.print(f"the trained model: {run_dir / 'stages/aggregate/output'} (in Python: "
-                      f"orchestrator.load('{run_dir}'); for transformers: its hf/ folder)", soft_wrap=True)
+        model = run_dir / "stages/aggregate/output"
+        adapters = " (merged); for peft: its peft/ folder, the adapters alone" if (model / "peft").is_dir() else ""
+        console.print(f"the trained model: {model} (in Python: orchestrator.load('{run_dir}'); for transformers: its "
+                      f"hf/ folder{adapters})", soft_wrap=True)
     if interrupted:
         console.print("interrupted: nothing is lost; run the same command to continue", soft_wrap=True)
     if tracking:

@@ -15,6 +15,8 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from plugins.data import build_batcher
+from plugins.data import shards
+from plugins.data.corpus import passes_line
 from plugins.data.packing import whole_documents
 from plugins.engines import get_engine
 from plugins.models import get_model
@@ -55,6 +57,9 @@ def train(ctx: StageContext) -> None:
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
     batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")
+    if ctx.is_rank0:  # said by the plan too where the tokenize stage ran before it
+        for line in passes_line(cfg, read_json(ctx.inputs["tokenize"] / "tokens" / shards.INDEX)):
+            ctx.log.info("%s", line)
     control = preemption.control_group(layout.world)
 
     history = MetricsLog(ctx.scratch / "metrics.jsonl")

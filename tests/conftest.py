@@ -9,12 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import HydraException
 
+from orchestrator.config.compose import compose_config, last_wins  # noqa: F401 (last_wins: the tests' import)
 from orchestrator.config.errors import ConfigError, from_hydra
-from orchestrator.config.schema import register
 from orchestrator.config.validate import validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,21 +43,9 @@ requires_ort_training = pytest.mark.skipif(_no_ort_training_reason() is not None
                                            reason=_no_ort_training_reason() or "")
 
 
-def last_wins(args) -> list[str]:
-    """The tests' commands are a base (QUICK, DEBUG) with a test's own overrides after it: each key keeps its last
-    value, as one written command would hold it (the orchestrator refuses a key set twice to different values)."""
-    args = list(args)
-    key = [a.lstrip("+~").split("=", 1)[0] if "=" in a and not a.startswith("-") else None for a in args]
-    return [a for i, a in enumerate(args) if key[i] is None or key[i] not in key[i + 1:]]
-
-
 def make_cfg(*overrides: str, runs_dir: Path | None = None):
     """The composed config for these overrides, as `python -m orchestrator` would see it."""
-    register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3", job_name="orchestrator"):
-        extra = [f"runs_dir={runs_dir}"] if runs_dir is not None else []
-        return compose(config_name="config", overrides=last_wins([*overrides, *extra]), return_hydra_config=False)
+    return compose_config(*overrides, runs_dir=runs_dir, conf=CONF)
 
 
 def cli_env(**extra: str) -> dict:

@@ -86,8 +86,10 @@ def test_a_bad_chat_record_is_refused_naming_its_file_and_line(tmp_path, hf_toke
 # -- the templates models ship, without generation tags (tests/data/chat_templates) -----------------------------
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
-SPECIAL = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "qwen2.5": ("<|endoftext|>", "<|im_end|>"),
-           "mistral": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"), "phi3": ("<s>", "<|endoftext|>")}
+SPECIAL = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"),
+           "qwen2.5": ("<|endoftext|>", "<|im_end|>"),
+           "mistral": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"), "gemma3": ("<bos>", "<eos>"),
+           "phi3": ("<s>", "<|endoftext|>"), "phi4-mini": ("<|endoftext|>", "<|endoftext|>")}
 TURNS = ["<|start_header_id|>", "<|end_header_id|>", "<|im_start|>", "<start_of_turn>", "<end_of_turn>", "<|user|>",
          "<|assistant|>", "<|system|>", "<|end|>"]
 SYSTEM = {"role": "system", "content": "You are terse."}
@@ -116,15 +118,20 @@ def family_tokenizer():
 
 
 def _supports_system(family: str) -> bool:
-    return family in ("llama3", "qwen2.5", "phi3")
+    return family in ("llama3", "llama3.1", "qwen2.5", "phi3", "phi4-mini", "gemma3")  # Gemma 3's: in the first turn
+
+
+def _opens_with_assistant(family: str) -> bool:
+    return family in ("llama3", "llama3.1", "qwen2.5", "phi3", "phi4-mini")  # the others: a user's turn first
 
 
 @pytest.mark.parametrize("family", sorted(SPECIAL))
 def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenizer, family):
-    """Llama 3, Qwen 2.5, Mistral, Gemma and Phi-3 as they ship: what the assistant said is found by rendering the
-    conversation prefix by prefix; the ids and masks equal apply_chat_template's with generation tags added to a copy
-    of the template (return_assistant_tokens_mask) as TRL's training templates place them: the answer and the token
-    that closes its turn (<|im_end|>, <end_of_turn>, <|end|>), never the newline after it, nor an <eos> after it."""
+    """Llama 3 and 3.1, Qwen 2.5, Mistral, Gemma (1 and 3), Phi-3 and Phi-4-mini as they ship: what the assistant
+    said is found by rendering the conversation prefix by prefix; the ids and masks equal apply_chat_template's with
+    generation tags added to a copy of the template (return_assistant_tokens_mask) as TRL's training templates place
+    them: the answer and the token that closes its turn (<|im_end|>, <end_of_turn>, <|end|>), never the newline after
+    it, nor an <eos> after it (Phi-4-mini's template ends the whole chat with one)."""
     import transformers
 
     from plugins.data.records import Chat, chat_ids
@@ -134,8 +141,9 @@ def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenize
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
     plain, tagged = (TEMPLATES / f"{family}.jinja").read_text(), (TEMPLATES / f"{family}.tagged.jinja").read_text()
     chats = dict(CONVERSATIONS)
-    if _supports_system(family):  # these three do not insist on alternating roles from a user's turn either
+    if _supports_system(family):
         chats["system"] = [SYSTEM] + CONVERSATIONS["two-turns"]
+    if _opens_with_assistant(family):
         chats["opens-with-assistant"] = [{"role": "assistant", "content": "Hello! How can I help?"},
                                          *CONVERSATIONS["one-turn"]]
     for name, chat in chats.items():
@@ -193,27 +201,32 @@ CALLING = [{"role": "user", "content": "Add 2 and 3."},
 
 
 def test_tools_and_tool_calls_reach_the_template_as_transformers_passes_them(family_tokenizer, tmp_path):
-    """A record's `tools` (data.tools_field) render Qwen 2.5's tools block; its tool calls are learned through the
-    stop token, the tool's response is not: ids and masks equal apply_chat_template(tools=...) on the tagged copy.
-    A template that never reads tools refuses the record, naming it."""
+    """A record's `tools` (data.tools_field) render Qwen 2.5's and Llama 3.1's tools blocks; its tool calls are
+    learned through the stop token, the tool's response is not: ids and masks equal apply_chat_template(tools=...) on
+    the tagged copy. The tokenize stage reads such records (Llama 3.1's); a template that never reads tools refuses
+    the record, naming it."""
     import transformers
 
     from plugins.data.records import Chat, chat_ids, render_problem
     from plugins.data.tokenizer import Tokenizer
 
-    bos, eos = SPECIAL["qwen2.5"]
-    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
-    plain, tagged = (TEMPLATES / "qwen2.5.jinja").read_text(), (TEMPLATES / "qwen2.5.tagged.jinja").read_text()
-    tok = Tokenizer("hf", 400, family_tokenizer.token_to_id(eos), family_tokenizer.token_to_id(eos),
-                    family_tokenizer, plain, {"bos_token": bos, "eos_token": eos})
-    for chat in (CONVERSATIONS["one-turn"], CALLING):
-        theirs = hf.apply_chat_template(chat, tools=[ADD], chat_template=tagged, tokenize=True, return_dict=True,
-                                        return_assistant_tokens_mask=True)
-        ((ids, trained),) = chat_ids(tok, Chat(chat, "a record", [ADD]))
-        assert ids.tolist() == list(theirs["input_ids"]) and "# Tools" in hf.decode(ids)
-        assert trained.astype(int).tolist() == list(theirs["assistant_masks"])
-    said = hf.decode([i for i, t in zip(ids, trained) if t])
-    assert '<tool_call>\n{"name": "add"' in said and "<tool_response>" not in said
+    families = (("qwen2.5", "# Tools", '<tool_call>\n{"name": "add"', "<tool_response>"),
+                ("llama3.1", "Given the following functions", '{"name": "add", "parameters": {"a": 2',
+                 "<|start_header_id|>ipython"))  # what renders the tools, a learned call, the tool's unlearned answer
+    for family, tools_said, call_said, response in families:
+        bos, eos = SPECIAL[family]
+        hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
+        plain, tagged = (TEMPLATES / f"{family}.jinja").read_text(), (TEMPLATES / f"{family}.tagged.jinja").read_text()
+        tok = Tokenizer("hf", 400, family_tokenizer.token_to_id(eos), family_tokenizer.token_to_id(eos),
+                        family_tokenizer, plain, {"bos_token": bos, "eos_token": eos})
+        for chat in (CONVERSATIONS["one-turn"], CALLING):
+            theirs = hf.apply_chat_template(chat, tools=[ADD], chat_template=tagged, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
+            ((ids, trained),) = chat_ids(tok, Chat(chat, "a record", [ADD]))
+            assert ids.tolist() == list(theirs["input_ids"]) and tools_said in hf.decode(ids), family
+            assert trained.astype(int).tolist() == list(theirs["assistant_masks"]), family
+        said = hf.decode([i for i, t in zip(ids, trained) if t])
+        assert call_said in said and response not in said and "2 + 3 = 5." in said, (family, said)
     import json
 
     from plugins.data.corpus import tokenized

@@ -42,6 +42,7 @@ def test_default_experiment_prints_plan_and_stage_table(default_run):
     _, result = default_run
     out = result.stdout
     assert "plan" in out and "stages (" in out
+    assert "[train] data: 12 steps of 8 rows draw 6,144 tokens at random from the training split's" in out
     for stage in STAGES:
         assert stage in out
     assert out.count(" ran ") >= 5 and "eval" in out
@@ -71,17 +72,14 @@ def test_mlflow_holds_one_parent_with_five_stage_runs(default_run):
     assert kids["aggregate"].data.metrics["eval_loss"] == pytest.approx(train.data.metrics["final_eval_loss"], rel=1e-6)
 
 
-def test_rerun_reports_everything_cached_quickly(default_run):
+def test_rerun_reports_everything_cached(default_run):
     """Nothing to run: the command returns without importing MLflow, and a detached process records the run (the
     parent with one cached child per stage, pointing at the runs that computed them) a moment later."""
     workdir, _ = default_run
-    t0 = time.perf_counter()
     result = run_cli(QUICK, workdir)
-    elapsed = time.perf_counter() - t0
     assert result.returncode == 0, result.stderr
-    assert "every stage is cached" in result.stdout
+    assert "every stage is cached" in result.stdout  # nothing ran again (its time is a benchmark's to say, not this)
     assert result.stdout.count(" cached ") >= 5
-    assert elapsed < 30  # behaviour, not speed: "a few seconds" would be < 10; this only catches re-running
     recorder = int(re.search(r"recorded by pid (\d+) in the background", result.stdout).group(1))
     _wait_for(lambda: not psutil.pid_exists(recorder), 120, "the recording process")
     assert not (run_folder(result) / "mlflow_pending.json").exists()
@@ -104,6 +102,7 @@ def test_dry_run_prints_plan_and_commands(default_run):
     assert "dry run: nothing was started" in result.stdout
     assert "train: " in result.stdout and "orchestrator.worker" in result.stdout
     assert "export: " not in result.stdout  # cached: nothing to run
+    assert "data: 12 steps of 8 rows draw 6,144 tokens at random" in result.stdout  # the cached tokenize's counts
 
 
 def _wait_for(predicate, timeout: float, what: str):

@@ -126,6 +126,9 @@ def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
             if m.startswith("orchestrator.cluster") and t in ("orchestrator.run", "orchestrator.sweeps.launcher",
                                                               "orchestrator.__main__"):
                 bad.append(f"{m} -> {t}: cluster modules are used by run and sweep, not the other way")
+            if top(m) != "tests" and top(t) == "tests":
+                bad.append(f"{m} -> {t}: only tests import tests (what a benchmark shares with them lives below, "
+                           "e.g. orchestrator.config.compose)")
     return bad
 
 
@@ -134,6 +137,10 @@ def test_imports_point_down_the_layers():
 
 
 def test_an_import_up_a_floor_is_named():
-    bad = _layer_violations({"storage.checkpoint": {"plugins.models.registry"}, "plugins.data.rules": {"common.problem"}})
+    bad = _layer_violations({"storage.checkpoint": {"plugins.models.registry"},
+                             "plugins.data.rules": {"common.problem"}, "benchmarks.lora": {"tests.conftest"},
+                             "tests.test_lora": {"tests.conftest"}})
     assert bad == ["storage.checkpoint -> plugins.models.registry: storage is below plugins "
-                   "(floors: orchestrator > stages > planning > plugins > runtime > storage > common)"]
+                   "(floors: orchestrator > stages > planning > plugins > runtime > storage > common)",
+                   "benchmarks.lora -> tests.conftest: only tests import tests (what a benchmark shares with them "
+                   "lives below, e.g. orchestrator.config.compose)"]

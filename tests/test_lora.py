@@ -47,6 +47,7 @@ def _run(tmp_path: Path, family: str, folder: Path, targets: str, *extra: str, w
     (tmp_path / work).mkdir()
     result = run_cli(overrides, tmp_path / work, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "hf/ folder (merged); for peft: its peft/ folder, the adapters alone)" in result.stdout  # the last line
     return overrides, tmp_path / work
 
 

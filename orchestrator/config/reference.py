@@ -22,15 +22,9 @@ def _show(v: Any) -> str:
 
 
 def _compose(conf: Path, overrides: tuple[str, ...] = ()):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from orchestrator.config.compose import compose_config
 
-    from orchestrator.config.schema import register
-
-    register()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+    return compose_config(*overrides, conf=conf)
 
 
 def _rules(meta) -> str:

@@ -346,6 +346,22 @@ def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
     return lines
 
 
+def passes_line(cfg, index: dict) -> list[str]:
+    """How much of the training split the steps draw, from the tokenize stage's counts (its index.json): rows are
+    drawn at random, so this is each token's expected number of visits (16 passes over a small chat set overfits,
+    and nothing else says so). A data.mix draws each source by weight: not said here."""
+    if cfg.data.get("mix") or not index.get("train", {}).get("tokens"):
+        return []
+    t, train = cfg.train, index["train"]
+    if cfg.data.packing:  # windows (or rows of whole documents) of train.seq_len tokens
+        drawn, pool, unit = t.steps * t.batch_size * t.seq_len, train["tokens"], "tokens"
+    else:  # one record a row
+        drawn, pool, unit = t.steps * t.batch_size, train["documents"], "records"
+    share = f"about {drawn / pool:,.1f} passes over it" if drawn >= pool else f"{drawn / pool:.2%} of it"
+    return [f"data: {t.steps:,} steps of {t.batch_size:,} rows draw {drawn:,} {unit} at random from the training "
+            f"split's {pool:,}: {share}"]
+
+
 def _size(n: int) -> str:
     return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n:,} bytes"
 
