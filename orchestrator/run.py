@@ -37,7 +37,6 @@ from planning.plan import (STARTUP_SAID_S, actual_line, compute_line, expected_t
                            peft_line, planned_lines, time_line)
 from planning.stage_time import Expected
 from plugins.data.corpus import TOKENS_DIR, passes_line, plan_lines
-from plugins.data.shards import INDEX
 from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores
 from storage.fsio import atomic_write_json, disk_space, read_json
@@ -97,7 +96,7 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         with refusing("overrides", " ".join(overrides), estimating):
             data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
             if tokenize and tokenize.cached and "train" in to_run:  # its counts are known: what the steps draw
-                data += passes_line(cfg, read_json(cache.entry("tokenize", tokenize.key) / TOKENS_DIR / INDEX))
+                data += passes_line(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
             startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
                        and not fork_server.running())
             planned = expected_times(cfg, to_run, cache.root, startup)

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from plugins.data import build_batcher
-from plugins.data import shards
 from plugins.data.corpus import passes_line
 from plugins.data.packing import whole_documents
 from plugins.engines import get_engine
@@ -58,7 +57,7 @@ def train(ctx: StageContext) -> None:
     scaler = build_scaler(cfg)
     batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")
     if ctx.is_rank0:  # said by the plan too where the tokenize stage ran before it
-        for line in passes_line(cfg, read_json(ctx.inputs["tokenize"] / "tokens" / shards.INDEX)):
+        for line in passes_line(cfg, ctx.inputs["tokenize"] / "tokens"):
             ctx.log.info("%s", line)
     control = preemption.control_group(layout.world)
 

@@ -137,15 +137,18 @@ def test_stdlib_corpus_has_a_held_out_split():
     assert batcher.eval_batch(0).inputs.max() < 258
 
 
-def test_the_plan_says_how_much_of_the_training_split_the_steps_draw():
+def test_the_plan_says_how_much_of_the_training_split_the_steps_draw(tmp_path):
+    import json
+
     from plugins.data.corpus import passes_line
 
-    index = {"train": {"documents": 40, "tokens": 4_000}}
-    assert passes_line(make_cfg("train.steps=150", "train.batch_size=8", "train.seq_len=64"), index) == [
+    (tmp_path / "index.json").write_text(json.dumps({"train": {"documents": 40, "tokens": 4_000}}))
+    assert passes_line(make_cfg("train.steps=150", "train.batch_size=8", "train.seq_len=64"), tmp_path) == [
         "data: 150 steps of 8 rows draw 76,800 tokens at random from the training split's 4,000: about 19.2 passes "
         "over it"]
-    assert passes_line(make_cfg("train.steps=2", "train.batch_size=8", "data.packing=false"), index) == [
+    assert passes_line(make_cfg("train.steps=2", "train.batch_size=8", "data.packing=false"), tmp_path) == [
         "data: 2 steps of 8 rows draw 16 records at random from the training split's 40: 40.00% of it"]
+    assert passes_line(make_cfg(), tmp_path / "no index here") == []  # an entry without counts: nothing said
 
 
 def test_too_little_data_is_explained():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import resource
 import tempfile
 import time
@@ -346,11 +347,14 @@ def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
     return lines
 
 
-def passes_line(cfg, index: dict) -> list[str]:
-    """How much of the training split the steps draw, from the tokenize stage's counts (its index.json): rows are
-    drawn at random, so this is each token's expected number of visits (16 passes over a small chat set overfits,
-    and nothing else says so). A data.mix draws each source by weight: not said here."""
-    if cfg.data.get("mix") or not index.get("train", {}).get("tokens"):
+def passes_line(cfg, tokens: Path) -> list[str]:
+    """How much of the training split the steps draw, from the tokenize stage's counts (its index.json in `tokens`):
+    rows are drawn at random, so this is each token's expected number of visits (16 passes over a small chat set
+    overfits, and nothing else says so). A data.mix draws each source by weight: not said here, nor where an index
+    holds no counts (an entry written before they were kept)."""
+    path = Path(tokens) / shards.INDEX
+    index = json.loads(path.read_text()) if not cfg.data.get("mix") and path.is_file() else {}
+    if not isinstance(index.get("train"), dict) or not index["train"].get("tokens"):
         return []
     t, train = cfg.train, index["train"]
     if cfg.data.packing:  # windows (or rows of whole documents) of train.seq_len tokens
