@@ -186,8 +186,10 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         console.print(against, soft_wrap=True)
     console.print(f"outputs: {run_dir}", soft_wrap=True)
     if results.get("aggregate") and results["aggregate"].status in ("ran", "cached"):
+        from storage.adapters import PEFT  # the aggregate's folder of a LoRA run's adapters
+
         model = run_dir / "stages/aggregate/output"
-        adapters = " (merged); for peft: its peft/ folder, the adapters alone" if (model / "peft").is_dir() else ""
+        adapters = f" (merged); for peft: its {PEFT}/ folder, the adapters alone" if (model / PEFT).is_dir() else ""
         console.print(f"the trained model: {model} (in Python: orchestrator.load('{run_dir}'); for transformers: its "
                       f"hf/ folder{adapters})", soft_wrap=True)
     if interrupted:

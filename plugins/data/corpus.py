@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import json
 import resource
 import tempfile
 import time
@@ -27,6 +26,7 @@ from plugins.data.reading import Layout, in_val, layout, partition
 from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs, masks_loss,
                                   piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
+from storage.fsio import read_json
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
 TOKENIZER_DIR, TOKENS_DIR = "tokenizer", "tokens"
@@ -353,7 +353,7 @@ def passes_line(cfg, tokens: Path) -> list[str]:
     overfits, and nothing else says so). A data.mix draws each source by weight: not said here, nor where an index
     holds no counts (an entry written before they were kept)."""
     path = Path(tokens) / shards.INDEX
-    index = json.loads(path.read_text()) if not cfg.data.get("mix") and path.is_file() else {}
+    index = read_json(path) if not cfg.data.get("mix") and path.is_file() else {}
     if not isinstance(index.get("train"), dict) or not index["train"].get("tokens"):
         return []
     t, train = cfg.train, index["train"]
