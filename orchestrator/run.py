@@ -80,6 +80,13 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
         choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
         validate(cfg, overrides)
+        startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
+                   and not fork_server.running())
+        executor = _executor(cfg.cluster)
+        if not cfg.dry_run and not cfg.data.preview:  # e.g. the local fork server imports torch and the stages'
+            # libraries (7 s of CPU on the 2-core VM) while the stages are planned, the plan printed, MLflow's runs
+            # opened; a run whose stages are all cached ends soon after (the server with it)
+            executor.prepare(tracking=cfg.tracking.name == "mlflow", pipeline=cfg.parallel.pp > 1)
         cache = Cache(Path(cfg.cache_dir).resolve())
         with refusing("overrides", " ".join(overrides), "planning the stages (orchestrator/dag.py)"):
             plan = make_plan(cfg, all_stages(until), cache)  # it reads the inputs again: they may have changed since
@@ -97,8 +104,6 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
             data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
             if tokenize and tokenize.cached and "train" in to_run:  # its counts are known: what the steps draw
                 data += passes_line(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
-            startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
-                       and not fork_server.running())
             planned = expected_times(cfg, to_run, cache.root, startup)
             estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
                          time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))),
@@ -108,7 +113,6 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
         run_dir.mkdir(parents=True, exist_ok=True)
         config_path = run_dir / "config.yaml"
         config_path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
-        executor = _executor(cfg.cluster)
         launches = {ps.name: _launch(cfg, ps, cache, run_dir, config_path) for ps in plan}
         where = {name: executor.describe(launches[name]) for name in to_run}
         commands = {name: executor.command(launches[name]) for name in to_run}
@@ -135,8 +139,6 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
             return Report(run_dir)
         if not to_run:
             console.print("every stage is cached: nothing to run")
-        else:  # e.g. the local fork server imports torch while MLflow's runs are opened
-            executor.prepare(tracking=cfg.tracking.name == "mlflow", pipeline="train" in to_run and cfg.parallel.pp > 1)
 
     tags = {"orchestrator.kind": kind, "orchestrator.run_dir": str(run_dir),
             "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],

@@ -167,9 +167,7 @@ class MetricsLog:
 
 
 def plot_loss_curve(rows: Iterable[dict], path: Path, title: str = "") -> Optional[Path]:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from common.figures import plt
 
     rows = list(rows)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
@@ -194,9 +192,7 @@ def plot_loss_curve(rows: Iterable[dict], path: Path, title: str = "") -> Option
 def plot_pipeline_timeline(timeline: dict, path: Path, title: str = "") -> Optional[Path]:
     """One row per pipeline rank: when it ran each microbatch's forward (F), backward (B) and weight
     gradient (W) of each of its stages; the gaps are the bubble."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from common.figures import plt
 
     ranks = sorted(timeline["ranks"], key=lambda r: r["rank"])
     if not ranks:

@@ -1,8 +1,9 @@
 """Every parallel layout trains like one process; checkpoints move between layouts; ranks fail cleanly.
 
 Real `python -m orchestrator` runs (local cluster: one process per rank, gloo, one thread each), fp32,
-dropout 0, tied embeddings, the same seed and data. A constant learning rate makes a 5-step run the first
-half of a 10-step run, so checkpoints taken at step 5 can be continued and compared.
+dropout 0, tied embeddings, the same seed and data. A constant learning rate makes a 3-step run the first
+half of a 6-step run, so checkpoints taken at step 3 can be continued and compared. (Six steps take every path ten
+did: Adam's state after its first steps, an evaluation and a save mid-run and at the end, a resumed optimizer.)
 """
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ from tests.conftest import (ROOT, cli_env, last_wins, make_cfg, requires_ort_tra
 
 pytestmark = pytest.mark.e2e
 
-COMMON = ["train.batch_size=8", "train.seq_len=32", "train.eval_every=5", "train.checkpoint_every=5",
+STEPS, HALF = 6, 3
+COMMON = ["train.batch_size=8", "train.seq_len=32", f"train.eval_every={HALF}", f"train.checkpoint_every={HALF}",
           "train.eval_batches=2", "optimizer.schedule=constant", "optimizer.warmup_steps=0", "tracking=none",
           "train.progress=false"]
 LAYOUTS = {
@@ -91,7 +93,7 @@ def sweep(args: list[str], names: list[str], workdir: Path) -> dict[str, Path]:
     return {overrides.removeprefix("+layout="): run_dir for overrides, run_dir in points.items()}
 
 
-# Layouts whose 10-step parity with one process other tests' runs take: hp=4 trains steps 6-10 from a dp2_hp2_pp2
+# Layouts whose parity with one process other tests' runs take: hp=4 trains the second half from a dp2_hp2_pp2
 # checkpoint in test_checkpoint_reshards_into_other_layouts, against these runs' steps; ddp2-shard and
 # megatron_hp2-sp-lp run here with recomputation (memory=level2, level1), and without it on Llama's packed documents
 # (LLAMA_LAYOUTS) and in bf16 (BF16_LAYOUTS)
@@ -100,8 +102,8 @@ TAKEN_ELSEWHERE = ("megatron_hp4", "ddp2-shard", "megatron_hp2-sp-lp")
 
 @pytest.fixture(scope="module")
 def runs(workdir) -> dict[str, Path]:
-    """10 steps in every layout, one after another, sharing one cache (the export runs once)."""
-    return sweep([*COMMON, "train.steps=10"], [name for name in LAYOUTS if name not in TAKEN_ELSEWHERE], workdir)
+    """STEPS steps in every layout, one after another, sharing one cache (the export runs once)."""
+    return sweep([*COMMON, f"train.steps={STEPS}"], [name for name in LAYOUTS if name not in TAKEN_ELSEWHERE], workdir)
 
 
 def assert_close(got: list[float], want: list[float], what: str) -> None:
@@ -113,7 +115,7 @@ def assert_close(got: list[float], want: list[float], what: str) -> None:
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("single", *TAKEN_ELSEWHERE)])
 def test_layout_matches_one_process(runs, layout):
     got, want = rows(runs[layout]), rows(runs["single"])
-    assert [r["step"] for r in got] == list(range(1, 11))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], "loss")
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], "global grad norm")
     assert_close([r["eval_loss"] for r in got if "eval_loss" in r], [r["eval_loss"] for r in want if "eval_loss" in r],
@@ -147,19 +149,20 @@ def test_pipeline_runs_record_their_timeline(runs):
 @pytest.fixture(scope="module")
 def five_steps(workdir) -> Path:
     """The first half of runs["dp2_hp2_pp2-shard"] (a constant learning rate): its checkpoint is continued elsewhere."""
-    return outputs(run_cli([*COMMON, "train.steps=5", *LAYOUTS["dp2_hp2_pp2-shard"]], workdir))
+    return outputs(run_cli([*COMMON, f"train.steps={HALF}", *LAYOUTS["dp2_hp2_pp2-shard"]], workdir))
 
 
 def test_checkpoint_reshards_into_other_layouts(runs, workdir, five_steps):
-    """5 steps in dp2_hp2_pp2, then 5 more in megatron_hp4 and in single from that checkpoint: the same
-    losses as 10 uninterrupted steps in dp2_hp2_pp2."""
+    """HALF steps in dp2_hp2_pp2, then HALF more in megatron_hp4 and in single from that checkpoint: the same
+    losses as STEPS uninterrupted steps in dp2_hp2_pp2."""
     checkpoint = (five_steps / "stages/checkpoint/output").resolve()
-    reference = [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][5:]
+    reference = [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][HALF:]
     for layout in ("megatron_hp4", "single"):
-        cont = outputs(run_cli([*COMMON, "train.steps=10", f"train.init_from={checkpoint}", *LAYOUTS[layout]], workdir))
+        cont = outputs(run_cli([*COMMON, f"train.steps={STEPS}", f"train.init_from={checkpoint}", *LAYOUTS[layout]],
+                               workdir))
         got = rows(cont)
-        assert [r["step"] for r in got] == list(range(6, 11)), layout
-        assert read_json(cont / "stages/train/output/summary.json")["resumed_from_step"] == 5
+        assert [r["step"] for r in got] == list(range(HALF + 1, STEPS + 1)), layout
+        assert read_json(cont / "stages/train/output/summary.json")["resumed_from_step"] == HALF
         assert_close([r["loss"] for r in got], reference, f"{layout} continuing dp2_hp2_pp2")
     # what it requires of a checkpoint is checked with the plan: the optimizer whose state it holds, its checksums
     from orchestrator.config.errors import ConfigError
@@ -167,7 +170,7 @@ def test_checkpoint_reshards_into_other_layouts(runs, workdir, five_steps):
 
     def refusal(*overrides: str) -> str:
         with pytest.raises(ConfigError) as e:
-            validate(make_cfg(*COMMON, "train.steps=10", *overrides, runs_dir=workdir / "runs"))
+            validate(make_cfg(*COMMON, f"train.steps={STEPS}", *overrides, runs_dir=workdir / "runs"))
         return "\n".join(str(p) for p in e.value.problems if p.key == "train.init_from")
 
     assert "holds adamw's state" in refusal(f"train.init_from={checkpoint}", "optimizer=sgd")
@@ -188,14 +191,14 @@ def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, five_steps):
     distributed = read_json(five_steps / "stages/train/output/summary.json")["final_eval_loss"]
     assert abs(verification["eval_loss"] - distributed) <= RTOL * distributed
 
-    cfg = make_cfg(*COMMON, "train.steps=10")
+    cfg = make_cfg(*COMMON, f"train.steps={STEPS}")
     spec = get_model("gpt")
     model = spec.build(cfg.model)
     optimizer = build_optimizer(cfg.optimizer, model)
     consolidate.load(aggregated, model, optimizer)
     batcher = build_batcher(cfg)
     losses = []
-    for step in range(5, 10):
+    for step in range(HALF, STEPS):
         batch = batcher.train_batch(step)
         loss = spec.loss(model(batch.inputs), batch.labels) / batch.n_labels
         loss.backward()
@@ -203,19 +206,19 @@ def test_aggregated_checkpoint_continues_in_plain_pytorch(runs, five_steps):
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    assert_close(losses, [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][5:], "plain continuation")
+    assert_close(losses, [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][HALF:], "plain continuation")
 
 
 def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
-    args = last_wins([*COMMON, "parallel=ddp2", "train.steps=80", "train.checkpoint_every=10", "train.eval_every=40"])
+    args = last_wins([*COMMON, "parallel=ddp2", "train.steps=40", "train.checkpoint_every=10", "train.eval_every=20"])
     env = cli_env()
     proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     scratch = tmp_path / "runs" / "cache" / "train"
     try:
         deadline = time.monotonic() + 300
-        while not any(scratch.glob("*.work/scratch/checkpoints/step_0000020/manifest.json")):
-            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-20 checkpoint"
+        while not any(scratch.glob("*.work/scratch/checkpoints/step_0000010/manifest.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its step-10 checkpoint"
             time.sleep(0.05)
         started = psutil.Process(proc.pid).children(recursive=True)  # the fork server and the ranks
         ranks = [p for p in started if p.name() == "train.rank1"]
@@ -245,7 +248,7 @@ def test_a_killed_rank_fails_the_run_and_the_rerun_resumes(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:]
     assert "resumes from step" in result.stdout
     summary = read_json(outputs(result) / "stages/train/output/summary.json")
-    assert summary["resumed_from_step"] >= 20 and summary["steps"] == 80
+    assert summary["resumed_from_step"] >= 10 and summary["steps"] == 40
 
 
 # -- model=llama_tiny: RoPE, RMSNorm, SwiGLU and grouped-query attention in the same layouts, fine-tuned on -------
@@ -273,7 +276,7 @@ def sums(path: Path) -> Path:
 @pytest.fixture(scope="module")
 def llama_runs(workdir) -> dict[str, Path]:
     records = ["data=text", f"data.paths=[{sums(workdir / 'sums.jsonl')}]", "data.format=prompt_completion"]
-    llama = [*COMMON, "train.steps=10", "model=llama_tiny"]
+    llama = [*COMMON, f"train.steps={STEPS}", "model=llama_tiny"]
     runs = sweep([*llama, *records], LLAMA_LAYOUTS, workdir)
     runs.update({f"padded-{k}": v for k, v in sweep([*llama, *records, "data.packing=false"], LLAMA_PADDED,
                                                     workdir).items()})
@@ -289,7 +292,7 @@ def test_llama_layout_matches_one_process(llama_runs, layout):
     got, want = rows(llama_runs[layout]), rows(llama_runs["padded-single" if "padded" in layout else "single"])
     if "padded" in layout:  # the straggler's share of real tokens is recorded each step
         assert all(1 <= r["rank_tokens_max_over_mean"] < 1.5 for r in got)
-    assert [r["step"] for r in got] == list(range(1, 11))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
     assert_close([r["loss"] for r in got], [r["loss"] for r in want], "loss")
     assert_close([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], "global grad norm")
     assert_close([r["eval_loss"] for r in got if "eval_loss" in r], [r["eval_loss"] for r in want if "eval_loss" in r],
@@ -310,13 +313,13 @@ def test_llama_on_ort_matches_torch(llama_runs, layout):
 
 # ddp2-replicate and pipeline_pp2 are parts of dp2_hp2_pp2-replicate; ddp2-shard is FSDP2's own mixed precision
 BF16_LAYOUTS = ["single", "ddp2-shard", "megatron_hp2", "dp2_hp2_pp2-replicate"]
-BF16_VS_FP32 = 2e-2    # bf16 compute (8-bit mantissa) against fp32, every step of 10 (measured: at most 3.3e-4)
+BF16_VS_FP32 = 2e-2    # bf16 compute (8-bit mantissa) against fp32, every step (measured: at most 3.3e-4 over 10)
 BF16_LAYOUTS_AGREE = 1e-2  # two bf16 layouts: other reduction orders and casts (autocast vs FSDP2; measured 3.3e-4)
 
 
 @pytest.fixture(scope="module")
 def bf16_runs(workdir) -> dict[str, Path]:
-    return sweep([*COMMON, "train.steps=10", "precision=bf16"], BF16_LAYOUTS, workdir)
+    return sweep([*COMMON, f"train.steps={STEPS}", "precision=bf16"], BF16_LAYOUTS, workdir)
 
 
 def _worst(got: list[dict], want: list[dict]) -> float:
@@ -344,7 +347,7 @@ ORT_LAYOUTS = ["single", "dp2_hp2_pp2-replicate", "dp2_hp2_pp2-shard"]  # hp and
 
 @pytest.fixture(scope="module")
 def ort_runs(workdir) -> dict[str, Path]:
-    return sweep([*COMMON, "train.steps=10", "engine=ort"], ORT_LAYOUTS, workdir)
+    return sweep([*COMMON, f"train.steps={STEPS}", "engine=ort"], ORT_LAYOUTS, workdir)
 
 
 @requires_ort_training
@@ -381,9 +384,9 @@ ZERO_BUBBLE = {schedule: ["parallel.pp=2", "parallel.pp_chunks=2", f"parallel.pp
 @pytest.mark.parametrize("schedule", list(ZERO_BUBBLE))
 def test_ort_zero_bubble_schedules_match_torch_and_one_process(runs, workdir, schedule):
     """torch splits a zero-bubble backward into input and weight passes: the ORT units answer both."""
-    ort, torch_ = (rows(outputs(run_cli([*COMMON, "train.steps=6", f"engine={engine}", *ZERO_BUBBLE[schedule]],
-                                        workdir))) for engine in ("ort", "torch"))
-    for o, t, one in zip(ort, torch_, rows(runs["single"])[:6], strict=True):
+    ort, torch_ = (rows(outputs(run_cli([*COMMON, f"train.steps={STEPS}", f"engine={engine}",
+                                         *ZERO_BUBBLE[schedule]], workdir))) for engine in ("ort", "torch"))
+    for o, t, one in zip(ort, torch_, rows(runs["single"]), strict=True):
         assert abs(o["loss"] - t["loss"]) <= ORT_RTOL * t["loss"], (o["step"], o["loss"], t["loss"])
         assert abs(o["loss"] - one["loss"]) <= ORT_RTOL * one["loss"], (o["step"], o["loss"], one["loss"])
 
@@ -391,7 +394,7 @@ def test_ort_zero_bubble_schedules_match_torch_and_one_process(runs, workdir, sc
 @requires_ort_training
 def test_ort_new_batch_size_rebuilds_nothing(ort_runs, workdir):
     """Batch and sequence length are dynamic axes: export and transform come from the cache."""
-    result = run_cli([*COMMON, "train.steps=10", "engine=ort", "train.batch_size=4", "train.seq_len=48",
+    result = run_cli([*COMMON, f"train.steps={STEPS}", "engine=ort", "train.batch_size=4", "train.seq_len=48",
                       "dry_run=true"], workdir)
     plan = {p["stage"]: p for p in json.loads(Path(re.search(r"plan written to (\S+)\)", result.stdout)
                                                      .group(1)).read_text())}

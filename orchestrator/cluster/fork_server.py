@@ -26,9 +26,13 @@ from typing import Optional
 
 from stages import ORDER
 
-# What every rank would import anyway. MLflow only when the run tracks (a stage imports it only then).
-PRELOAD = ["orchestrator.cluster.fork_server_preload", "torch", "torch.distributed", "orchestrator.worker",
-           *(f"stages.{name}" for name in ORDER)]
+# What every rank would import anyway. MLflow only when the run tracks (a stage imports it only then). Three that
+# the stages import on first use, measured in the ranks of a dp2_hp2_pp2 run (CPU on the 2-core VM): torch._dynamo,
+# which building any torch.optim optimizer imports (0.8-1.1 s in every train rank, 1.4 s in the aggregate stage);
+# onnxruntime (export and aggregate check their ONNX models with it: 0.2-0.4 s each); matplotlib (rank 0 draws the
+# loss curve: 0.9-1.1 s). Importing them starts no thread.
+PRELOAD = ["orchestrator.cluster.fork_server_preload", "torch", "torch.distributed", "torch._dynamo", "onnxruntime",
+           "common.figures", "orchestrator.worker", *(f"stages.{name}" for name in ORDER)]
 TRACKING_PRELOAD = ["mlflow", "orchestrator.tracking.preload"]
 # A pipeline's ranks import torch's pipelining (torch.export and FX with it): 1.1 s of CPU each, eight of them on a
 # small machine 4-5 s of the train stage's start. Only when the run has pipeline stages: others would wait for it.

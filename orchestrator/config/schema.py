@@ -121,8 +121,8 @@ class OptimizerConfig:
     schedule: str = key("cosine", "learning-rate decay after warm-up", choices=("cosine", "constant"))
     min_lr_ratio: float = key(0.1, "final lr of the cosine decay, as a fraction of lr", min=0.0, max=1.0,
                               read_when=("optimizer.schedule", ("cosine",)))
-    impl: str = key("auto", "kernel: fused or foreach where torch offers it (auto picks the fastest available)",
-                    choices=("auto", "fused", "foreach", "for_loop"))
+    impl: str = key("auto", "kernel: fused or foreach where torch offers it (auto picks the fastest available: "
+                            "one tensor at a time for DTensors on a CPU)", choices=("auto", "fused", "foreach", "for_loop"))
 
 
 @dataclass

@@ -24,9 +24,7 @@ HISTORY, IMPORTANCE = "optuna_history.png", "optuna_importance.png"
 
 
 def _plt():
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from common.figures import plt
 
     return plt
 

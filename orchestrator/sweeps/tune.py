@@ -224,9 +224,7 @@ def _report(cfg, ranked: list[Trial], trials: list[Trial], run_dir: Path, overri
 def _chart(ranked: list[Trial], path: Path, objective: str) -> Optional[Path]:
     if not ranked:
         return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from common.figures import plt
 
     values = [t.tokens_per_s if objective == "tokens_per_s" else t.peak_memory_mb or 0 for t in ranked]
     fig, ax = plt.subplots(figsize=(7, 0.4 * len(ranked) + 1.2), dpi=100)
