@@ -57,7 +57,7 @@ def _sgd(cfg, groups: list[dict], kwargs: dict) -> torch.optim.Optimizer:
 
 
 # The optimizers there are: optimizer.name -> (cfg, parameter groups, kernel kwargs) -> optimizer. Another one is an
-# entry here and a conf/optimizer/<name>.yaml with its schema in orchestrator/config/schema.py.
+# entry here and a conf/optimizer/<name>.yaml with its schema in orchestrator/config/schema/training.py.
 OPTIMIZERS = {"adamw": _adamw, "sgd": _sgd}
 
 

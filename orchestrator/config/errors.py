@@ -44,7 +44,7 @@ def unknown_key_problem(full_key: str, schema: Optional[type], value: Any = "?",
         fix = f"{full_key} is a key of {elsewhere}: add {elsewhere} to the command (or remove the key); " + fix
     how = f"set by the override '{override}'; " if override else ""
     return Problem(full_key, value, f"{section} has no key '{name}' ({how}every key is declared in "
-                   "orchestrator/config/schema.py, and Hydra's '+key=' would add it unchecked)", fix)
+                   "orchestrator/config/schema/, and Hydra's '+key=' would add it unchecked)", fix)
 
 
 def _option_with_key(section: str, name: str) -> Optional[str]:

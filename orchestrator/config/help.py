@@ -25,6 +25,6 @@ def help_text() -> str:
     lines += ["", "Common commands:"]
     lines += [f"  {cmd}\n      {what}" for cmd, what in COMMANDS]
     lines += ["", "Every key, its default and its meaning: docs/configuration.md (generated from",
-              "orchestrator/config/schema.py). Bad values are refused before anything starts, naming the key, the",
+              "orchestrator/config/schema/). Bad values are refused before anything starts, naming the key, the",
               "value, the rule and a fix (exit status 2). Hydra's own help: --hydra-help."]
     return "\n".join(lines)
