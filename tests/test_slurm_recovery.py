@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slurm
 def test_five_stages_as_jobs_on_two_nodes_a_preempted_train_job_requeued_with_the_loss_of_one_process(slurm, tmp_path):
     # the signal is sent once rank 0 has printed step 4 (its job log is written as it prints: the scratch metrics are
     # synced at checkpoints only): it lands mid-training, 20 steps before the last
-    args = ["train.steps=24", "train.checkpoint_every=1000", "train.log_every=1", "train.eval_every=0",
-            "model.n_layers=2", "train.batch_size=8", "train.seq_len=32", "parallel=dp2_hp2_pp2", "cluster.nodes=2"]
+    training = ["train.steps=24", "train.checkpoint_every=1000", "train.log_every=1", "train.eval_every=0",
+                "model.n_layers=2", "train.batch_size=8", "train.seq_len=32"]
+    args = [*training, "parallel=dp2_hp2_pp2", "cluster.nodes=2"]
     work = tmp_path / "slurm"
     work.mkdir()
     submitted = run_cli(["cluster=slurm", "cluster.wait=false", *args], work)
@@ -55,7 +56,7 @@ def test_five_stages_as_jobs_on_two_nodes_a_preempted_train_job_requeued_with_th
 
     reference = tmp_path / "reference"
     reference.mkdir()
-    uninterrupted = run_cli(["cluster=local", "tracking=none", *args[:7]], reference)  # one process
+    uninterrupted = run_cli(["cluster=local", "tracking=none", *training], reference)  # one process
     assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
     (ref_dir,) = [p.parent for p in (reference / "runs").rglob("plan.json")]
     assert len(losses(run_dir)) == 24
@@ -69,8 +70,9 @@ def test_five_stages_as_jobs_on_two_nodes_a_preempted_train_job_requeued_with_th
 
 def test_a_lost_node_is_named_and_the_run_goes_on_on_the_node_left(slurm, tmp_path):
     # hp2 x pp2, two ranks a node: a node's ranks lost together, the rerun's four on the node left
-    args = ["parallel=dp2_hp2_pp2", "parallel.dp=1", "train.steps=30", "train.checkpoint_every=5",
-            "train.log_every=1", "train.eval_every=0", "model.n_layers=2", "train.batch_size=8", "train.seq_len=32"]
+    training = ["train.steps=30", "train.checkpoint_every=5", "train.log_every=1", "train.eval_every=0",
+                "model.n_layers=2", "train.batch_size=8", "train.seq_len=32"]
+    args = ["parallel=dp2_hp2_pp2", "parallel.dp=1", *training]
     work = tmp_path / "slurm"
     work.mkdir()
     proc = subprocess.Popen([os.sys.executable, "-m", "orchestrator", "cluster=slurm", "cluster.nodes=2", *args],
@@ -105,7 +107,7 @@ def test_a_lost_node_is_named_and_the_run_goes_on_on_the_node_left(slurm, tmp_pa
 
     reference = tmp_path / "reference"
     reference.mkdir()
-    uninterrupted = run_cli(["cluster=local", "tracking=none", *args[2:]], reference)  # one process
+    uninterrupted = run_cli(["cluster=local", "tracking=none", *training], reference)  # one process
     assert uninterrupted.returncode == 0, uninterrupted.stdout + uninterrupted.stderr
     (ref_dir,) = [p.parent for p in (reference / "runs").rglob("plan.json")]
     assert len(losses(run_dir)) == 30
