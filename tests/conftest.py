@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -55,41 +56,159 @@ def cli_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": path, "COLUMNS": "200", **extra}
 
 
+class _Zygote:
+    """tests/cli_zygote.py: one per pytest process, started on first use; it forks each command."""
+
+    def __init__(self):
+        import json
+        import queue
+        import threading
+
+        self._json = json
+        self._proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_zygote.py")], cwd=ROOT, env=cli_env(),
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self._pids: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self._ended = threading.Condition()
+        self._codes: dict[int, int] = {}
+        threading.Thread(target=self._answers, daemon=True).start()
+
+    def _answers(self) -> None:
+        for line in self._proc.stdout:
+            answer = self._json.loads(line)
+            if "pid" in answer:
+                self._pids.put(answer["pid"])
+            else:
+                with self._ended:
+                    self._codes[answer["exited"]] = answer["code"]
+                    self._ended.notify_all()
+        with self._ended:
+            self._ended.notify_all()
+
+    def start(self, argv: list[str], cwd: Path, env: dict, stdout: Path, stderr: Path) -> int:
+        request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
+        with self._lock:
+            assert self._proc.poll() is None, f"tests/cli_zygote.py ended with {self._proc.returncode}"
+            self._proc.stdin.write(self._json.dumps(request) + "\n")
+            return self._pids.get(timeout=60)
+
+    def wait(self, pid: int, timeout: Optional[float]) -> Optional[int]:
+        """The command's exit status (-N: killed by signal N), or None if it still runs after timeout seconds."""
+        with self._ended:
+            self._ended.wait_for(lambda: pid in self._codes or self._proc.poll() is not None, timeout)
+            return self._codes.get(pid)
+
+
+_zygote: Optional[_Zygote] = None
+
+
+def _forked() -> _Zygote:
+    global _zygote
+    if _zygote is None:
+        _zygote = _Zygote()
+    return _zygote
+
+
+def _group_gone(pgid: int, deadline: float) -> None:
+    """Wait for the command's process group (its fork server among them) to end, as reading its output to the end
+    did: the server holds that output until it ends."""
+    import time
+
+    import psutil
+
+    while time.monotonic() < deadline:
+        alive = []
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(proc.pid) == pgid and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    alive.append(proc.pid)
+            except (ProcessLookupError, psutil.Error):
+                pass
+        if not alive:
+            return
+        time.sleep(0.05)
+
+
+class ForkedCommand:
+    """`python -m orchestrator args` in cwd, forked by tests/cli_zygote.py: the part of subprocess.Popen the tests
+    use, its output in files (stderr in stdout's file when merged)."""
+
+    def __init__(self, args: list[str], cwd: Path, merged: bool = False):
+        import tempfile
+
+        self.args = [sys.executable, "-m", "orchestrator", *args]
+        self._dir = tempfile.TemporaryDirectory(prefix="cli-")
+        self.stdout_path = Path(self._dir.name) / "stdout"
+        self.stderr_path = self.stdout_path if merged else Path(self._dir.name) / "stderr"
+        self.stdout_path.touch()
+        self.stderr_path.touch()
+        self.pid = _forked().start(list(args), cwd, cli_env(), self.stdout_path, self.stderr_path)
+        self.returncode: Optional[int] = None
+
+    def poll(self) -> Optional[int]:
+        return self.wait(0)
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        import time
+
+        if self.returncode is None:
+            start = time.monotonic()
+            self.returncode = _forked().wait(self.pid, timeout)
+            if self.returncode is not None:
+                _group_gone(self.pid, start + (timeout if timeout is not None else 600) + 30)
+        if self.returncode is None and timeout:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def kill(self) -> None:
+        import signal
+
+        try:
+            os.killpg(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def output(self) -> tuple[str, str]:
+        out = self.stdout_path.read_text(errors="replace")
+        return out, "" if self.stderr_path == self.stdout_path else self.stderr_path.read_text(errors="replace")
+
+
 def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """`python -m orchestrator args...` in cwd; the run's files land in cwd/runs."""
-    full_env = cli_env(**(env or {}))
-    return subprocess.run([sys.executable, "-m", "orchestrator", *last_wins(args)], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    """`python -m orchestrator args...` in cwd; the run's files land in cwd/runs. With env (variables added): a fresh
+    interpreter, as what they set may be read at import (PYTHONPATH, a library's settings)."""
+    if env:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *last_wins(args)], cwd=cwd, env=cli_env(**env),
+                              capture_output=True, text=True, timeout=timeout)
+    command = ForkedCommand(last_wins(args), cwd)
+    try:
+        command.wait(timeout)
+    except subprocess.TimeoutExpired:
+        command.kill()
+        command.wait(30)
+        raise
+    return subprocess.CompletedProcess(command.args, command.returncode, *command.output())
 
 
 def signal_cli(args: list[str], cwd: Path, ready, sig: int = 15, wait_s: float = 300) -> tuple[int, str, float]:
     """`python -m orchestrator args...` in cwd, signalled (its process group, as a terminal or `kill -- -PGID`
     does) once ready(lines printed so far) holds: (exit code, its output, seconds it took to stop)."""
-    import signal
-    import threading
     import time
 
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *last_wins(args)], cwd=cwd, env=cli_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # as a terminal's
-    lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)
-    reader.start()
+    command = ForkedCommand(last_wins(args), cwd, merged=True)
     try:
         deadline = time.monotonic() + wait_s
-        while not ready(lines):
-            assert time.monotonic() < deadline and proc.poll() is None, "".join(lines)[-3000:]
+        while not ready(command.output()[0].splitlines(keepends=True)):
+            assert time.monotonic() < deadline and command.poll() is None, command.output()[0][-3000:]
             time.sleep(0.05)
-        os.killpg(proc.pid, sig)
+        os.killpg(command.pid, sig)
         signalled = time.monotonic()
-        proc.wait(timeout=120)
+        command.wait(timeout=120)
         took = time.monotonic() - signalled
-        reader.join(timeout=10)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, "".join(lines), took
+        if command.poll() is None:
+            command.kill()
+            command.wait(30)
+    return command.returncode, command.output()[0], took
 
 
 def run_folder(result: subprocess.CompletedProcess) -> Path:

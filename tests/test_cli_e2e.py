@@ -5,8 +5,6 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,7 +12,7 @@ import mlflow
 import psutil
 import pytest
 
-from tests.conftest import QUICK, cli_env, run_cli, run_folder, signal_cli
+from tests.conftest import QUICK, ForkedCommand, run_cli, run_folder, signal_cli
 
 pytestmark = pytest.mark.e2e
 STAGES = ["tokenize", "export", "transform", "train", "checkpoint", "aggregate"]
@@ -123,9 +121,7 @@ def test_sigkill_during_training_resumes_with_the_same_loss_curve(tmp_path):
     killed.mkdir()
     assert run_cli(args, reference).returncode == 0
 
-    env = cli_env()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=killed, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = ForkedCommand(args, killed, merged=True)
     try:
         checkpoints = killed / "runs" / "cache" / "train"
         _wait_for(lambda: any(checkpoints.glob("*.work/scratch/checkpoints/step_0000020/manifest.json")), 300,
@@ -133,7 +129,7 @@ def test_sigkill_during_training_resumes_with_the_same_loss_curve(tmp_path):
         ranks = psutil.Process(proc.pid).children(recursive=True)
         assert any(p.name() == "train.rank0" for p in ranks), "the train stage runs in a process of its own"
         os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=30)  # and its process group: the fork server ends with it
         gone, alive = psutil.wait_procs(ranks, timeout=15)
         assert not alive, f"orphaned stage processes: {alive}"  # they die with the orchestrator
     finally:
@@ -225,9 +221,7 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
     """kill -STOP one rank of two: the other waits in a collective (still beating); the stopped one is named."""
     args = ["parallel=ddp2", "train.steps=400", "train.batch_size=8", "train.seq_len=64", "train.log_every=5",
             "train.checkpoint_every=0", "cluster.heartbeat_timeout_s=10", "tracking=mlflow"]
-    env = cli_env()
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = ForkedCommand(args, tmp_path, merged=True)
     try:
         history = tmp_path / "runs" / "cache" / "train"
         _wait_for(lambda: any(len(p.read_text().splitlines()) >= 5 for p in history.glob("*.work/scratch/metrics.jsonl")),
@@ -235,12 +229,13 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
         rank1 = next(c for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "train.rank1")
         t0 = time.monotonic()
         rank1.suspend()
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out = proc.output()[0]
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(30)
     assert proc.returncode == 1, out[-3000:]
     assert "rank 1 of 2: stopped responding: no heartbeat for" in out and "process state: stopped" in out
     assert took < 60, took  # far below cluster.pg_timeout_s (300 s)
@@ -253,10 +248,10 @@ def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
     """The store is created under a file lock (MLflow's migration races otherwise); the second invocation says
     whom it waits for, then takes the first one's results from the cache."""
     args = [*QUICK, "tracking=mlflow"]
-    env = cli_env()
-    procs = [subprocess.Popen([sys.executable, "-m", "orchestrator", *args], cwd=tmp_path, env=env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
-    outs = [p.communicate(timeout=600)[0] for p in procs]
+    procs = [ForkedCommand(args, tmp_path, merged=True) for _ in range(2)]
+    for p in procs:
+        p.wait(timeout=600)
+    outs = [p.output()[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not any("alembic" in o or "Traceback" in o for o in outs)
     assert any("waiting for another run of" in o and "to finish: its result will be used" in o for o in outs)

@@ -5,12 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import QUICK, cli_env, run_cli
+from tests.conftest import QUICK, ForkedCommand, run_cli
 from tests.test_cli_e2e import _wait_for
 
 pytestmark = pytest.mark.e2e
@@ -54,18 +53,18 @@ def fill(disk: Path, leave: int) -> Path:
 
 def test_a_disk_that_fills_mid_run_is_named_and_the_same_command_continues_once_freed(tmp_path):
     with small_disk(tmp_path / "disk", 160) as disk:
-        proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *ARGS], cwd=disk, env=cli_env(), text=True,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        proc = ForkedCommand(ARGS, disk, merged=True)
         try:
             history = disk / "runs" / "cache" / "train"
             _wait_for(lambda: any(len(p.read_text().splitlines()) >= 110
                                   for p in history.glob("*.work/scratch/metrics.jsonl")), 300, "110 training steps")
             filler = fill(disk, leave=2**20)  # the checkpoint of step 200 needs about 5 MB
-            out, _ = proc.communicate(timeout=300)
+            proc.wait(timeout=300)
+            out = proc.output()[0]
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(30)
         assert proc.returncode == 1, out[-3000:]
         assert "no space left on the device to write the checkpoint" in out and "step_0000200" in out, out[-3000:]
         assert f"MB free on the disk mounted at {disk}" in out and "MB needed by this rank" in out

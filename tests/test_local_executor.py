@@ -83,3 +83,18 @@ def test_points_run_at_once_share_the_cores_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "7")
     with cores_shared_by(2):
         assert rank_threads(None, 1) == 7
+
+
+def test_the_fork_server_is_forked_from_the_orchestrator_only_while_no_thread_runs():
+    """Forked, it inherits the orchestrator's imports; a thread started since them (Python's, torch's OpenMP pool,
+    MLflow's) would leave its locks held in the copy: then the server is a fresh interpreter."""
+    probe = ("import threading, time, torch\n"
+             "from orchestrator.cluster import fork_server as f\n"
+             "before = f._forkable()\n"
+             "torch.set_num_threads(2); torch.ones(512, 512) @ torch.ones(512, 512)  # OpenMP's pool starts\n"
+             "pool = f._forkable()\n"
+             "threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n"
+             "print(before, pool, f._forkable())\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert out.stdout.split() == ["True", "False", "False"], out.stdout + out.stderr

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 import orchestrator.cache.code_keys as code_keys
 from storage.fsio import read_json
-from tests.conftest import QUICK, cache_entry, cli_env, killed_after, last_wins, run_debug
+from tests.conftest import QUICK, ForkedCommand, cache_entry, killed_after, last_wins, run_debug
 
 ARGS = ["train.steps=12", "train.checkpoint_every=4", "train.eval_every=12", "train.log_every=4",
         "train.batch_size=8", "train.seq_len=32", "model.n_layers=2"]
@@ -72,8 +70,7 @@ def test_another_layout_resumes_and_back_after_a_lost_rank(tmp_path, uninterrupt
 
     big = last_wins([*QUICK, *ARGS, "parallel=dp2_hp2_pp2", "cluster=local", "tracking=none",
                      f"runs_dir={tmp_path / 'runs'}", f"hydra.run.dir={tmp_path / 'big'}"])
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator", *big], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = ForkedCommand(big, tmp_path, merged=True)
     scratch = tmp_path / "runs" / "cache" / "train"
     started = []
     try:
@@ -84,11 +81,12 @@ def test_another_layout_resumes_and_back_after_a_lost_rank(tmp_path, uninterrupt
         started = psutil.Process(proc.pid).children(recursive=True)
         (rank,) = [p for p in started if p.name() == "train.rank5"]
         rank.send_signal(signal.SIGKILL)  # a node lost: its ranks die
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out = proc.output()[0]
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
+            proc.wait(30)
         psutil.wait_procs(started, timeout=15)
     assert proc.returncode == 1 and "rank 5 of 8: killed by signal SIGKILL" in out, out[-3000:]
     assert train_note(tmp_path / "big") == "resumes from step 4, written by layout dp1 hp1 pp1"

@@ -72,7 +72,7 @@ def test_a_lost_node_is_named_and_the_run_goes_on_on_the_node_left(slurm, tmp_pa
     # hp2 x pp2, two ranks a node: a node's ranks lost together, the rerun's four on the node left
     training = ["train.steps=30", "train.checkpoint_every=5", "train.log_every=1", "train.eval_every=0",
                 "model.n_layers=2", "train.batch_size=8", "train.seq_len=32"]
-    args = ["parallel=dp2_hp2_pp2", "parallel.dp=1", *training]
+    args = ["parallel=dp2_hp2_pp2", "parallel.dp=1", "tracking=none", *training]  # MLflow: the preemption's test
     work = tmp_path / "slurm"
     work.mkdir()
     proc = subprocess.Popen([os.sys.executable, "-m", "orchestrator", "cluster=slurm", "cluster.nodes=2", *args],

@@ -42,7 +42,7 @@ def _imported(module: str, path: Path) -> frozenset[str]:
     names: set[str] = set()
     with _PARSING:
         tree = ast.parse(path.read_text(), str(path))
-    for node in ast.walk(tree):
+    for node in _statements(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -58,6 +58,17 @@ def _imported(module: str, path: Path) -> frozenset[str]:
         parts = name.split(".")
         found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))  # parents' __init__ run first
     return frozenset(found)
+
+
+def _statements(tree: ast.AST):
+    """Every statement of a module, nested ones included (an import is a statement: the expressions, most of a
+    module's nodes, need no visit)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers", "cases"):
+            todo.extend(getattr(node, field, ()) or ())
 
 
 @lru_cache(maxsize=None)

@@ -198,7 +198,7 @@ def _check_folder(loaded: DictConfig, index: int, overrides: list[str], folders:
 def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=None) -> list[str]:
     """What the sweep will cost: its points (or trials; study: Optuna's, kept), the time their training takes at
     least, and this process's own memory beside the points' ranks (each point's plan gives theirs)."""
-    from orchestrator.run import orchestrator_bytes
+    from orchestrator.run_plan import orchestrator_bytes
     from planning.plan import GB, duration, expected_times
 
     sweeper = config.hydra.sweeper

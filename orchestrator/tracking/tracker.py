@@ -50,6 +50,17 @@ def _client(uri: str):
     return mlflow.MlflowClient(tracking_uri=uri)
 
 
+def _new_store_client(uri: str):
+    """The client of a store that may not exist yet (the caller holds store_lock): a new sqlite store is a copy of
+    an empty one MLflow migrated once (orchestrator/tracking/fresh_store.py), not migrated again."""
+    db = sqlite_file(uri)
+    if db is not None and not db.exists():
+        from orchestrator.tracking.fresh_store import create_from_template
+
+        create_from_template(db)
+    return _client(uri)
+
+
 SQLITE = "sqlite:///"
 
 
@@ -142,7 +153,7 @@ class Invocation(Degradable):
         if tags.get("orchestrator.run_dir"):
             self.said_in = Path(tags["orchestrator.run_dir"]) / FAILED_NOTE
         with store_lock(self.uri):  # opening a new store creates (migrates) it: one process at a time
-            self.client = _client(self.uri)
+            self.client = _new_store_client(self.uri)
             self.experiment_id = self._experiment(tcfg.experiment, Path(tcfg.artifact_root))
         self.parent = self.client.create_run(self.experiment_id, run_name=run_name, tags={
             "orchestrator.kind": "invocation", **tags}).info.run_id
