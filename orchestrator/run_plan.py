@@ -76,9 +76,10 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
                    and not fork_server.running())
         executor = _executor(cfg.cluster)
-        if not cfg.dry_run and not cfg.data.preview:  # e.g. the local fork server imports torch and the stages'
-            # libraries (7 s of CPU on the 2-core VM) while the stages are planned, the plan printed, MLflow's runs
-            # opened; a run whose stages are all cached ends soon after (the server with it)
+        if not cfg.dry_run and not cfg.data.preview:  # e.g. the local fork server imports what the ranks use
+            # (torch._dynamo, ONNX Runtime, matplotlib: 3-4 s of CPU on the 2-core VM, 7 s where it cannot be forked
+            # from here) while the stages are planned, the plan printed, MLflow's runs opened; a run whose stages are
+            # all cached ends soon after (the server with it)
             executor.prepare(tracking=cfg.tracking.name == "mlflow", pipeline=cfg.parallel.pp > 1)
         cache = Cache(Path(cfg.cache_dir).resolve())
         with refusing("overrides", " ".join(overrides), "planning the stages (orchestrator/dag.py)"):
@@ -133,7 +134,6 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         if not to_run:
             console.print("every stage is cached: nothing to run")
     return RunPlan(cfg, plan, to_run, launches, cache, executor, run_dir, config_path, planned, t0)
-
 
 
 def data_preview(cfg) -> list:

@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -60,11 +63,6 @@ class _Zygote:
     """tests/cli_zygote.py: one per pytest process, started on first use; it forks each command."""
 
     def __init__(self):
-        import json
-        import queue
-        import threading
-
-        self._json = json
         self._proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "cli_zygote.py")], cwd=ROOT, env=cli_env(),
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self._pids: queue.Queue = queue.Queue()
@@ -75,7 +73,7 @@ class _Zygote:
 
     def _answers(self) -> None:
         for line in self._proc.stdout:
-            answer = self._json.loads(line)
+            answer = json.loads(line)
             if "pid" in answer:
                 self._pids.put(answer["pid"])
             else:
@@ -89,7 +87,7 @@ class _Zygote:
         request = {"argv": argv, "cwd": str(cwd), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
         with self._lock:
             assert self._proc.poll() is None, f"tests/cli_zygote.py ended with {self._proc.returncode}"
-            self._proc.stdin.write(self._json.dumps(request) + "\n")
+            self._proc.stdin.write(json.dumps(request) + "\n")
             return self._pids.get(timeout=60)
 
     def wait(self, pid: int, timeout: Optional[float]) -> Optional[int]:
@@ -168,6 +166,11 @@ class ForkedCommand:
         except ProcessLookupError:
             pass
 
+    def communicate(self, timeout: Optional[float] = None) -> tuple[str, str]:
+        """Wait for the end (TimeoutExpired after timeout seconds, the command still running), then its output."""
+        self.wait(timeout)
+        return self.output()
+
     def output(self) -> tuple[str, str]:
         out = self.stdout_path.read_text(errors="replace")
         return out, "" if self.stderr_path == self.stdout_path else self.stderr_path.read_text(errors="replace")
@@ -181,12 +184,12 @@ def run_cli(args: list[str], cwd: Path, timeout: float = 600, env: dict | None =
                               capture_output=True, text=True, timeout=timeout)
     command = ForkedCommand(last_wins(args), cwd)
     try:
-        command.wait(timeout)
+        out, err = command.communicate(timeout)
     except subprocess.TimeoutExpired:
         command.kill()
         command.wait(30)
         raise
-    return subprocess.CompletedProcess(command.args, command.returncode, *command.output())
+    return subprocess.CompletedProcess(command.args, command.returncode, out, err)
 
 
 def signal_cli(args: list[str], cwd: Path, ready, sig: int = 15, wait_s: float = 300) -> tuple[int, str, float]:

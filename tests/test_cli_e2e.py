@@ -229,13 +229,12 @@ def test_a_frozen_rank_is_named_within_the_heartbeat_timeout(tmp_path):
         rank1 = next(c for c in psutil.Process(proc.pid).children(recursive=True) if c.name() == "train.rank1")
         t0 = time.monotonic()
         rank1.suspend()
-        proc.wait(timeout=120)
-        out = proc.output()[0]
+        out, _ = proc.communicate(timeout=120)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(30)
+            proc.wait()
     assert proc.returncode == 1, out[-3000:]
     assert "rank 1 of 2: stopped responding: no heartbeat for" in out and "process state: stopped" in out
     assert took < 60, took  # far below cluster.pg_timeout_s (300 s)
@@ -249,9 +248,7 @@ def test_two_identical_commands_at_once_on_a_fresh_store_both_succeed(tmp_path):
     whom it waits for, then takes the first one's results from the cache."""
     args = [*QUICK, "tracking=mlflow"]
     procs = [ForkedCommand(args, tmp_path, merged=True) for _ in range(2)]
-    for p in procs:
-        p.wait(timeout=600)
-    outs = [p.output()[0] for p in procs]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert not any("alembic" in o or "Traceback" in o for o in outs)
     assert any("waiting for another run of" in o and "to finish: its result will be used" in o for o in outs)

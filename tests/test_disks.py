@@ -59,12 +59,11 @@ def test_a_disk_that_fills_mid_run_is_named_and_the_same_command_continues_once_
             _wait_for(lambda: any(len(p.read_text().splitlines()) >= 110
                                   for p in history.glob("*.work/scratch/metrics.jsonl")), 300, "110 training steps")
             filler = fill(disk, leave=2**20)  # the checkpoint of step 200 needs about 5 MB
-            proc.wait(timeout=300)
-            out = proc.output()[0]
+            out, _ = proc.communicate(timeout=300)
         finally:
             if proc.poll() is None:
                 proc.kill()
-                proc.wait(30)
+                proc.wait()
         assert proc.returncode == 1, out[-3000:]
         assert "no space left on the device to write the checkpoint" in out and "step_0000200" in out, out[-3000:]
         assert f"MB free on the disk mounted at {disk}" in out and "MB needed by this rank" in out

@@ -81,12 +81,11 @@ def test_another_layout_resumes_and_back_after_a_lost_rank(tmp_path, uninterrupt
         started = psutil.Process(proc.pid).children(recursive=True)
         (rank,) = [p for p in started if p.name() == "train.rank5"]
         rank.send_signal(signal.SIGKILL)  # a node lost: its ranks die
-        proc.wait(timeout=120)
-        out = proc.output()[0]
+        out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait(30)
+            proc.wait()
         psutil.wait_procs(started, timeout=15)
     assert proc.returncode == 1 and "rank 5 of 8: killed by signal SIGKILL" in out, out[-3000:]
     assert train_note(tmp_path / "big") == "resumes from step 4, written by layout dp1 hp1 pp1"

@@ -4,9 +4,9 @@ A fresh `python -m orchestrator.worker` spends 1-3 s of CPU importing torch, the
 MLflow before it does any work; eight ranks on a small machine wait for eight of those in turn, and a run's five
 single-process stages pay it five times. The local executor instead asks one fork server per orchestrator process
 (multiprocessing's "forkserver" start method, with those modules preloaded) for each rank: the child starts with
-them imported, in well under 0.1 s. The server itself is forked from the orchestrator where that is safe (one thread,
-MLflow not imported: see start), so that it inherits torch, the stages and the planning instead of importing them
-again in a fresh interpreter (3-5 s of CPU a run on the 2-core VM).
+them imported, in well under 0.1 s. The server itself is forked from the orchestrator where that is safe (no thread
+started since the imports, MLflow not imported: _forkable), so that it inherits torch, the stages and the planning
+instead of importing them again in a fresh interpreter (3-5 s of CPU a run on the 2-core VM).
 
 Forking is safe here because the server only imports: it never runs a torch operation, so no thread pool, CUDA
 context or process group exists to be inherited. Each child then becomes what `python -m orchestrator.worker
