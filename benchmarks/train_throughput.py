@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.support.cli import arguments  # noqa: E402
 
 from orchestrator.config.resolve import resolve_auto  # noqa: E402
-from orchestrator.tracking.tracker import Invocation, MlflowStageTracker  # noqa: E402
+from orchestrator.tracking.stage_tracker import MlflowStageTracker  # noqa: E402
+from orchestrator.tracking.tracker import Invocation  # noqa: E402
 from plugins.data import build_batcher  # noqa: E402
 from storage.fsio import atomic_write_json  # noqa: E402
 from plugins.models import get_model  # noqa: E402

@@ -13,6 +13,7 @@ an example's loglikelihood differs from hf/'s by more than ONNX_RTOL, and record
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -64,7 +65,7 @@ def evaluate(ctx: StageContext) -> None:
     if table is not None:
         ctx.tracker.log_table(table, "generations.json")
     ctx.log.info("scored %s (aggregate manifest sha256 %s): %s", ", ".join(ev.tasks), scored[:12],
-                 ", ".join(f"{k} {v:.4f}" for k, v in values.items() if not k.endswith("_stderr")))
+                 with_stderr(values, 4))
 
 
 def _published(value, out: Path, entry: Path):
@@ -120,7 +121,20 @@ def _summary(out) -> str:
     saved = read_json(out / "metrics.json")
     values = saved["metrics"]
     onnx = f" (the ONNX model's loglikelihoods within {ONNX_RTOL:g})" if saved.get("onnx") else ""
-    return ", ".join(f"{k} {v:.3f}" for k, v in values.items() if not k.endswith("_stderr")) + onnx
+    return with_stderr(values, 3) + onnx
+
+
+def with_stderr(values: dict[str, float], digits: int) -> str:
+    """`task/acc 0.410 ± 0.049, ...`: each metric beside lm-eval's standard error of it where there is one (a
+    difference within it is noise: a sweep picking 0.26 over 0.23 on 100 questions picks at random)."""
+    said = []
+    for k, v in values.items():
+        if k.endswith("_stderr"):
+            continue
+        err = values.get(f"{k}_stderr")
+        said.append(f"{k} {v:.{digits}f}" + (f" ± {err:.{digits}f}" if isinstance(err, (int, float)) and math.isfinite(err)
+                                               else ""))
+    return ", ".join(said)
 
 
 STAGE = Stage(

@@ -15,6 +15,7 @@ block-diagonal, alpha tripled so that alpha / r holds), the same function exactl
 """
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Mapping, Optional
@@ -23,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from storage import hf
-from storage.fsio import atomic_write_json, fsync_dir, read_json
+from storage.fsio import UMASK, atomic_write_json, fsync_dir, read_json
 from storage.hf import GPT2_CONV, LLAMA_NAMES
 
 PEFT = "peft"
@@ -135,6 +136,7 @@ def write_peft_folder(folder: Path, checkpoint, peft_cfg, model_cfg, base: str) 
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / (WEIGHTS + ".partial")
     save_file(out, str(partial), metadata={"format": "pt"})
+    os.chmod(partial, 0o666 & ~UMASK)  # safetensors creates its file 0600: the mode any other file of the run gets
     partial.replace(folder / WEIGHTS)
     atomic_write_json(folder / CONFIG, config)
     fsync_dir(folder)

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+UMASK = os.umask(0)  # the process's, read once (setting it is the only way to read it)
+os.umask(UMASK)
 
 
 def fsync_dir(path: Path) -> None:
@@ -50,7 +50,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp makes 0600: give the file the mode any other file gets
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes 0600: give the file the mode any other file gets
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -91,6 +91,8 @@ def test_an_optuna_study_ranks_fine_tunes_by_their_chat_score_each_as_lm_eval_sc
 
     again = run_cli([*FINE_TUNE, f"optimizer.lr={optuna['best_params']['optimizer.lr']}"], tmp_path)
     assert again.returncode == 0 and "│ evaluate   │ cached" in again.stdout, again.stdout[-3000:]
+    m, log = scores[0]["metrics"], (Path(ranked["points"][0]["run_dir"]) / "stages/evaluate/rank0.log").read_text()
+    assert f"arith_chat/acc {m['arith_chat/acc']:.4f} ± {m['arith_chat/acc_stderr']:.4f}" in log, log  # its noise
 
 
 def test_a_task_of_lm_evals_own_without_the_hub_is_refused_before_launch(tmp_path):

@@ -12,7 +12,7 @@ PACKAGES = ("orchestrator", "stages", "plugins", "storage", "planning", "runtime
 # the floors, top to bottom: a module imports its own floor and those below, never one above (DESIGN.md)
 FLOORS = ("orchestrator", "stages", "planning", "plugins", "runtime", "storage", "common")
 # the orchestrator's own rule owners, whose check(cfg) validation collects (the config language imports nothing else)
-OWNER_RULES = ("orchestrator.tracking.tracker", "orchestrator.cluster.rules", "orchestrator.cache.store")
+OWNER_RULES = ("orchestrator.tracking.store_check", "orchestrator.cluster.rules", "orchestrator.cache.store")
 
 
 def _modules(root: Path) -> dict[str, Path]:

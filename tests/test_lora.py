@@ -14,6 +14,7 @@ import torch
 from plugins.data.batcher import build_batcher
 from plugins.models.lora import initial_A
 from storage.dcp_reader import CheckpointReader
+from storage.fsio import UMASK
 from storage.hf import GPT2_CONV, LLAMA_NAMES
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import validate
@@ -79,6 +80,8 @@ def test_lora_trains_as_peft_does_on_the_transformers_model_and_peft_loads_what_
     assert json.loads(checkpoint.read_text())["peft"]["base"]["init_from"] == f"hf:{folder}"
 
     (out,) = (work / "runs" / "cache" / "aggregate").glob("*/peft")
+    modes = {f.name: f.stat().st_mode & 0o777 for f in [*out.iterdir(), *(out.parent / "hf").iterdir()]}
+    assert set(modes.values()) == {0o666 & ~UMASK}, modes  # safetensors creates its files 0600
     base = transformers.AutoModelForCausalLM.from_pretrained(folder)
     loaded = peft.PeftModel.from_pretrained(base, out).eval()
     merged = transformers.AutoModelForCausalLM.from_pretrained(out.parent / "hf").eval()

@@ -67,7 +67,7 @@ def requeue(job_id: str) -> None:
 
 
 def _record_requeue(spec: dict, restarts: int) -> None:
-    from orchestrator.tracking.tracker import stage_tracker
+    from orchestrator.tracking.stage_tracker import stage_tracker
 
     tracker = stage_tracker(spec, 0)
     tracker.set_tags({REQUEUE_TAG: restarts})

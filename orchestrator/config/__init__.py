@@ -7,5 +7,5 @@ registry, the layout, the data, the engine, the runtime, the cluster executors, 
 makes `auto` values concrete for this machine; `options` lists the conf/ tree's options and `help` prints them
 for `--help`; `errors` words a problem as key / value / rule / fix; `reference` renders docs/configuration.md's
 key reference from the schema. This package imports nothing else of `orchestrator`, except the rules validation
-collects (orchestrator.cluster.rules, orchestrator.tracking.tracker).
+collects (orchestrator.cluster.rules, orchestrator.tracking.store_check).
 """

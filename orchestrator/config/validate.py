@@ -91,7 +91,7 @@ OTHERS = (Check("data", "plugins.data.rules"), Check("engine", "plugins.onnx.rul
           Check("optimizer", "runtime.optim"), Check("train.profile", "runtime.profiling"),
           Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),
           Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),
-          Check("tracking", "orchestrator.tracking.tracker"), Check("cache_dir", "orchestrator.cache.store"),
+          Check("tracking", "orchestrator.tracking.store_check"), Check("cache_dir", "orchestrator.cache.store"),
           Check("evaluate", "plugins.evaluate.rules"), Check("plan", "orchestrator.calibration"),
           Check("sweep.objective", __name__, "objective_problems"))
 INIT_FROM = Check("train.init_from", "storage.init_from")  # with the partition plan's parameters

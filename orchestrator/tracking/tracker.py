@@ -17,12 +17,6 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from common.problem import Problem
-from stages.base import Tracker
-
-FLUSH_EVERY_S = 10.0
-MAX_BATCH = 900  # MLflow takes at most 1000 metrics per log_batch
-
 
 def flatten_params(value: Any, prefix: str = "") -> dict[str, str]:
     """{"model": {"n_layers": 8}} -> {"model.n_layers": "8"}: MLflow params from (parts of) a config."""
@@ -139,6 +133,14 @@ class Degradable:
             return None
 
 
+def log_artifact(client, run_id: str, path: Path, artifact_path: Optional[str], max_bytes: int) -> None:
+    path = Path(path)
+    if path.stat().st_size > max_bytes:  # large files stay where they are; MLflow records where
+        client.set_tag(run_id, f"artifact.{path.name}", str(path.resolve()))
+    else:
+        client.log_artifact(run_id, str(path), artifact_path)
+
+
 INVOCATION_TIMES = ("duration_s", "planned_s")  # how long a stage took in the invocation that ran it, not a result
 
 
@@ -247,80 +249,6 @@ class Invocation(Degradable):
                 pass
 
 
-def log_artifact(client, run_id: str, path: Path, artifact_path: Optional[str], max_bytes: int) -> None:
-    path = Path(path)
-    if path.stat().st_size > max_bytes:  # large files stay where they are; MLflow records where
-        client.set_tag(run_id, f"artifact.{path.name}", str(path.resolve()))
-    else:
-        client.log_artifact(run_id, str(path), artifact_path)
-
-
-class MlflowStageTracker(Degradable, Tracker):
-    """A stage's rank 0 logging into its child run; metrics are batched (one write every few seconds).
-
-    Tracking never stops a stage: when the store fails (a server gone, a file damaged), one warning says so and
-    the tracker records nothing more (the train stage's metrics.jsonl keeps every step)."""
-
-    def __init__(self, uri: str, run_id: str, max_artifact_mb: int):
-        self.client = _client(uri)
-        self.run_id = run_id
-        self.max_bytes = max_artifact_mb * 2**20
-        self._pending: list = []
-        self._last_flush = time.monotonic()
-
-    def log_params(self, params: dict[str, Any]) -> None:
-        from mlflow.entities import Param
-
-        self._safely(self.client.log_batch, self.run_id, params=[Param(k, str(v)) for k, v in params.items()])
-
-    def log_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        from mlflow.entities import Metric
-
-        if self.degraded:
-            return
-        now = int(time.time() * 1000)
-        self._pending.extend(Metric(k, float(v), now, step or 0) for k, v in metrics.items())
-        if len(self._pending) >= MAX_BATCH or time.monotonic() - self._last_flush > FLUSH_EVERY_S:
-            self.flush()
-
-    def log_artifact(self, path: Path, artifact_path: Optional[str] = None) -> None:
-        self._safely(log_artifact, self.client, self.run_id, path, artifact_path, self.max_bytes)
-
-    def log_table(self, data: dict[str, list], artifact_file: str) -> None:
-        self._safely(self.client.log_table, self.run_id, data, artifact_file)
-
-    def set_tags(self, tags: dict[str, Any]) -> None:
-        for k, v in tags.items():
-            self._safely(self.client.set_tag, self.run_id, k, str(v))
-
-    def last_step(self, metric: str) -> Optional[int]:
-        history = self._safely(self.client.get_metric_history, self.run_id, metric) or []
-        return max((m.step for m in history), default=None)
-
-    def end(self, status: str) -> None:
-        """Close this run (stages that run without the orchestrator watching, as SLURM jobs, close their own)."""
-        self.flush()
-        self._safely(self.client.set_terminated, self.run_id, status)
-
-    def flush(self) -> None:
-        while self._pending and not self.degraded:
-            batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
-            self._safely(self.client.log_batch, self.run_id, metrics=batch)
-        self._pending = [] if self.degraded else self._pending
-        self._last_flush = time.monotonic()
-
-
-def stage_tracker(spec: dict, rank: int) -> Tracker:
-    """The tracker a stage process gets: MLflow for rank 0 when tracking is on, else one that records nothing."""
-    t = spec.get("tracking")
-    if rank != 0 or not t:
-        return Tracker()
-    tracker = MlflowStageTracker(t["uri"], t["run_id"], t["max_artifact_mb"])
-    run_dir = spec.get("entry_meta", {}).get("run_dir")
-    tracker.said_in = Path(run_dir) / FAILED_NOTE if run_dir else None
-    return tracker
-
-
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -329,90 +257,3 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-TRACKING_TIMEOUT_S = 5.0  # an MLflow server that does not answer this fast is reported before launch
-
-
-def check(cfg) -> list:
-    """The MLflow store can be created or opened, or the server answers (MLflow itself would retry a dead server
-    for minutes before saying anything)."""
-    from storage.fsio import why_unwritable
-
-    t = cfg.tracking
-    if t.name != "mlflow":
-        return []
-    if not str(t.experiment).strip():  # MLflow's own refusal comes after the stages ran, as a traceback
-        return [Problem("tracking.experiment", t.experiment, "an MLflow experiment needs a name",
-                        "tracking.experiment=orchestrator (the default), or another name")]
-    uri, fix = t.uri, "tracking=none, or a local store: tracking.uri=sqlite:///runs/mlflow.db"
-    db = sqlite_file(uri)
-    if db is not None:
-        if not db.exists():
-            why = why_unwritable(db.parent)
-            return [Problem("tracking.uri", uri, f"the sqlite store cannot be created: {why}", fix)] if why else []
-        import sqlite3
-
-        try:
-            with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=TRACKING_TIMEOUT_S) as con:
-                con.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        except sqlite3.Error as e:
-            return [Problem("tracking.uri", uri, f"{db} cannot be read as an MLflow store ({e})",
-                            f"move the file aside (MLflow creates a new store), or {fix}")]
-    elif uri.split(":", 1)[0].split("+", 1)[0] in DATABASES:
-        return _database_problems(uri, fix)
-    elif uri.startswith("databricks"):
-        return []  # credentials come from the environment or ~/.databrickscfg: MLflow reports their absence itself
-    elif not uri.startswith(("http://", "https://")):
-        scheme = uri.split("://", 1)[0] if "://" in uri else ""
-        what = f"the scheme {scheme}:// is not an MLflow store" if scheme and scheme != "file" else \
-            "a folder (or file:) store is MLflow's filesystem backend, which MLflow 3 keeps in maintenance mode " \
-            "and refuses to open"
-        return [Problem("tracking.uri", uri, f"{what}; the stores that work: sqlite:///<file>, http(s)://<server>, "
-                        f"or a database ({', '.join(s + '://' for s in DATABASES)}, with its Python driver)",
-                        "tracking.uri=sqlite:///<folder>/mlflow.db, or tracking=none")]
-    else:
-        import urllib.error
-        import urllib.request
-
-        try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=TRACKING_TIMEOUT_S).close()
-        except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", e)
-            return [Problem("tracking.uri", uri, f"no MLflow server answers there within {TRACKING_TIMEOUT_S:.0f} s "
-                            f"({reason})", f"start it (mlflow server --host ... --port ...), or {fix}")]
-    return []
-
-
-DATABASES = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}  # MLflow's SQL stores, and their default ports
-DRIVER_PACKAGES = {"psycopg": "psycopg[binary]", "psycopg2": "psycopg2-binary", "mysqldb": "mysqlclient",
-                   "pymysql": "PyMySQL", "pyodbc": "pyodbc", "pymssql": "pymssql"}
-
-
-def _database_problems(uri: str, fix: str) -> list:
-    """A database store: its driver is installed (SQLAlchemy would raise ModuleNotFoundError in every stage) and
-    its server accepts a TCP connection."""
-    import socket
-
-    from sqlalchemy.engine.url import make_url
-    from sqlalchemy.exc import ArgumentError, NoSuchModuleError
-
-
-    try:
-        url = make_url(uri)
-        url.get_dialect().import_dbapi()
-    except (ArgumentError, NoSuchModuleError, ValueError) as e:
-        return [Problem("tracking.uri", uri, f"not a database URL SQLAlchemy can read ({e})",
-                        "tracking.uri=postgresql://<user>:<password>@<host>:<port>/<database>, or " + fix)]
-    except ImportError as e:
-        driver = url.get_driver_name()
-        package = DRIVER_PACKAGES.get(driver, driver)
-        return [Problem("tracking.uri", uri, f"a {url.get_backend_name()} store needs its Python driver {driver}, "
-                        f"which is not installed ({e})", f"pip install '{package}' -c constraints.txt, or {fix}")]
-    port = url.port or DATABASES[url.get_backend_name()]
-    try:
-        socket.create_connection((url.host or "127.0.0.1", port), timeout=TRACKING_TIMEOUT_S).close()
-    except OSError as e:
-        return [Problem("tracking.uri", uri, f"no database server answers at {url.host or '127.0.0.1'}:{port} "
-                        f"({e.strerror or e})", f"start it, or {fix}")]
-    return []
