@@ -7,6 +7,7 @@ that names the file holding its traceback.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -65,6 +66,8 @@ def main() -> int:
     store_optuna_sweeper()  # by the one whose study the same command continues (orchestrator/sweeps/study.py)
     interrupt.install()  # SIGTERM takes Ctrl-C's path: save, mark the runs KILLED, say how to continue
     from orchestrator.sweeps.launcher import finish_study
+
+    gc.freeze()  # the imports' objects out of the collector's walks (orchestrator/worker.py says why)
 
     try:
         _experiment()

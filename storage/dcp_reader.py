@@ -1,7 +1,7 @@
 """A DCP checkpoint read a few tensors at a time by one process: what aggregation streams from.
 
 DCP's metadata lists every entry of the saved state (`model.<name>`, `optim.state.<name>.<leaf>` tensors with
-their global shape and dtype; `optim.param_groups.<name>.<setting>` objects), so the full tensors can be planned
+their global shape and dtype; `optim.param_groups.<name>` objects: each parameter's settings), so the full tensors can be planned
 before any is read. `read` loads the named entries only: DCP assembles each from the shards every rank wrote,
 reading just their bytes, so memory holds what was asked for, never the whole checkpoint.
 """
@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from storage.checkpoint import quiet_single_process
+from storage.checkpoint import expand_settings, quiet_single_process
 
 
 class _KnownMetadata(FileSystemReader):
@@ -50,7 +50,8 @@ class CheckpointReader:
         state = {k: None for k, v in self._entries.items() if k.startswith(prefix) and isinstance(v, BytesStorageMetadata)}
         if state:
             self._load(state)
-        return {k[len(prefix):]: v for k, v in state.items()}
+        found = {k[len(prefix):]: v for k, v in state.items()}
+        return expand_settings(found) if section == "optim" else found
 
     def read(self, section: str, names: list[str]) -> dict[str, torch.Tensor]:
         """The full tensors of these entries of a section (assembled from every rank's shards)."""

@@ -49,6 +49,31 @@ def test_save_and_load_are_exact(tmp_path, monkeypatch):
     assert states_equal(want["model"], got["model"]) and states_equal(want["optim"], got["optim"])
 
 
+def test_settings_are_one_entry_a_parameter_and_a_checkpoint_of_an_entry_a_setting_still_loads(tmp_path):
+    """Each parameter's optimizer settings are one DCP entry (not eleven: the save's planning and writing are per
+    entry); a checkpoint written with an entry per setting (format v1) loads as before, the settings included."""
+    import torch.distributed.checkpoint as dcp
+
+    _, _, model, opt = trained()
+    for group in opt.param_groups:
+        group["lr"] = 0.0123  # a setting the fresh optimizer does not have
+    path = ckpt.save(ckpt.step_dir(tmp_path, 2), [(model, opt)], {"step": 2, "trainer": {}})
+    entries = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    settings = [k for k in entries if k.startswith("optim.param_groups.")]
+    assert len(settings) == len(list(model.parameters())) and "optim.param_groups.wte.weight" in settings
+    flat = ckpt.training_state([(model, opt)], grouped=False)
+    assert flat["optim"]["param_groups.wte.weight.lr"] == 0.0123 and ckpt.expand_settings(
+        ckpt.training_state([(model, opt)])["optim"]) == flat["optim"]
+
+    old = tmp_path / "v1"
+    dcp.save(flat, checkpoint_id=str(old))
+    fsio.atomic_write_json(old / ckpt.MANIFEST, {"format": ckpt.FLAT_SETTINGS, "step": 2, "files": {}})
+    _, _, fresh, fresh_opt = trained(steps=0, seed=1)
+    ckpt.load(old, [(fresh, fresh_opt)])
+    assert fresh_opt.param_groups[0]["lr"] == 0.0123
+    assert states_equal(flat["optim"], ckpt.training_state([(fresh, fresh_opt)], grouped=False)["optim"])
+
+
 def copied(state: dict) -> dict:
     return {part: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
             for part, entries in state.items()}

@@ -361,7 +361,7 @@ def test_ort_losses_match_torch(runs, ort_runs, layout):
 
 
 @requires_ort_training
-@pytest.mark.parametrize("layout", ORT_LAYOUTS)
+@pytest.mark.parametrize("layout", ["single", "dp2_hp2_pp2-replicate"])  # a unit's gradients whatever dp_mode reduces
 def test_ort_gradients_match_torch(ort_runs, layout):
     transform = (ort_runs[layout] / "stages/transform/output").resolve()
     world = read_json(transform / "partition_plan.json")["layout"]["world_size"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import os
 import zlib
 from pathlib import Path
 from typing import Iterator, Optional
@@ -17,17 +18,25 @@ PACKED = {".gz": "gzip", ".zst": "zstd", ".xz": "xz", ".bz2": "bz2"}  # compress
 SIZE_SAMPLE = 1 << 22  # decompressed bytes read to estimate a compressed file's size
 
 
+def _split(name: str) -> tuple[str, str]:
+    """(stem, suffix) of a file name as pathlib splits it (no suffix for `.bashrc` or `x.`), without building a Path:
+    a plan asks this of every file of a corpus several times."""
+    i = name.rfind(".")
+    return (name[:i], name[i:]) if 0 < i < len(name) - 1 else (name, "")
+
+
 def suffix_of(path) -> str:
     """A file's kind by its name: its suffix; compressed JSON Lines' (`x.jsonl.gz`), the one under the compression
     (other compressed files keep theirs: `.txt.gz` is not read)."""
-    path = Path(path)
-    inner = Path(path.stem).suffix
-    return inner if path.suffix in PACKED and inner in JSON_LINES else path.suffix
+    stem, suffix = _split(os.path.basename(os.fspath(path)))
+    inner = _split(stem)[1]
+    return inner if suffix in PACKED and inner in JSON_LINES else suffix
 
 
 def packed(path) -> bool:
     """Compressed JSON Lines (read as they decompress)."""
-    return Path(path).suffix in PACKED and suffix_of(path) in JSON_LINES
+    stem, suffix = _split(os.path.basename(os.fspath(path)))
+    return suffix in PACKED and _split(stem)[1] in JSON_LINES
 
 
 def reads(name: str, suffixes: tuple[str, ...]) -> bool:
