@@ -19,7 +19,7 @@ from typing import Optional
 from omegaconf import DictConfig
 
 from common.problem import Problem
-from planning.plan import expected_times
+from planning.plan_time import expected_times
 from runtime.cadence import WARMUP_STEPS_EXCLUDED
 
 FOLDER = "calibration"  # in the run's folder: the calibration's own run folder

@@ -35,6 +35,7 @@ class PlannedStage:
     damage: list[str] = field(default_factory=list)   # why the cached entry was not reused
     lineage: Optional[str] = None       # what an attempt computes, whatever the key (orchestrator/cache/resume.py)
     adopt_from: Optional[Path] = None   # an interrupted attempt under another key this one continues
+    resumes_at: Optional[int] = None    # the step its own or the adopted attempt's checkpoint continues from
 
     @property
     def name(self) -> str:
@@ -123,5 +124,6 @@ def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStag
             earlier = None  # its own checkpoints are as far along
         note = "; ".join(n for n in (note, earlier[2] if earlier else own) if n) or None
         planned.append(PlannedStage(s, key, cached, s.resources(cfg), material, note, damage, lineage,
-                                    earlier[0] if earlier else None))
+                                    earlier[0] if earlier else None,
+                                    earlier[1] if earlier else getattr(own, "step", None)))
     return planned

@@ -28,7 +28,8 @@ from orchestrator.tracking import later as tracking_later
 from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, absolute_uri, process_alive
 from orchestrator.tracking.tracker import run_name as short_run_name
 from planning import stage_time
-from planning.plan import STARTUP_SAID_S, actual_line, partition_plan
+from planning.plan import partition_plan
+from planning.plan_time import STARTUP_SAID_S, actual_line
 from planning.stage_time import Expected
 from storage.fsio import atomic_write_json, disk_space, read_json
 

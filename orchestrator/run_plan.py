@@ -27,7 +27,8 @@ from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.report import Report, console, plan_table, plan_text
 from orchestrator.tracking.tracker import absolute_uri
 from planning import stage_time
-from planning.plan import compute_line, expected_times, memory_line, peft_line, planned_lines, time_line
+from planning.plan import compute_line, memory_line, peft_line
+from planning.plan_time import continued_from, expected_times, planned_lines, time_line
 from planning.stage_time import Expected
 from plugins.data.corpus import TOKENS_DIR, passes_line, plan_lines
 from plugins.data.preview import PLAN_CHARS, preview
@@ -93,15 +94,17 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             fresh, plan = False, make_plan(cfg, all_stages(until), cache)  # the stages before train are cached now
             to_run = [ps.name for ps in plan if not ps.cached]
         tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
-        estimating = "the plan's estimates (planning/plan.py, plugins/data/corpus.py)"
+        estimating = "the plan's estimates (planning/plan.py, plan_time.py, plugins/data/corpus.py)"
         with refusing("overrides", " ".join(overrides), estimating):
             data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
             if tokenize and tokenize.cached and "train" in to_run:  # its counts are known: what the steps draw
                 data += passes_line(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
-            planned = expected_times(cfg, to_run, cache.root, startup)
+            train = next((ps for ps in plan if ps.name == "train"), None)
+            first_step, continuing = continued_from(cfg, train.resumes_at if train else None)
+            planned = expected_times(cfg, to_run, cache.root, startup, first_step)
             estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
-                         time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run))),
-                         *planned_lines(planned, stage_time.where(cfg))]
+                         time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run)), first_step=first_step),
+                         *continuing, *planned_lines(planned, stage_time.where(cfg))]
 
         run_dir = run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -71,9 +71,10 @@ def train_kind(cfg) -> str:
             f"{cfg.memory.level}, {cfg.precision.name}, {cfg.engine.name}, compiled {bool(cfg.triton.enabled)}")
 
 
-def expected(cfg, stages: list[str], store: Path, n_parameters: int) -> dict[str, Optional[Expected]]:
+def expected(cfg, stages: list[str], store: Path, n_parameters: int,
+             first_step: int = 0) -> dict[str, Optional[Expected]]:
     """Each stage's estimate from the records in `store` (None where none is comparable; the train stage's floor
-    is the caller's: it needs this machine's matmul rate)."""
+    is the caller's: it needs this machine's matmul rate). first_step: the step the train stage continues from."""
     kept, here = measured.read(Path(store) / TIMES), machine(cfg)
     out: dict[str, Optional[Expected]] = {}
     for stage in stages:
@@ -85,8 +86,8 @@ def expected(cfg, stages: list[str], store: Path, n_parameters: int) -> dict[str
                 step = r["step_s"] * flops / r["step_flops"]
                 steps = (f"{_short(step)} a step: {_short(r['step_s'])} at {r['step_flops'] / 1e9:,.2f} GFLOP measured "
                          f"{where(cfg)} {r['when']}, scaled to {flops / 1e9:,.2f}")
-                besides, how = _besides_steps(r, pauses(cfg.train))
-                out[stage] = Expected(cfg.train.steps * step + besides, f"{steps}; {how}")
+                besides, how = _besides_steps(r, pauses(cfg.train, first_step))
+                out[stage] = Expected((cfg.train.steps - first_step) * step + besides, f"{steps}; {how}")
             else:
                 out[stage] = None
         elif mine:
@@ -125,11 +126,11 @@ def record(cfg, stage: str, seconds: float, out: Path, store: Path, n_parameters
     measured.append(Path(store) / TIMES, entry, KEPT)
 
 
-def pauses(train) -> int:
-    """The evaluations and saves between a run's steps (those after its last step are part of its end): each a
-    pause of the steps."""
+def pauses(train, first_step: int = 0) -> int:
+    """The evaluations and saves between a run's steps (those after its last step are part of its end; first_step:
+    the step a continued run starts from): each a pause of the steps."""
     every = [e for e in (train.eval_every, train.checkpoint_every) if e]
-    return sum(1 for s in range(1, train.steps) if any(s % e == 0 for e in every)) if every else 0
+    return sum(1 for s in range(first_step + 1, train.steps) if any(s % e == 0 for e in every)) if every else 0
 
 
 def _besides_steps(r: dict, n: int) -> tuple[float, str]:

@@ -194,15 +194,25 @@ def adopt(cfg, earlier: Path, scratch: Optional[Path] = None, from_key: str = ""
     return step
 
 
-def progress_hint(scratch: Path) -> Optional[str]:
+class Resumes(str):
+    """progress_hint's words, and the step the train stage starts from (`step`: what the plan's times count from)."""
+
+    def __new__(cls, text: str, step: int):
+        said = super().__new__(cls, text)
+        said.step = step
+        return said
+
+
+def progress_hint(scratch: Path) -> Optional[Resumes]:
     """What the train stage will do with this key's checkpoints (the same verification it runs)."""
     found = ckpt.latest(scratch / "checkpoints")
     if found is None:
         return None
     step, path, damaged = found
     if path is None:
-        return f"restarts from step 0: its {len(damaged)} checkpoint(s) are damaged"
-    return f"resumes from step {step}" + (f", {len(damaged)} damaged checkpoint(s) set aside" if damaged else "")
+        return Resumes(f"restarts from step 0: its {len(damaged)} checkpoint(s) are damaged", 0)
+    return Resumes(f"resumes from step {step}" + (f", {len(damaged)} damaged checkpoint(s) set aside" if damaged
+                                                  else ""), step)
 
 
 def pacing_advice(step_before: int, began: float, step: int, asked: float, done: float,

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from planning.plan import memory_line, partition_plan, plan_of, time_line
+from planning.plan import memory_line, partition_plan, plan_of
+from planning.plan_time import time_line
 from planning.estimate import estimate, step_flops
 from storage.disk_speed import PROBE_BYTES, RECORDS, rates_for, record
 from tests.conftest import make_cfg, run_cli, run_sweep
@@ -100,7 +101,7 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     never less; a stage never run here has no figure, and the train stage of a layout never run here its floor,
     each said so. After the run, each stage against its plan."""
     from planning import stage_time
-    from planning.plan import actual_line, expected_times, planned_lines
+    from planning.plan_time import actual_line, expected_times, planned_lines
 
     cfg = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", f"cache_dir={tmp_path}")
     n = partition_plan(cfg)["n_parameters"]
@@ -137,6 +138,9 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 4}))  # a continued run: not a measure
     stage_time.record(twice, "train", 99.0, out, tmp_path, n)
     assert expected_times(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(21.6)
+    # continuing step 60's checkpoint: the 40 steps left and the one pause (at 75) between them, not all 100
+    assert expected_times(twice, ["train"], tmp_path, first_step=60)["train"].seconds == pytest.approx(
+        40 * 0.2 + 0.4 + 0.4)
     # SLURM: the nodes' records only (the partition and what a task asks), never this host's, and no floor
     slurm = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", "cluster=slurm",
                      f"cache_dir={tmp_path}")

@@ -50,6 +50,7 @@ def test_an_optuna_study_ranks_fine_tunes_by_their_chat_score_each_as_lm_eval_sc
         assert {"arith_chat/acc", "arith_chat/acc_stderr", "arith_gen/exact_match",
                 "val_perplexity/bits_per_byte"} <= set(values)
         assert point["objective"] == values["arith_chat/acc"]
+        assert point["objective_stderr"] == values["arith_chat/acc_stderr"] > 0  # the table says "0.41 ± 0.049"
         manifest = Path(point["run_dir"]) / "stages" / "aggregate" / "output" / "manifest.json"
         assert metrics["scored"] == hashlib.sha256(manifest.read_bytes()).hexdigest()  # the weights it scored
         assert metrics["onnx"]["arith_chat/acc"] == values["arith_chat/acc"]

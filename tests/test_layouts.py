@@ -158,8 +158,10 @@ def test_checkpoint_reshards_into_other_layouts(runs, workdir, five_steps):
     checkpoint = (five_steps / "stages/checkpoint/output").resolve()
     reference = [r["loss"] for r in rows(runs["dp2_hp2_pp2-shard"])][HALF:]
     for layout in ("megatron_hp4", "single"):
-        cont = outputs(run_cli([*COMMON, f"train.steps={STEPS}", f"train.init_from={checkpoint}", *LAYOUTS[layout]],
-                               workdir))
+        result = run_cli([*COMMON, f"train.steps={STEPS}", f"train.init_from={checkpoint}", *LAYOUTS[layout]], workdir)
+        cont = outputs(result)
+        assert f"train: continues the checkpoint of step {HALF} ({checkpoint}): the {STEPS - HALF} steps from step " \
+               f"{HALF} to {STEPS} run" in result.stdout, result.stdout  # and the plan's times count those
         got = rows(cont)
         assert [r["step"] for r in got] == list(range(HALF + 1, STEPS + 1)), layout
         assert read_json(cont / "stages/train/output/summary.json")["resumed_from_step"] == HALF

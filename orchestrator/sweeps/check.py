@@ -199,7 +199,8 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
     """What the sweep will cost: its points (or trials; study: Optuna's, kept), the time their training takes at
     least, and this process's own memory beside the points' ranks (each point's plan gives theirs)."""
     from orchestrator.run_plan import orchestrator_bytes
-    from planning.plan import GB, duration, expected_times
+    from planning.plan import GB
+    from planning.plan_time import duration, expected_times
 
     sweeper = config.hydra.sweeper
     n_trials = OmegaConf.select(config, "hydra.sweeper.n_trials")

@@ -278,6 +278,7 @@ def summary_rows(points: list[Point]) -> list[dict]:
         rows.append({"point": p.index, "overrides": " ".join(o for o in p.overrides if o not in common) or
                      " ".join(p.overrides), "all_overrides": p.overrides, "layout": f"dp{par.dp} hp{par.hp} pp{par.pp}",
                      "objective": objective.value(p.cfg.sweep.objective, s, _scores(p), p.cfg),
+                     "objective_stderr": objective.stderr(p.cfg.sweep.objective, _scores(p)),
                      "final_loss": s.get("final_loss"), "final_eval_loss": s.get("final_eval_loss"),
                      "tokens_per_s": s.get("tokens_per_s"), "peak_memory_mb": s.get("peak_memory_mb"),
                      "status": _status(p), "run_dir": str(p.run_dir),
@@ -292,11 +293,19 @@ def _table(rows: list[dict], name: str, seconds: float) -> Table:
     style = {"ok": "bold green", "cached": "green", "failed": "bold red", "rejected": "bold red"}
     for r in rows:
         table.add_row(str(r["point"]), r["overrides"], r["layout"],
-                      f"{r['objective']:.6g}" if math.isfinite(r["objective"]) else "-",
+                      _with_stderr(r["objective"], r.get("objective_stderr")),
                       f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
                       styled(r["status"], style.get(r["status"], "yellow")))
     return table
+
+
+def _with_stderr(value: float, stderr: Optional[float]) -> str:
+    """An objective as the table shows it, with its standard error where the score has one (lm-eval's): two points
+    within it of each other are not told apart by it."""
+    if not math.isfinite(value):
+        return "-"
+    return f"{value:.6g}" + (f" ± {stderr:.2g}" if stderr is not None and math.isfinite(stderr) else "")
 
 
 def _best(rows: list[dict]) -> Optional[dict]:

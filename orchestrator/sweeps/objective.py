@@ -36,6 +36,13 @@ def value(objective: str, train_summary: dict, scores: Optional[dict] = None, cf
     return float(found) if found is not None and math.isfinite(float(found)) else worst(objective, cfg)
 
 
+def stderr(objective: str, scores: Optional[dict] = None) -> Optional[float]:
+    """An evaluate score's standard error (lm-eval's `<metric>_stderr`), None for the train stage's objectives and
+    where lm-eval gives none."""
+    found = (scores or {}).get(f"{objective}_stderr") if objective not in OBJECTIVES else None
+    return float(found) if isinstance(found, (int, float)) and math.isfinite(float(found)) else None
+
+
 def best_first(rows: list[dict], objective: str, cfg=None) -> list[dict]:
     """Rows with an "objective" field, best first (failed points last, in their order)."""
     sign = 1 if direction(objective, cfg) == "minimize" else -1
