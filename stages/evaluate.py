@@ -132,8 +132,8 @@ def with_stderr(values: dict[str, float], digits: int) -> str:
         if k.endswith("_stderr"):
             continue
         err = values.get(f"{k}_stderr")
-        said.append(f"{k} {v:.{digits}f}" + (f" ± {err:.{digits}f}" if isinstance(err, (int, float)) and math.isfinite(err)
-                                               else ""))
+        known = isinstance(err, (int, float)) and math.isfinite(err)
+        said.append(f"{k} {v:.{digits}f}" + (f" ± {err:.{digits}f}" if known else ""))
     return ", ".join(said)
 
 

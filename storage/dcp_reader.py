@@ -1,8 +1,8 @@
 """A DCP checkpoint read a few tensors at a time by one process: what aggregation streams from.
 
 DCP's metadata lists every entry of the saved state (`model.<name>`, `optim.state.<name>.<leaf>` tensors with
-their global shape and dtype; `optim.param_groups.<name>` objects: each parameter's settings), so the full tensors can be planned
-before any is read. `read` loads the named entries only: DCP assembles each from the shards every rank wrote,
+their global shape and dtype; `optim.param_groups.<name>` objects: each parameter's settings), so the full tensors
+can be planned before any is read. `read` loads the named entries only: DCP assembles each from the shards every rank wrote,
 reading just their bytes, so memory holds what was asked for, never the whole checkpoint.
 """
 from __future__ import annotations

@@ -19,24 +19,29 @@ SIZE_SAMPLE = 1 << 22  # decompressed bytes read to estimate a compressed file's
 
 
 def _split(name: str) -> tuple[str, str]:
-    """(stem, suffix) of a file name as pathlib splits it (no suffix for `.bashrc` or `x.`), without building a Path:
-    a plan asks this of every file of a corpus several times."""
+    """(stem, suffix) of a file name as pathlib splits it (no suffix for `.bashrc` or `x.`)."""
     i = name.rfind(".")
     return (name[:i], name[i:]) if 0 < i < len(name) - 1 else (name, "")
+
+
+def _suffixes(path) -> tuple[str, str]:
+    """(a file name's last suffix, the one before it), without building a Path: a plan asks this of every file of a
+    corpus several times."""
+    stem, suffix = _split(os.path.basename(os.fspath(path)))
+    return suffix, _split(stem)[1]
 
 
 def suffix_of(path) -> str:
     """A file's kind by its name: its suffix; compressed JSON Lines' (`x.jsonl.gz`), the one under the compression
     (other compressed files keep theirs: `.txt.gz` is not read)."""
-    stem, suffix = _split(os.path.basename(os.fspath(path)))
-    inner = _split(stem)[1]
+    suffix, inner = _suffixes(path)
     return inner if suffix in PACKED and inner in JSON_LINES else suffix
 
 
 def packed(path) -> bool:
     """Compressed JSON Lines (read as they decompress)."""
-    stem, suffix = _split(os.path.basename(os.fspath(path)))
-    return suffix in PACKED and _split(stem)[1] in JSON_LINES
+    suffix, inner = _suffixes(path)
+    return suffix in PACKED and inner in JSON_LINES
 
 
 def reads(name: str, suffixes: tuple[str, ...]) -> bool:
