@@ -1,6 +1,7 @@
 """What finding the assistant's turns by rendering costs: chat records tokenized per second with a template's
 generation tags (one rendering, transformers' way) against the same template without them (the project's prefix
-renderings: two or three more per assistant message), for conversations of 1 to N turns, alternating in one process.
+renderings: two or three more for the first assistant turn, none for a later turn written as the first), for
+conversations of 1 to N turns, alternating in one process.
 
     python benchmarks/chat_masks.py [records=300] [rounds=3] [turns=1,4,10] [families=qwen2.5,llama3]
 

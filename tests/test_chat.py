@@ -100,6 +100,8 @@ CONVERSATIONS = {
                        {"role": "user", "content": "Bye"}],
     "spaces-and-unicode": [{"role": "user", "content": "  Über café?\n"},
                            {"role": "assistant", "content": "\nJa — naïve 🙂 \n\n"}],
+    "four-turns": [m for i in range(4) for m in ({"role": "user", "content": f"Is {i} odd?"},
+                                                  {"role": "assistant", "content": f"{'Yes' if i % 2 else 'No'}."})],
 }
 
 
@@ -159,6 +161,31 @@ def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenize
         said = hf.decode([i for i, t in zip(ids, trained) if t])
         assert all(m["content"].strip() in said for m in chat if m["role"] == "assistant"), (family, name, said)
         assert not any(m["content"] in said for m in chat if m["role"] != "assistant"), (family, name, said)
+
+
+@pytest.mark.parametrize("family", sorted(SPECIAL))
+def test_later_turns_found_in_one_rendering_are_where_their_own_prefix_renderings_put_them(family):
+    """A long chat's turns after the first are found in the one rendering where it writes them as the first
+    (spans_like_first): the spans its own prefix renderings give (turn_span), for every family; it takes them where
+    a template writes a turn otherwise (one that marks the second-to-last question: the renderings do not extend)."""
+    from plugins.data.chat import NotExtending, assistant_spans, prefix_spans, render, spans_like_first, turn_span
+
+    bos, eos = SPECIAL[family]
+    plain, v = (TEMPLATES / f"{family}.jinja").read_text(), {"bos_token": bos, "eos_token": eos}
+    chats = [CONVERSATIONS["four-turns"]] + ([[SYSTEM] + CONVERSATIONS["four-turns"]] if _supports_system(family)
+                                             else [])
+    for chat in chats:
+        text, assistant = render(plain, chat, **v)[0], [k for k, m in enumerate(chat) if m["role"] == "assistant"]
+        own = [turn_span(plain, chat, k, text, (eos, *TURNS), **v) for k in assistant]
+        assert spans_like_first(chat, text, assistant, own[0], **v) == own[1:], (family, chat[0])
+        assert prefix_spans(plain, chat, text, (eos, *TURNS), **v) == own
+    marks = ("{% for m in messages %}{% if loop.index0 == messages|length - 4 %}<mark>{% endif %}{{ m['role'] }}: "
+             "{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    chat = CONVERSATIONS["four-turns"][:6]
+    text = render(marks, chat)[0]
+    assert spans_like_first(chat, text, [1, 3, 5], turn_span(marks, chat, 1, text)) is None
+    with pytest.raises(NotExtending, match="is not the start of the whole"):
+        assistant_spans(marks, chat)
 
 
 def test_a_template_whose_renderings_do_not_extend_each_other_is_refused():

@@ -6,7 +6,8 @@ environment and globals, `trim_blocks` and `lstrip_blocks`, its `{% generation %
 says) gives the text the model was trained to read, and the character spans of the assistant's turns. The tokens
 those spans cover are the ones whose labels enter the loss (assistant-only loss, TRL's `assistant_only_loss`); the
 others get -100. The templates models ship have no generation tags: there the assistant's spans are found by
-rendering the conversation prefix by prefix (prefix_spans), which gives what tags in the natural places would.
+rendering the conversation's prefixes (prefix_spans: the first turn's, and a later turn's only where the rendering
+writes it otherwise than the first), which gives what tags in the natural places would.
 
 The tokenize stage reads chat records with it (data.format=chat, plugins/data/corpus.py).
 """
@@ -173,48 +174,102 @@ _PROBE = {"role": "user", "content": "?"}
 def prefix_spans(template: str, messages: list[dict], text: str, stops: tuple[str, ...] = (),
                  **variables) -> list[tuple[int, int]]:
     """The character spans of the assistant's turns in `text` (the rendered conversation), for a template without
-    generation tags: the k-th message is the assistant's from where the rendering of messages[:k] with the generation
-    prompt ends (what inference gives the model) to where the rendering of messages[:k+1] stops agreeing with the
-    same conversation followed by one more (user) turn: its closing text (<|im_end|>, <|eot_id|>, </s>, a newline),
-    not the text a template writes only at a conversation's end; where that closing text starts with a special token
-    (`stops`), the span ends after it, as the model's generation stops there (ChatML's newline after <|im_end|>,
-    Gemma's after <end_of_turn>, is never generated). Each rendering must be a prefix of the next."""
+    generation tags: the first from the template's renderings of the conversation's prefixes (turn_span), each
+    later one where it is built as the first (spans_like_first: no rendering), else from its own prefixes."""
+    assistant = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    if not assistant:
+        return []
+    first = turn_span(template, messages, assistant[0], text, stops, **variables)
+    later = spans_like_first(messages, text, assistant, first, **variables) if len(assistant) > 1 else []
+    if later is None:
+        later = [turn_span(template, messages, k, text, stops, **variables) for k in assistant[1:]]
+    return [first] + later
+
+
+def turn_span(template: str, messages: list[dict], k: int, text: str, stops: tuple[str, ...] = (),
+              **variables) -> tuple[int, int]:
+    """The character span of assistant message k in `text`: from where the rendering of messages[:k] with the
+    generation prompt ends (what inference gives the model) to where the rendering of messages[:k+1] stops agreeing
+    with the same conversation followed by one more (user) turn: its closing text (<|im_end|>, <|eot_id|>, </s>, a
+    newline), not the text a template writes only at a conversation's end; where that closing text starts with a
+    special token (`stops`), the span ends after it, as the model's generation stops there (ChatML's newline after
+    <|im_end|>, Gemma's after <end_of_turn>, is never generated). Each rendering must be a prefix of the next."""
+    message = messages[k]
+    reasoning, said = (s.strip() for s in reasoning_of(message))
+    try:
+        upto = text if k + 1 == len(messages) else render(template, messages[:k + 1], **variables)[0]
+        # what follows the turn: the conversation's own next message, else one more (user) turn rendered
+        probe = render(template, messages[:k + 1] + [_PROBE], **variables)[0] if k + 1 == len(messages) \
+            or messages[k + 1]["role"] != "user" else text
+        end = _common_prefix(upto, probe)
+        if k or not said:
+            prompt, _ = render(template, messages[:k], add_generation_prompt=True, **variables)
+        else:  # a chat that opens with the assistant: no empty conversation is rendered (templates read
+            prompt = upto[:upto.rfind(said, 0, end)]  # messages[0]); its turn starts where its text does
+    except Exception as e:  # raise_exception (roles must alternate, ...), a template reading messages[0]
+        raise NotExtending(f"the template cannot render the conversation up to message {k + 1} (the "
+                           f"assistant's), which finding what the assistant said needs: {type(e).__name__}: "
+                           f"{e}") from None
+    if not (text.startswith(prompt) and upto.startswith(prompt) and text[:end] == upto[:end]):
+        raise NotExtending(f"the template's rendering of the messages before message {k + 1} (the "
+                           "assistant's), with the generation prompt, is not the start of the whole "
+                           f"conversation's rendering ({parting(prompt, text)}), so what the assistant said "
+                           "cannot be told apart")
+    if said and said not in text:
+        raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s content (the "
+                           "assistant's), so there is nothing of it to learn")
+    if reasoning and reasoning not in text[len(prompt):end]:
+        raise NotExtending(f"the template drops message {k + 1}'s reasoning (the assistant's) once a turn "
+                           "follows it, so the whole conversation is not what the model read and "
+                           "wrote at that turn")
+    if said and said not in text[len(prompt):end]:
+        raise NotExtending(f"the template renders message {k + 1} (the assistant's) otherwise when it ends the "
+                           "conversation than when a turn follows it, so what the assistant said cannot be told "
+                           "apart")
+    return len(prompt), stop_end(text, len(prompt), end, said, stops)
+
+
+def spans_like_first(messages: list[dict], text: str, assistant: list[int], first: tuple[int, int],
+                     **variables) -> Optional[list[tuple[int, int]]]:
+    """The later assistant turns' spans where the rendering writes each as it wrote the first (whose span came from
+    the prefix renderings, so its prompt is the start of the whole): every message's text found in order; between
+    two messages' texts the same text wherever their roles are the same (a template that marks the last user turn,
+    or places the system prompt there, writes it otherwise); around each later turn the same text as around the
+    first (the previous turn's closing and the generation prompt before it, its closing through the stop token
+    after it). None where any of it differs (reasoning, tool calls, a last turn written otherwise, as Qwen3's is):
+    those turns need their own prefix renderings. One rendering for a chat of any length, where the prefixes take
+    a rendering of each turn (quadratic in its turns)."""
+    if assistant[0] == 0 or variables.get("tools"):
+        return None
+    texts = []
+    for m in messages:
+        if not isinstance(m.get("content"), str) or m.get("tool_calls") or reasoning_of(m)[0].strip():
+            return None
+        texts.append(m["content"].strip())
+    ats, cursor = [], 0
+    for said in texts:
+        at = text.find(said, cursor) if said else -1
+        if at < 0:
+            return None
+        ats.append(at)
+        cursor = at + len(said)
+    gaps: dict[tuple[str, str], str] = {}  # (the previous message's role, this one's): the text between them
+    for k in range(assistant[0], len(messages)):
+        between = text[ats[k - 1] + len(texts[k - 1]):ats[k]]
+        if gaps.setdefault((messages[k - 1]["role"], messages[k]["role"]), between) != between:
+            return None
+    k0 = assistant[0]
+    start, end = first
+    before, after = ats[k0 - 1] + len(texts[k0 - 1]), ats[k0] + len(texts[k0])
+    if not before <= start <= ats[k0] <= after <= end:
+        return None
+    opens, closing = start - before, text[after:end]  # the span starts past the generation prompt; its closing
     spans = []
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        reasoning, said = (s.strip() for s in reasoning_of(message))
-        try:
-            upto, _ = render(template, messages[:k + 1], **variables)
-            # what follows the turn: the conversation's own next message, else one more (user) turn rendered
-            probe = render(template, messages[:k + 1] + [_PROBE], **variables)[0] if k + 1 == len(messages) \
-                or messages[k + 1]["role"] != "user" else text
-            end = _common_prefix(upto, probe)
-            if k or not said:
-                prompt, _ = render(template, messages[:k], add_generation_prompt=True, **variables)
-            else:  # a chat that opens with the assistant: no empty conversation is rendered (templates read
-                prompt = upto[:upto.rfind(said, 0, end)]  # messages[0]); its turn starts where its text does
-        except Exception as e:  # raise_exception (roles must alternate, ...), a template reading messages[0]
-            raise NotExtending(f"the template cannot render the conversation up to message {k + 1} (the "
-                               f"assistant's), which finding what the assistant said needs: {type(e).__name__}: "
-                               f"{e}") from None
-        if not (text.startswith(prompt) and upto.startswith(prompt) and text[:end] == upto[:end]):
-            raise NotExtending(f"the template's rendering of the messages before message {k + 1} (the "
-                               "assistant's), with the generation prompt, is not the start of the whole "
-                               f"conversation's rendering ({parting(prompt, text)}), so what the assistant said "
-                               "cannot be told apart")
-        if said and said not in text:
-            raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s content (the "
-                               "assistant's), so there is nothing of it to learn")
-        if reasoning and reasoning not in text[len(prompt):end]:
-            raise NotExtending(f"the template drops message {k + 1}'s reasoning (the assistant's) once a turn "
-                               "follows it, so the whole conversation is not what the model read and "
-                               "wrote at that turn")
-        if said and said not in text[len(prompt):end]:
-            raise NotExtending(f"the template renders message {k + 1} (the assistant's) otherwise when it ends the "
-                               "conversation than when a turn follows it, so what the assistant said cannot be told "
-                               "apart")
-        spans.append((len(prompt), stop_end(text, len(prompt), end, said, stops)))
+    for k in assistant[1:]:
+        after = ats[k] + len(texts[k])
+        if messages[k - 1]["role"] != messages[k0 - 1]["role"] or text[after:after + len(closing)] != closing:
+            return None
+        spans.append((ats[k - 1] + len(texts[k - 1]) + opens, after + len(closing)))
     return spans
 
 
