@@ -83,8 +83,9 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
     cfg, device = ctx.cfg, layout.device
     precision = mixed.of(cfg, device)
     peak = peak_flops(device, precision.name, cfg.precision.tf32)
-    summary = {"steps": cfg.train.steps, "resumed_from_step": run["start"], "final_loss": rows[-1]["loss"],
-               "final_eval_loss": rows[-1]["eval_loss"], "tokens_per_s": run["tokens_per_s"],
+    last = rows[-1] if rows else {"loss": None, "eval_loss": run.get("baseline_eval_loss")}  # none: train.steps=0
+    summary = {"steps": cfg.train.steps, "resumed_from_step": run["start"], "final_loss": last["loss"],
+               "final_eval_loss": last["eval_loss"], "tokens_per_s": run["tokens_per_s"],
                "n_parameters": plan["n_parameters"], "layout": plan["layout"], "engine": cfg.engine.name,
                "engine_fallbacks": run["fallbacks"], "compiled": {"blocks": len(run["kernels"].compiled),
                                                                   "eager_fallbacks": run["kernels"].fallbacks},
@@ -108,8 +109,8 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
         artifacts.append(plot_pipeline_timeline(run["timeline"], ctx.out / "pipeline_timeline.png",
                                                 f"{cfg.parallel.pp_schedule}, pp={cfg.parallel.pp}, "
                                                 f"{cfg.parallel.microbatches} microbatches (last step)"))
-    ctx.tracker.log_metrics({"final_eval_loss": summary["final_eval_loss"], "memory/peak_mb": run["peak_mb"],
-                             **({"mfu": summary["mfu"]} if summary["mfu"] is not None else {})})
+    ctx.tracker.log_metrics({"memory/peak_mb": run["peak_mb"],
+                             **{k: summary[k] for k in ("final_eval_loss", "mfu") if summary[k] is not None}})
     ctx.tracker.set_tags({"precision": precision.name, "attention_kernel": summary["attention_kernel"],  # what ran
                           "optimizer_impl": summary["optimizer_impl"], "engine": cfg.engine.name,
                           "device": summary["device"], "layout": shape})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -92,6 +93,7 @@ def train(ctx: StageContext) -> None:
     profiler = StepProfiler(list(t.profile), ctx.is_rank0 or t.profile_ranks == "all", device, ctx.scratch / "profile",
                             ctx.rank)
     timed_tokens, timed_s, skipped_in_a_row = 0, 0.0, 0
+    baseline = _baseline(ctx, layout, batcher, checkpointer) if t.steps == 0 else None
     with progress(ctx, t.steps) as bar:
         task = bar.add_task("train", total=t.steps, completed=start, loss=float("nan"))
         for step in range(start, t.steps):
@@ -160,7 +162,19 @@ def train(ctx: StageContext) -> None:
         "start": start, "tokens_per_s": timed_tokens / timed_s if timed_s else None, "peak_mb": peak_mb,
         "growth_mb": growth_mb, "timeline": timeline, "probe": probe,
         "optimizers": optimizers, "kernels": layout.kernels, "fallbacks": layout.engine_fallbacks, "scaler": scaler,
-        "documents": whole_documents(cfg.data) is not None})
+        "documents": whole_documents(cfg.data) is not None, "baseline_eval_loss": baseline})
+
+
+def _baseline(ctx: StageContext, layout, batcher, checkpointer) -> Optional[float]:
+    """train.steps=0 (a baseline: the starting weights scored): their held-out loss (train.eval_batches), and those
+    weights saved as the checkpoint of step 0, which the stages after train read as any other."""
+    t = ctx.cfg.train
+    loss = eval_loss(layout, batcher, t.eval_batches) if t.eval_batches else None
+    checkpointer.save(0, wait=True)
+    if ctx.is_rank0:
+        ctx.log.info("train.steps=0: no step; the starting weights (train.init_from=%s) saved as the checkpoint of "
+                     "step 0%s", t.init_from, f", their held-out loss {loss:.4f}" if loss is not None else "")
+    return loss
 
 
 def _summary(out) -> str:
@@ -169,6 +183,9 @@ def _summary(out) -> str:
     mfu_text = f", MFU {s['mfu']:.1%}" if s.get("mfu") is not None else ""
     memory = f", peak {s['peak_memory_mb'] / 1024:.1f} GB" if s.get("peak_memory_mb") and s.get("memory_kind") == \
         "cuda" else ""
+    if s["final_loss"] is None:  # train.steps=0
+        baseline = f", eval {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
+        return f"no step (train.steps=0): the starting weights{baseline}"
     return f"loss {s['final_loss']:.4f}, eval {s['final_eval_loss']:.4f}{tps} ({s.get('precision', 'fp32')}" \
            f"{mfu_text}{memory})"
 

@@ -12,6 +12,12 @@ from storage.fsio import read_json
 def check(cfg, parameters: dict) -> list[Problem]:
     """parameters: the partition plan's, {name: {"shape": ...}} (what the checkpoint must hold)."""
     path = cfg.train.init_from
+    if cfg.train.steps == 0 and not (path or "").startswith(hf.PREFIX):
+        return [Problem("train.steps", 0, "train.steps=0 trains nothing: it saves, aggregates and scores the weights "
+                        "train.init_from=hf:<folder> holds (a baseline for evaluate.tasks); "
+                        + ("a checkpoint of this project is scored by its own run's aggregate" if path else
+                           "without it they would be a random initialisation"),
+                        "train.init_from=hf:<a Hugging Face folder> to score it as it is, or train.steps=300")]
     if not path:
         return []
     if path.startswith(hf.PREFIX):

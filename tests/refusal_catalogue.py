@@ -40,7 +40,7 @@ CATALOGUE = [
      "quote the value (Hydra reads spaces, parentheses"),
     (["optimizer.betas=0.9"], "optimizer.betas", "optimizer.betas=[0.9,0.95]"),
     # ranges and choices
-    (["train.steps=0"], "train.steps", "between 1 and 1000000000"),
+    (["train.steps=0"], "train.steps", "without it they would be a random initialisation"),
     (["model.dropout=1.5"], "model.dropout", "between 0.0 and 0.95"),
     (["memory.level=3"], "memory.level", "one of 0, 1, 2"),
     (["engine.opset=18"], "engine.opset", "between 14 and 17"),
@@ -66,7 +66,7 @@ CATALOGUE = [
     (["tune=layout", "tune.objective=speed"], "tune.objective", "one of tokens_per_s, memory"),
     (["plan.calibrate_steps=2"], "plan.calibrate_steps", "first 3 steps of a run are warm-up"),
     (["cluster=slurm", "plan.calibrate_steps=8"], "plan.calibrate_steps", "the cluster's nodes"),
-    (["train.steps=99999999999999999999"], "train.steps", "between 1 and 1000000000"),
+    (["train.steps=99999999999999999999"], "train.steps", "between 0 and 1000000000"),
     (["train.seed=-1"], "train.seed", "between 0 and 4294967295"),
     # numbers that are not numbers
     (["optimizer.lr=nan"], "optimizer.lr", "finite number"),
@@ -168,8 +168,8 @@ CATALOGUE = [
      "takes few-shot examples"),
     (["evaluate.tasks=[arith_gen]", "evaluate.onnx=true"], "evaluate.onnx", "scores loglikelihood tasks only"),
     (["train.init_from=hf:{tmp}/no_text"], "train.init_from", "holds no config.json"),
-    (["train.init_from=hf:{tmp}/sparse_tokenizer"], "data.tokenizer", "ships its own tokenizer (4 tokens), and "
-     "data.tokenizer=bytes (258 tokens) gives"),
+    (["train.init_from=hf:{tmp}/sparse_tokenizer", "data.tokenizer=bytes"], "data.tokenizer",
+     "ships its own tokenizer (4 tokens), and data.tokenizer=bytes (258 tokens) gives"),
     # LoRA (peft=lora)
     (["peft=lora"], "train.init_from", "the base must be named"),
     (["peft=lora", "peft.targets=[wz]"], "peft.targets", "has no Linear of that name"),

@@ -19,8 +19,7 @@ pytestmark = pytest.mark.e2e
 
 # the docs' offline walk-through (a tiny Llama fine-tuned on arithmetic chats) scored on the shipped chat task in
 # its own template, a generation task and the run's validation split; the ONNX model scored beside hf/
-FINE_TUNE = ["data=chat", "data.paths=[chats.jsonl]", "data.tokenizer=hf:tiny-llama", "train.init_from=hf:tiny-llama",
-             "model=llama_tiny", "train.steps=20", "train.progress=false", "evaluate.tasks=[arith_chat,arith_gen,"
+FINE_TUNE = ["data=chat", "data.paths=[chats.jsonl]", "train.init_from=hf:tiny-llama", "model=llama_tiny", "train.steps=20", "train.progress=false", "evaluate.tasks=[arith_chat,arith_gen,"
              "val_perplexity]", "evaluate.apply_chat_template=true", "evaluate.onnx=true", "evaluate.limit=20",
              "evaluate.generations=2", "sweep.objective=arith_chat/acc"]
 STUDY = ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=2", "hydra.sweeper.n_jobs=1",

@@ -93,6 +93,23 @@ def test_round_trip_through_a_distributed_run(family, tmp_path):
     assert (want - before).abs().max().item() > 1e-4  # the weights did train
 
 
+def test_zero_steps_hand_the_starting_weights_through_every_stage_as_they_are(tmp_path):
+    """train.steps=0, a baseline: the folder's weights saved as the checkpoint of step 0 and aggregated into an hf/
+    folder that holds exactly them, their held-out loss in the train stage's summary; refused without a folder."""
+    folder = saved("gpt", tmp_path / "in")
+    report = run_debug(tmp_path, *FAMILIES["gpt"][0], f"train.init_from=hf:{folder}", "train.steps=0",
+                       "train.batch_size=8", "train.seq_len=32", "train.eval_batches=2")
+    summary = json.loads((cache_entry(tmp_path, report, "train") / "summary.json").read_text())
+    assert summary["final_loss"] is None and summary["final_eval_loss"] > 0 and summary["steps"] == 0
+    ours = transformers.AutoModelForCausalLM.from_pretrained(cache_entry(tmp_path, report, "aggregate") / "hf")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert ours.state_dict().keys() == theirs.keys()
+    assert all(torch.equal(t, theirs[name]) for name, t in ours.state_dict().items())
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg("train.steps=0"))
+    assert [p.key for p in e.value.problems] == ["train.steps"] and "random initialisation" in e.value.problems[0].rule
+
+
 def test_a_mismatched_model_is_refused_listing_the_fields(tmp_path):
     folder = saved("llama", tmp_path / "llama")
     with pytest.raises(ConfigError) as e:

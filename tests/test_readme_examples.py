@@ -66,7 +66,8 @@ def test_every_using_it_command_and_python_block_works_as_pasted(workdir, tmp_pa
 
 def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
     """docs/models-and-data.md's "Offline" block, line by line in an empty folder: the tiny Llama and its chats made
-    with transformers, the preview (nothing started), the fine-tune through every stage (2 steps, in one process)."""
+    with transformers, the preview (nothing started), the fine-tune through every stage (2 steps, in one process)
+    with the model folder's own tokenizer (data.tokenizer=auto)."""
     page = (ROOT / "docs" / "models-and-data.md").read_text()
     block = page.split("### Offline: a tiny Llama fine-tuned on chats\n", 1)[1].split("```shell\n", 1)[1]
     lines = block.split("```", 1)[0].strip().splitlines()
@@ -82,4 +83,5 @@ def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
     args = [a for a in shlex.split(lines[2])[3:] if not a.startswith("train.steps=")]
     done = run_cli(args + SHORT + ["cluster=debug"], tmp_path, timeout=600)  # every stage in one process: quicker
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "data.tokenizer=auto: hf:tiny-llama (train.init_from's own)" in done.stdout  # the folder's, not bytes
     assert re.search(r"aggregate\s+│ ran", done.stdout), done.stdout[-3000:]

@@ -1,6 +1,7 @@
 """A config composed as `python -m orchestrator <overrides>` composes it, for code that is not the command: benchmarks,
 tests, a notebook. Validation is the caller's (orchestrator.config.validate), as the command validates after Hydra
-composes.
+composes. data.tokenizer=auto is made concrete (the data's code reads a tokenizer; the command resolves it before
+planning, orchestrator/config/resolve.py); the other `auto` values stay (resolve_auto makes them concrete for the machine that runs them).
 
     from orchestrator.config.compose import compose_config
     cfg = compose_config("model=llama_tiny", "train.steps=10")
@@ -28,10 +29,12 @@ def compose_config(*overrides: str, runs_dir: Optional[Path] = None, conf: Path 
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    from orchestrator.config.resolve import with_tokenizer
     from orchestrator.config.schema import register
 
     register()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(conf), version_base="1.3", job_name="orchestrator"):
         extra = [f"runs_dir={runs_dir}"] if runs_dir is not None else []
-        return compose(config_name="config", overrides=last_wins([*overrides, *extra]), return_hydra_config=False)
+        return with_tokenizer(compose(config_name="config", overrides=last_wins([*overrides, *extra]),
+                                      return_hydra_config=False))

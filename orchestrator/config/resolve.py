@@ -8,23 +8,31 @@ precision=fp16 or fp32 for GPUs older than Ampere).
 data.packing_strategy=auto: bfd for records of prompt_completion or chat, wrapped for text (silently: the plan
 says how rows are packed).
 
+data.tokenizer=auto: the tokenizer train.init_from=hf:<folder> ships (the ids its embeddings were trained on),
+else bytes (silently: the plan's data line names the tokenizer).
+
 triton.attention=auto: flex (FlexAttention, compiled) where rows hold whole documents and the ranks get CUDA GPUs,
 else sdpa (runtime/sdpa.py says why).
 """
 from __future__ import annotations
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 
 def resolve_auto(cfg: DictConfig) -> list[str]:
     """Fill in the config's `auto` values in place; one line per choice made, for the plan."""
     from plugins.data.packing import whole_documents
+    from plugins.data.tokenizer import AUTO, auto_tokenizer
     from plugins.engines import engine_names, get_engine
     from runtime.machine import ranks_on_cuda
     from runtime.precision import auto_precision
     from runtime.sdpa import resolve_attention
 
     notes = []
+    if cfg.data.tokenizer == AUTO:  # first: the data's rules and the packing read the tokenizer
+        cfg.data.tokenizer = auto_tokenizer(cfg.train.init_from)
+        if cfg.data.tokenizer != "bytes":
+            notes.append(f"data.tokenizer=auto: {cfg.data.tokenizer} (train.init_from's own)")
     if cfg.data.packing and cfg.data.packing_strategy == "auto":  # what packs the rows decides what else is read
         cfg.data.packing_strategy = "bfd" if whole_documents(cfg.data) is not None else "wrapped"
     cuda, bf16 = ranks_on_cuda(cfg)
@@ -40,3 +48,17 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
         if why:
             notes.append(f"triton.attention=auto: {name} ({why})")
     return notes
+
+
+def with_tokenizer(cfg: DictConfig) -> DictConfig:
+    """cfg, or a copy with data.tokenizer=auto made concrete: what validation checks where nothing resolved it yet (a
+    sweep's points and a tune's trials are checked before each runs, and runs resolve it)."""
+    import copy
+
+    from plugins.data.tokenizer import AUTO, auto_tokenizer
+
+    if OmegaConf.select(cfg, "data.tokenizer") != AUTO:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    cfg.data.tokenizer = auto_tokenizer(OmegaConf.select(cfg, "train.init_from") or "")
+    return cfg

@@ -105,7 +105,9 @@ _PASSED: set[str] = set()  # configs the command's pre-check validated (the run 
 def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = False) -> None:
     """Raise ConfigError with every problem. remember: a config that passes is not checked again in this process
     (orchestrator/boundary.py checks the command before Hydra writes anything; the run that follows is the same)."""
-    overrides = list(overrides)
+    from orchestrator.config.resolve import with_tokenizer
+
+    overrides, cfg = list(overrides), with_tokenizer(cfg)
     seen = OmegaConf.to_yaml(cfg) + "\0".join(overrides)
     if seen in _PASSED:
         return

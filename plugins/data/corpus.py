@@ -354,8 +354,8 @@ def passes_line(cfg, tokens: Path) -> list[str]:
     holds no counts (an entry written before they were kept)."""
     path = Path(tokens) / shards.INDEX
     index = read_json(path) if not cfg.data.get("mix") and path.is_file() else {}
-    if not isinstance(index.get("train"), dict) or not index["train"].get("tokens"):
-        return []
+    if not isinstance(index.get("train"), dict) or not index["train"].get("tokens") or not cfg.train.steps:
+        return []  # train.steps=0 draws nothing (the train stage says what it does instead)
     t, train = cfg.train, index["train"]
     if cfg.data.packing:  # windows (or rows of whole documents) of train.seq_len tokens
         drawn, pool, unit = t.steps * t.batch_size * t.seq_len, train["tokens"], "tokens"

@@ -120,7 +120,8 @@ def _tokenizer_problems(cfg, source) -> list[Problem]:
     spec = d.tokenizer
     folder = tokenizers.hf_folder(spec)
     if spec not in ("bytes", "bpe") and folder is None:
-        return [Problem("data.tokenizer", spec, "a tokenizer is bytes, bpe or hf:<folder>", "data.tokenizer=bytes")]
+        return [Problem("data.tokenizer", spec, "a tokenizer is auto, bytes, bpe or hf:<folder>",
+                        "data.tokenizer=auto (train.init_from's own, else bytes)")]
     if folder is not None:
         file = folder / "tokenizer.json" if folder.is_dir() else folder
         why = why_not_a_file(file)
@@ -148,7 +149,7 @@ def _model_tokenizer_problems(cfg) -> list[Problem]:
     if model is None or not (model / "tokenizer.json").is_file():
         return []
     spec = cfg.data.tokenizer
-    fix = f"data.tokenizer=hf:{model} (the folder's own)"
+    fix = f"data.tokenizer=auto or hf:{model} (the folder's own)"
     if spec == "bpe":
         return [Problem("data.tokenizer", spec, f"train.init_from={start} ships its own tokenizer, whose ids its "
                         "embeddings were trained on; a BPE learned on this corpus gives the same ids other tokens",

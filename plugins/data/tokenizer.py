@@ -147,6 +147,16 @@ def hf_folder(spec: str) -> Optional[Path]:
     return Path(spec[len(HF_PREFIX):]).expanduser() if spec.startswith(HF_PREFIX) else None
 
 
+AUTO = "auto"  # data.tokenizer's default: the model's own
+
+
+def auto_tokenizer(init_from: str) -> str:
+    """data.tokenizer=auto: the tokenizer train.init_from=hf:<folder> ships (its tokenizer.json: the ids its
+    embeddings were trained on), else bytes."""
+    folder = hf_folder(init_from) if isinstance(init_from, str) else None
+    return f"{HF_PREFIX}{folder}" if folder is not None and (folder / "tokenizer.json").is_file() else "bytes"
+
+
 def load_hf(folder: Path) -> Tokenizer:
     """A Hugging Face tokenizer folder (tokenizer.json). <eos> is its eos_token (tokenizer_config.json), else a
     known end-of-text token; padding reuses it when the tokenizer has no pad token (labels there are ignored)."""
@@ -222,6 +232,9 @@ def make(data_cfg, train_texts: Iterable[bytes] = ()) -> Tokenizer:
     """data.tokenizer: bytes, a BPE learned on train_texts (a sample of the training split), or an HF folder's;
     with data.chat_template, that template (else an HF folder's own)."""
     spec = data_cfg.tokenizer
+    if spec == AUTO:  # a bug, not an input: resolve_auto makes it concrete before anything reads the data
+        raise ValueError("data.tokenizer=auto reached the tokenizer unresolved (orchestrator/config/resolve.py "
+                         "resolves it before planning)")
     if spec == "bytes":
         tok = Tokenizer("bytes", VOCAB_SIZE, EOS, PAD, special={"eos_token": EOS_TOKEN})
     elif spec == "bpe":

@@ -101,9 +101,10 @@ class DataConfig:
                                      "generation prompt; the others' labels are -100, TRL's completion_only_loss and "
                                      "assistant_only_loss) or all", choices=("completion", "all"),
                        read_when=("data.format", ("prompt_completion", "chat")))
-    tokenizer: str = key("bytes", "bytes (one token per byte, lossless), bpe (a byte-level BPE of data.vocab_size "
-                                  "trained on the corpus, saved with the tokens), or hf:<folder> (a Hugging Face "
-                                  "tokenizer.json / save_pretrained folder)")
+    tokenizer: str = key("auto", "auto (train.init_from=hf:<folder>'s own tokenizer where it ships one, else bytes; "
+                                 "the plan says which), bytes (one token per byte, lossless), bpe (a byte-level BPE "
+                                 "of data.vocab_size trained on the corpus, saved with the tokens), or hf:<folder> (a "
+                                 "Hugging Face tokenizer.json / save_pretrained folder)")
     vocab_size: int = key(2048, "data.tokenizer=bpe: the vocabulary it learns (bytes, <eos>, <pad> and merges); "
                                 "model.vocab_size must be at least this", min=259, max=MAX_VOCAB, read_when=BPE)
     max_bytes: int = key(16_000_000, "read the corpus's first this many bytes, in file order, the last file cut at a "

@@ -127,7 +127,8 @@ class OrtEngineConfig(EngineConfig):
 
 @dataclass
 class TrainConfig:
-    steps: int = key(300, "optimizer steps", min=1, max=MAX_STEPS)
+    steps: int = key(300, "optimizer steps (0: none; train.init_from=hf:<folder>'s weights saved, aggregated and "
+                          "scored as they are, a baseline for evaluate.tasks)", min=0, max=MAX_STEPS)
     batch_size: int = key(16, "global batch: sequences per optimizer step", min=1, max=MAX_TOKENS)
     seq_len: int = key(128, "tokens per sequence", min=1, max=MAX_TOKENS)
     seed: int = key(1234, "seed of initialisation, data order and dropout", min=0, max=MAX_SEED)
