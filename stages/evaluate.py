@@ -36,7 +36,8 @@ def evaluate(ctx: StageContext) -> None:
     scored = hashlib.sha256((aggregate / "manifest.json").read_bytes()).hexdigest()
     os.environ["HF_DATASETS_CACHE"] = str(ctx.scratch / "datasets")  # the tasks' prepared data: not in $HOME
     if not ctx.interactive:  # lm-eval's and datasets' progress bars, redrawn line after line into a log file
-        os.environ.update(TQDM_DISABLE="1", HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+        os.environ.update(HF_DATASETS_DISABLE_PROGRESS_BARS="1")
+        _no_progress_bars()
     import torch
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,6 +67,23 @@ def evaluate(ctx: StageContext) -> None:
         ctx.tracker.log_table(table, "generations.json")
     ctx.log.info("scored %s (aggregate manifest sha256 %s): %s", ", ".join(ev.tasks), scored[:12],
                  with_stderr(values, 4))
+
+
+def _no_progress_bars() -> None:
+    """Every tqdm bar made disabled (lm-eval's loglikelihood requests, transformers' loading of the weights, datasets'
+    maps): tqdm reads TQDM_DISABLE once, when it is imported (the fork server imported it before this stage), and
+    lm-eval passes its own `disable=`. tqdm.auto's and transformers' bars are subclasses, so one patch holds them."""
+    import tqdm
+
+    init = tqdm.tqdm.__init__
+    if getattr(init, "quiet", False):
+        return
+
+    def quiet(self, *args, **kwargs):
+        init(self, *args, **{**kwargs, "disable": True})
+
+    quiet.quiet = True
+    tqdm.tqdm.__init__ = quiet
 
 
 def _published(value, out: Path, entry: Path):

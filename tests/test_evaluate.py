@@ -93,6 +93,8 @@ def test_an_optuna_study_ranks_fine_tunes_by_their_chat_score_each_as_lm_eval_sc
     assert again.returncode == 0 and "│ evaluate   │ cached" in again.stdout, again.stdout[-3000:]
     m, log = scores[0]["metrics"], (Path(ranked["points"][0]["run_dir"]) / "stages/evaluate/rank0.log").read_text()
     assert f"arith_chat/acc {m['arith_chat/acc']:.4f} ± {m['arith_chat/acc_stderr']:.4f}" in log, log  # its noise
+    out = (Path(ranked["points"][0]["run_dir"]) / "stages/evaluate/rank0.out").read_text()
+    assert "it/s]" not in out and "Running loglikelihood" not in out, out[-2000:]  # no progress-bar frames in files
 
 
 def test_a_task_of_lm_evals_own_without_the_hub_is_refused_before_launch(tmp_path):
