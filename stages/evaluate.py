@@ -120,6 +120,9 @@ def _onnx_scores(ctx: StageContext, results: dict, tasks: list, device: str) -> 
             "max_loglikelihood_gap": gaps}
 
 
+SHOWN = 3  # answers the log shows beside their references (generations.json holds them all)
+
+
 def _generations(ctx: StageContext, lm) -> Optional[dict]:
     """The model's answers to evaluate.prompts, else to the first validation prompts (plugins/evaluate/validation);
     None where there are none (evaluate.generations=0)."""
@@ -132,6 +135,8 @@ def _generations(ctx: StageContext, lm) -> Optional[dict]:
         return None
     table = generations.answer(lm.model, lm.tokenizer, prompts, ev.max_new_tokens)
     atomic_write_json(ctx.out / "generations.json", table)
+    for prompt, said, reference in list(zip(table["prompt"], table["answer"], table["reference"]))[:SHOWN]:
+        ctx.log.info("answered %r (the prompt's end): %r; the reference: %r", prompt[-60:], said, reference)
     return table
 
 

@@ -38,7 +38,14 @@ def docs_commands() -> list[tuple[str, list[str]]]:
     return found
 
 
-COMMANDS = docs_commands()
+def help_commands() -> list[tuple[str, list[str]]]:
+    """`python -m orchestrator --help`'s common commands (orchestrator/config/help.py), checked as the pages' are."""
+    from orchestrator.config.help import COMMANDS as SHOWN
+
+    return [("--help", shlex.split(command)[3:]) for command, _ in SHOWN if "--cfg" not in command]
+
+
+COMMANDS = docs_commands() + help_commands()
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +81,8 @@ def as_run_here(args: list[str], tmp: Path) -> list[str]:
     llama_tiny's shape (a real 1B folder takes 5 GB)."""
     where = {"/path/to/gpt2": "tiny-llama", "/path/to/llama-instruct": "tiny-llama", "/path/to/llama": "tiny-llama",
              "/data/fineweb-edu": "fineweb", "/shared/fineweb-edu-10BT": "fineweb", "/data/web": "web",
-             "/data/code": "code", "/data/my_tasks": "my_tasks"}
+             "/data/code": "code", "/data/my_tasks": "my_tasks",
+             "runs/outputs/<date>/<time>/stages/aggregate/output/hf": "tiny-llama"}  # a fine-tune's: a Llama too
     out = []
     sweep = "-m" in args
     for a in args:

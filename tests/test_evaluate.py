@@ -93,6 +93,7 @@ def test_an_optuna_study_ranks_fine_tunes_by_their_chat_score_each_as_lm_eval_sc
     assert again.returncode == 0 and "│ evaluate   │ cached" in again.stdout, again.stdout[-3000:]
     m, log = scores[0]["metrics"], (Path(ranked["points"][0]["run_dir"]) / "stages/evaluate/rank0.log").read_text()
     assert f"arith_chat/acc {m['arith_chat/acc']:.4f} ± {m['arith_chat/acc_stderr']:.4f}" in log, log  # its noise
+    assert log.count("answered '") == 2 and "; the reference: '" in log, log  # evaluate.generations=2, beside theirs
     out = (Path(ranked["points"][0]["run_dir"]) / "stages/evaluate/rank0.out").read_text()
     assert "it/s]" not in out and "Running loglikelihood" not in out, out[-2000:]  # no progress-bar frames in files
 
