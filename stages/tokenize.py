@@ -22,7 +22,8 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 
 from plugins.data import data_fingerprint, shards
 from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
-                                 estimate_seconds, finish_all, source_tokens, tokenize_tasks, wait_for, write_part)
+                                 estimate_seconds, finish_all, source_index, source_tokens, tokenize_tasks, wait_for,
+                                 write_part)
 from plugins.data.packing import longest_record
 from plugins.data.reading import partition
 from plugins.data.registry import get_source
@@ -39,6 +40,10 @@ def tokenize(ctx: StageContext) -> None:
     tokens = ctx.out / TOKENS_DIR
     if get_source(cfg.data.name).tokens is not None:  # tokens already: nothing to encode
         _report(ctx, source_tokens(cfg, tokens), time.perf_counter() - t0, 0)
+        return
+    if get_source(cfg.data.name).indexed is not None:  # token shards already (Megatron's): an index pointing at them
+        if ctx.is_rank0:
+            _report(ctx, source_index(cfg, ctx.out), time.perf_counter() - t0, 0)
         return
     corpora = corpus_layouts(cfg)
     os.environ.setdefault("RAYON_NUM_THREADS", str(max(1, usable_cores() // ctx.world_size)))

@@ -191,6 +191,8 @@ CATALOGUE = [
     (["data=text"], "data.paths", "needs files"),
     (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths", "does not exist"),
     (["data=text", "data.paths=[{tmp}/random.bin]"], "data.paths", "binary"),
+    (["data=megatron"], "data.paths", "reads the prefixes of Megatron indexed datasets"),
+    (["data=megatron", "data.paths=[{tmp}/random]"], "data.paths", "random.idx does not exist"),
     (["data=text", "data.paths=[{tmp}/latin1.txt]"], "data.paths", "not UTF-8"),
     (["data=text", "data.paths=[{tmp}/empty.txt]"], "data.paths", "empty"),
     (["data=text", "data.paths=[{tmp}/no_text]"], "data.paths", "holds no"),

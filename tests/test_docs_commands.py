@@ -12,11 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from orchestrator.config.command import check_experiment
 from orchestrator.config.errors import ConfigError
+from plugins.data.megatron import write_index
 from tests.conftest import ROOT, make_cfg
 
 # lines whose placeholder needs a run of the reader's own (a checkpoint's key), or that are not the orchestrator's
@@ -64,6 +66,10 @@ def readers_files(tmp_path_factory) -> Path:
     (tmp / "sft" / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "completion": f" {i + 1}"})
                                                      + "\n" for i in range(3000)))
     (tmp / "sft" / "chats.jsonl").write_text((tmp / "chats.jsonl").read_text())
+    (tmp / "megatron").mkdir()  # a corpus tokenized for Megatron-LM (docs/models-and-data.md)
+    docs = [np.arange(1, 40 + i, dtype=np.uint16) for i in range(30)]
+    (tmp / "megatron" / "web_text_document.bin").write_bytes(np.concatenate(docs).tobytes())
+    write_index(str(tmp / "megatron" / "web_text_document"), np.uint16, [len(d) for d in docs])
     (tmp / "my_tasks").mkdir()  # an lm-eval task of the reader's own (docs/evaluate.md)
     questions = tmp / "my_tasks" / "questions.jsonl"  # loaded by lm-eval before launch: a real task, data and all
     questions.write_text("".join(json.dumps({"question": f"{i} + 1 =", "choices": [f" {i + 1}", f" {i}"], "answer": 0})
@@ -81,7 +87,7 @@ def as_run_here(args: list[str], tmp: Path) -> list[str]:
     llama_tiny's shape (a real 1B folder takes 5 GB)."""
     where = {"/path/to/gpt2": "tiny-llama", "/path/to/llama-instruct": "tiny-llama", "/path/to/llama": "tiny-llama",
              "/data/fineweb-edu": "fineweb", "/shared/fineweb-edu-10BT": "fineweb", "/data/web": "web",
-             "/data/code": "code", "/data/my_tasks": "my_tasks",
+             "/data/code": "code", "/data/my_tasks": "my_tasks", "/data/megatron": "megatron",
              "runs/outputs/<date>/<time>/stages/aggregate/output/hf": "tiny-llama"}  # a fine-tune's: a Llama too
     out = []
     sweep = "-m" in args

@@ -37,11 +37,29 @@ def test_every_option_composes_and_validates(group, tmp_path):
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in CHATS * 400))
     (tmp_path / "chatml.jinja").write_text(CHATML)
     given = {"text": ["data.paths=[README.md]"],
-             "chat": [f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={tmp_path}/chatml.jinja"]}
+             "chat": [f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={tmp_path}/chatml.jinja"],
+             "megatron": _megatron_corpus(tmp_path)}
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
         overrides = [f"{group}={option}"] + (given.get(option, []) if group == "data" else [])
         got = [p for p in problems_of(*overrides) if not _machine_problem(p)]
         assert got == [], (group, option, [(p.key, str(p.value), p.rule) for p in got])
+
+
+def _megatron_corpus(tmp_path) -> list[str]:
+    """A Megatron indexed dataset of 30 documents and the word-level tokenizer of its ids (data=megatron's keys)."""
+    import numpy as np
+    from tokenizers import Tokenizer, models
+
+    from plugins.data.megatron import write_index
+
+    docs = [np.arange(1, 40 + i, dtype=np.uint16) for i in range(30)]
+    (tmp_path / "corpus_text_document.bin").write_bytes(np.concatenate(docs).tobytes())
+    write_index(str(tmp_path / "corpus_text_document"), np.uint16, [len(d) for d in docs])
+    (tmp_path / "tok").mkdir()
+    Tokenizer(models.WordLevel({f"<{i}>": i for i in range(256)}, unk_token="<0>")).save(
+        str(tmp_path / "tok" / "tokenizer.json"))
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<0>"}))
+    return [f"data.paths=[{tmp_path}/corpus_text_document]", f"data.tokenizer=hf:{tmp_path}/tok"]
 
 
 def _machine_problem(p) -> bool:
@@ -65,8 +83,8 @@ def test_unknown_key_suggests_the_close_one():
 
 
 def test_all_problems_are_reported_together():
-    keys = {p.key for p in problems_of("train.steps=0", "model.dropout=2", "+parallel.foo=1")}
-    assert {"train.steps", "model.dropout", "parallel.foo"} <= keys
+    keys = {p.key for p in problems_of("train.batch_size=0", "model.dropout=2", "+parallel.foo=1")}
+    assert {"train.batch_size", "model.dropout", "parallel.foo"} <= keys
 
 
 def test_ort_kernels_need_cuda_and_ort_triton():

@@ -26,7 +26,7 @@ from plugins.data.reading import Layout, in_val, layout, partition
 from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs, masks_loss,
                                   piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
-from storage.fsio import read_json
+from storage.fsio import atomic_write_json, read_json
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
 TOKENIZER_DIR, TOKENS_DIR = "tokenizer", "tokens"
@@ -245,11 +245,25 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     return index
 
 
+def source_index(cfg, folder: Path) -> dict:
+    """A source that is token shards already (data=megatron): its tokenizer saved (folder/tokenizer) and the index
+    that points at the shards (folder/tokens/index.json), nothing copied."""
+    tok = tokenizers.make(cfg.data)
+    tok.save(Path(folder) / TOKENIZER_DIR)
+    index = {"dtype": None, "vocab_size": tok.vocab_size, "eos": tok.eos, "pad": tok.pad, "tokenizer": tok.kind,
+             **get_source(cfg.data.name).indexed(cfg, tok)}
+    (Path(folder) / TOKENS_DIR).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(folder) / TOKENS_DIR / shards.INDEX, index)
+    return index
+
+
 def tokenize_into(cfg, folder: Path) -> dict:
     """The whole corpus into shards (folder/tokens) and its tokenizer (folder/tokenizer) by this one process."""
     folder = Path(folder)
     if get_source(cfg.data.name).tokens is not None:
         return source_tokens(cfg, folder / TOKENS_DIR)
+    if get_source(cfg.data.name).indexed is not None:
+        return source_index(cfg, folder)
     corpora = corpus_layouts(cfg)
     tok = build_tokenizer(cfg, corpora)
     tok.save(folder / TOKENIZER_DIR)
@@ -320,6 +334,8 @@ def estimate_seconds(cfg, corpora: list, tasks: int, cores: int) -> float:
 
 def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
     """The plan's lines on tokenize: what it reads, what data.max_bytes leaves out, tasks, memory and time."""
+    if get_source(cfg.data.name).describe is not None:
+        return get_source(cfg.data.name).describe(cfg)
     corpora = corpus_layouts(cfg)
     if any(lay is None for _, lay in corpora):
         return []

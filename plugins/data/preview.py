@@ -13,6 +13,7 @@ from rich.text import Text
 
 from plugins.data import tokenizer as tokenizers
 from plugins.data.corpus import corpus_layouts
+from plugins.data.registry import get_source
 from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
 
@@ -27,6 +28,12 @@ def preview(cfg, records: int, styled: bool, chars: int = PLAN_CHARS) -> list:
     d = cfg.data
     tok, shown_as = _tokenizer(d)
     lines: list = []
+    first_ids = get_source(d.name).first_ids
+    if first_ids is not None:  # token shards already (data=megatron): their first documents decoded
+        for where, ids in first_ids(d, records):
+            lines += [Text(f"data: {where} as the model sees it, all {len(ids):,} tokens learned:"),
+                      _body(tok, ids, None, styled, chars)]
+        return lines
     corpora = corpus_layouts(cfg)
     for i, (sub, lay) in enumerate(corpora):
         if lay is None:

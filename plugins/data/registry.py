@@ -44,6 +44,13 @@ class DataSource:
     files: Optional[Callable[[object], list[tuple[str, Path]]]] = None
     """cfg.data -> the corpus's files ((name, path), in order): text, JSON Lines, Parquet. Such a source is read in
     pieces (plugins/data/reading.py), by as many tokenize tasks as data.tasks says."""
+    indexed: Optional[Callable[[object, object], dict]] = None
+    """(the whole cfg, its tokenizer) -> what the tokenize stage's index.json holds, for sources that are token
+    shards already, read where they are (plugins/data/megatron.py: the "megatron" entry shards.read reads)."""
+    describe: Optional[Callable[[object], list[str]]] = None
+    """the whole cfg -> the plan's lines on what the source reads, where it is not files to tokenize."""
+    first_ids: Optional[Callable[[object, int], list[tuple[str, np.ndarray]]]] = None
+    """(cfg.data, n) -> its first n documents as token ids, each with where it is (data.preview of token shards)."""
 
 
 SOURCES: Registry[DataSource] = Registry("data.name", "orchestrator.data")

@@ -189,6 +189,20 @@ class Documents:
         return (self[i] for i in range(len(self)))
 
 
+def _megatron_corpus(index: dict, packed: bool) -> Corpus:
+    """The corpus of Megatron indexed datasets (plugins/data/megatron.py's index entries), one after another."""
+    from plugins.data.megatron import read_corpus
+
+    read = [read_corpus(entry, packed) for entry in index["megatron"]]
+    splits = {}
+    for split in SPLITS:
+        stream = TokenStream([r[split][0] for r in read])
+        bases = np.cumsum([0] + [len(r[split][0]) for r in read])
+        splits[split] = [stream] if packed else Documents(stream, np.concatenate(
+            [r[split][1] + base for r, base in zip(read, bases)]))
+    return Corpus(splits["train"], splits["val"], index["vocab_size"], packed, index["pad"])
+
+
 def _memmap(path: Path, dtype: np.dtype) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
 
@@ -197,6 +211,8 @@ def read(folder: Path, packed: bool, index: Optional[dict] = None) -> Corpus:
     """The corpus of a shard folder, memory-mapped: packed, one stream per split; else its documents."""
     folder = Path(folder)
     index = index or read_json(folder / INDEX)
+    if "megatron" in index:  # corpora of Megatron's, read where they are
+        return _megatron_corpus(index, packed)
     dtype = np.dtype(index["dtype"])
     splits, masks = {}, {}
     for split in SPLITS:
