@@ -84,17 +84,48 @@ def test_documents_read_where_they_are_equal_megatron_cores_own_reading(corpora,
     assert report.results["train"].status == "ran"
 
 
-def test_an_index_the_project_writes_is_read_by_megatron_core(tmp_path):
+def test_the_tokenize_stages_parts_are_megatron_datasets_megatron_core_reads(tmp_path):
+    """Each part's split (part-00000/train.bin + .idx) is a Megatron indexed dataset: megatron-core's IndexedDataset
+    reads the documents the project reads, in two parts (the corpus cut between two tasks) and after a small
+    corpus's last document moved to the held-out split."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     from plugins.data.megatron import write_index
 
-    docs = [np.arange(n, dtype=np.int32) + n for n in (3, 1, 7, 2)]
+    docs = [np.arange(n, dtype=np.int32) + n for n in (3, 1, 7, 2)]  # write_index alone, as a writer of corpora
     (tmp_path / "ours.bin").write_bytes(np.concatenate(docs).tobytes())
     write_index(str(tmp_path / "ours"), np.int32, [len(d) for d in docs])
     ds = IndexedDataset(str(tmp_path / "ours"))
     assert [ds[i].tolist() for i in range(len(ds))] == [d.tolist() for d in docs]
-    assert ds.document_indices.tolist() == [0, 1, 2, 3, 4]
+    records = tmp_path / "records.jsonl"
+    records.write_text("".join(f'{{"text": "record {i} says {"word " * (i % 7)}"}}\n' for i in range(300)))
+    for tasks in (1, 2):
+        from plugins.data.corpus import corpus_layouts, finish_all, write_part
+        from plugins.data import tokenizer as tokenizers
+
+        cfg = make_cfg("data=text", f"data.paths=[{records}]", "data.val_fraction=0.2")
+        out, tok = tmp_path / f"tasks{tasks}", tokenizers.make(cfg.data)
+        corpora = corpus_layouts(cfg)
+        for task in range(tasks):
+            write_part(*corpora[0], tok, out, task, tasks)
+        finish_all(out, tasks, tok, cfg, corpora)
+        ours = shards.read(out, packed=False)
+        for split, documents in (("train", ours.train), ("val", ours.val)):
+            theirs = []
+            for part in sorted(out.glob("part-*")):
+                if not (part / f"{split}.bin").stat().st_size:  # megatron-core cannot memory-map an empty .bin
+                    continue
+                ds = IndexedDataset(str(part / split))
+                theirs += [ds[i].tolist() for i in range(len(ds))]
+            assert theirs == [d.tolist() for d in documents] and len(theirs) > 10, (tasks, split)
+    small = tmp_path / "small.jsonl"  # too few records for a held-out one: the last one moves there
+    small.write_text("".join(f'{{"text": "record {i}"}}\n' for i in range(3)))
+    index = tokenize_into(make_cfg("data=text", f"data.paths=[{small}]", "data.val_fraction=0.01"), tmp_path / "small")
+    ours = shards.read(tmp_path / "small" / TOKENS_DIR, packed=False)
+    for split, documents in (("train", ours.train), ("val", ours.val)):
+        ds = IndexedDataset(str(tmp_path / "small" / TOKENS_DIR / "part-00000" / split))
+        assert [ds[i].tolist() for i in range(len(ds))] == [d.tolist() for d in documents]
+    assert index["val"]["documents"] == 1 and index["train"]["documents"] == 2
 
 
 def _broken(corpora, tmp_path: Path, how: str) -> Path:

@@ -123,21 +123,34 @@ def read_index(path: str) -> Indexed:
     return Indexed(prefix, dtype, lengths, pointers, firsts)
 
 
-def write_index(path: str, dtype, document_lengths: np.ndarray) -> Path:
-    """prefix.idx for prefix.bin holding documents of these lengths (tokens of `dtype`) back to back, one sequence
-    each, as megatron-core's IndexedDatasetBuilder writes it (its IndexedDataset reads it: tests/test_megatron.py).
-    Written beside, then renamed: a reader never sees half an index."""
-    prefix = prefix_of(path)
-    dtype = np.dtype(dtype)
-    code = next(c for c, t in DTYPES.items() if np.dtype(t) == dtype)
-    lengths = np.asarray(document_lengths, dtype=np.int32)
-    pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]).astype(np.int64) * dtype.itemsize
+def write_index(path: str, dtype, document_lengths) -> Path:
+    """prefix.idx for prefix.bin holding documents of these lengths back to back (write_index_of_ends)."""
+    return write_index_of_ends(path, dtype, np.cumsum(np.asarray(document_lengths, dtype=np.int64)))
+
+
+def write_index_of_ends(path: str, dtype, ends: np.ndarray, chunk: int = 1 << 20) -> Path:
+    """prefix.idx for prefix.bin holding documents (tokens of `dtype`) back to back, each ending at `ends` (int64
+    token offsets, e.g. a memory map: read `chunk` at a time, so that the memory stays flat), one sequence each, as
+    megatron-core's IndexedDatasetBuilder writes it (its IndexedDataset reads it: tests/test_megatron.py). uint32
+    tokens are declared int32, which Megatron reads (it has no uint32; ids stay below 2**31). Written beside, then
+    renamed: a reader never sees half an index."""
+    prefix, dtype = prefix_of(path), np.dtype(dtype)
+    declared = np.dtype(np.int32) if dtype == np.uint32 else dtype
+    code = next(c for c, t in DTYPES.items() if np.dtype(t) == declared)
+    n = len(ends)
     idx = files_of(prefix)[0]
     part = idx.with_name(idx.name + ".part")
     with open(part, "wb") as f:
-        f.write(MAGIC + struct.pack("<QBQQ", VERSION, code, len(lengths), len(lengths) + 1))
-        f.write(lengths.tobytes() + pointers[:len(lengths)].tobytes() + np.arange(len(lengths) + 1, dtype=np.int64)
-                .tobytes())
+        f.write(MAGIC + struct.pack("<QBQQ", VERSION, code, n, n + 1))
+        for i in range(0, n, chunk):  # each sequence's length
+            before = np.int64(ends[i - 1]) if i else np.int64(0)
+            f.write(np.diff(np.asarray(ends[i:i + chunk], dtype=np.int64), prepend=before).astype(np.int32)
+                    .tobytes())
+        for i in range(0, n, chunk):  # its byte offset: where the one before ends
+            starts = np.concatenate([[ends[i - 1] if i else 0], ends[i:min(i + chunk, n) - 1]]).astype(np.int64)
+            f.write((starts * declared.itemsize).tobytes())
+        for i in range(0, n + 1, chunk):  # one sequence a document
+            f.write(np.arange(i, min(i + chunk, n + 1), dtype=np.int64).tobytes())
     part.replace(idx)
     return idx
 

@@ -3,11 +3,14 @@ index names the parts, which are read back by memory map as one corpus (no copy,
 
   part-00000/train.bin  val.bin   the documents' tokens, each document ending in <eos>, back to back (uint16 when
                                   the vocabulary fits, else uint32; raw, no header: what memory-map readers expect)
-  part-00000/train.idx  val.idx   int64: where each document that ends in this part ends (a document may begin in
-                                  the part before: a big text file read by two tasks)
+  part-00000/train.idx  val.idx   Megatron's index (plugins/data/megatron.py): each document that ends in this part
+                                  one sequence, from where the one before ends (a document may begin in the part
+                                  before: a big text file read by two tasks); so each part's split is a Megatron
+                                  indexed dataset megatron-core reads (prefix part-00000/train), masks aside
   part-00000/train.mask val.mask  uint8, one per token: 1 where its label enters the loss (written only when the
                                   records say which tokens the model learns, data.format=prompt_completion or
                                   chat)
+  part-00000/train.ends val.ends  int64, where each document ends, while the part is written (made the .idx at close)
   part-00000/part.json            the part's token and document counts (written last: the part is complete)
   index.json                      dtype, counts, vocabulary, <eos>/<pad> ids, tokenizer kind, the parts in order
 """
@@ -19,6 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from plugins.data.megatron import read_index, write_index_of_ends
 from plugins.data.registry import Corpus
 from storage.fsio import atomic_write_json, read_json
 
@@ -44,7 +48,7 @@ class PartWriter:
         (self.folder / PART).unlink(missing_ok=True)
         self.dtype = dtype_for(vocab_size)
         self.files = {s: open(self.folder / f"{s}.bin", "wb") for s in SPLITS}
-        self.ends = {s: open(self.folder / f"{s}.idx", "wb") for s in SPLITS}
+        self.ends = {s: open(self.folder / f"{s}.ends", "wb") for s in SPLITS}
         self.masks = {s: open(self.folder / f"{s}.mask", "wb") for s in SPLITS} if masked else {}
         self.tokens = dict.fromkeys(SPLITS, 0)
         self.documents = dict.fromkeys(SPLITS, 0)
@@ -64,6 +68,10 @@ class PartWriter:
     def close(self, **extra) -> dict:
         for f in (*self.files.values(), *self.ends.values(), *self.masks.values()):
             f.close()
+        for split in SPLITS:  # the documents' ends as Megatron's index
+            ends = self.folder / f"{split}.ends"
+            write_index_of_ends(str(self.folder / split), self.dtype, _memmap(ends, np.dtype(np.int64)))
+            ends.unlink()
         summary = {"attempt": self.attempt, "masked": self.masked, **extra,
                    **{s: {"tokens": self.tokens[s], "documents": self.documents[s]} for s in SPLITS}}
         atomic_write_json(self.folder / PART, summary)  # last: a part with part.json is complete
@@ -91,9 +99,9 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
     of `src` moves to the end of `dst`, the same one whatever the number of parts. Returns the new index."""
     folder = Path(folder)
     part = next(p for p in reversed(index["parts"]) if read_json(folder / p / PART)[src]["documents"])
-    dtype, int64 = np.dtype(index["dtype"]), np.dtype(np.int64)
-    ends = np.fromfile(folder / part / f"{src}.idx", dtype=int64)
-    start, end = (int(ends[-2]) if len(ends) > 1 else 0), int(ends[-1])
+    dtype = np.dtype(index["dtype"])
+    ends = {split: ends_of(folder / part / split) for split in (src, dst)}
+    start, end = (int(ends[src][-2]) if len(ends[src]) > 1 else 0), int(ends[src][-1])
     tokens = np.array(_memmap(folder / part / f"{src}.bin", dtype)[start:end])
     summary = read_json(folder / part / PART)
     with open(folder / part / f"{dst}.bin", "ab") as f:
@@ -103,10 +111,9 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
         with open(folder / part / f"{dst}.mask", "ab") as f:
             f.write(trained.tobytes())
         os.truncate(folder / part / f"{src}.mask", start)
-    with open(folder / part / f"{dst}.idx", "ab") as f:
-        f.write(np.int64(summary[dst]["tokens"] + len(tokens)).tobytes())
     os.truncate(folder / part / f"{src}.bin", start * dtype.itemsize)
-    os.truncate(folder / part / f"{src}.idx", (len(ends) - 1) * int64.itemsize)
+    write_index_of_ends(str(folder / part / dst), dtype, np.append(ends[dst], summary[dst]["tokens"] + len(tokens)))
+    write_index_of_ends(str(folder / part / src), dtype, ends[src][:-1])
     index = {**index}
     for counts in (summary, index):  # the part's and the corpus's counts move alike
         for split, sign in ((src, -1), (dst, 1)):
@@ -115,6 +122,11 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
     atomic_write_json(folder / part / PART, summary)
     atomic_write_json(folder / INDEX, index)
     return index
+
+
+def ends_of(prefix: Path) -> np.ndarray:
+    """Where each document of a part's split ends (in tokens from the part's start), from its Megatron index."""
+    return np.array(read_index(str(prefix)).document_ends(), dtype=np.int64)
 
 
 def write_mix_index(folder: Path, sources: list[str], indexes: list[dict], **extra) -> dict:
@@ -220,7 +232,7 @@ def read(folder: Path, packed: bool, index: Optional[dict] = None) -> Corpus:
         trained = [_memmap(folder / part / f"{split}.mask", np.dtype(np.uint8)) for part in index["parts"]] \
             if index.get("masked") else None
         bases = np.cumsum([0] + [len(t) for t in tokens])  # a part's ends are offsets into it
-        ends = None if packed else np.concatenate([_memmap(folder / part / f"{split}.idx", np.dtype(np.int64)) + base
+        ends = None if packed else np.concatenate([ends_of(folder / part / split) + base
                                                    for part, base in zip(index["parts"], bases)])
         splits[split] = [TokenStream(tokens)] if packed else Documents(TokenStream(tokens), ends)
         if trained is not None:  # the same documents (or stream) of masks, token for token
