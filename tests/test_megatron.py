@@ -80,8 +80,17 @@ def test_documents_read_where_they_are_equal_megatron_cores_own_reading(corpora,
     assert packed.train[0][:].tolist() == [t for d in theirs[0][0] + theirs[1][0] for t in d]
     assert index["train"]["documents"] == 54 + 36 and index["val"]["documents"] == 6 + 4
     assert not list((tmp_path / TOKENS_DIR).glob("*/*.bin"))  # nothing copied: the index points at their files
-    report = run_debug(tmp_path / "run", *_args(corpora, "train.steps=2", "train.batch_size=4", "train.seq_len=32"))
+    web, code = corpora["prefixes"]  # a blend, Megatron's [0.7, web, 0.3, code]: each source its own folder
+    blend = [f"data.mix=[{{paths:[{web}],weight:0.7}},{{paths:[{code}],weight:0.3}}]", "data.paths=[]"]
+    report = run_debug(tmp_path / "run", *_args(corpora, "train.steps=2", "train.batch_size=4", "train.seq_len=32"),
+                       *blend)
     assert report.results["train"].status == "ran"
+    mixed = shards.read_all(tmp_path / "run" / "runs" / "cache" / "tokenize" / report.results["tokenize"].key
+                            / TOKENS_DIR, packed=False)
+    assert [[d.tolist() for d in c.train] for c in mixed] == [theirs[0][0], theirs[1][0]]
+    with pytest.raises(ConfigError) as e:  # the blend as Megatron's --data-path spells it
+        validate(make_cfg(*_args(corpora)[:1], f"data.paths=[0.7,{web},0.3,{code}]", *_args(corpora)[2:]))
+    assert "data.mix=[{paths:[" in e.value.problems[0].fix and e.value.problems[0].key == "data.paths"
 
 
 def test_the_tokenize_stages_parts_are_megatron_datasets_megatron_core_reads(tmp_path):

@@ -247,14 +247,19 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
 
 def source_index(cfg, folder: Path) -> dict:
     """A source that is token shards already (data=megatron): its tokenizer saved (folder/tokenizer) and the index
-    that points at the shards (folder/tokens/index.json), nothing copied."""
+    that points at the shards (folder/tokens/index.json; a data.mix's, one a source), nothing copied."""
     tok = tokenizers.make(cfg.data)
     tok.save(Path(folder) / TOKENIZER_DIR)
-    index = {"dtype": None, "vocab_size": tok.vocab_size, "eos": tok.eos, "pad": tok.pad, "tokenizer": tok.kind,
-             **get_source(cfg.data.name).indexed(cfg, tok)}
-    (Path(folder) / TOKENS_DIR).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(Path(folder) / TOKENS_DIR / shards.INDEX, index)
-    return index
+    indexes = []
+    for i, sub in enumerate(sources_of(cfg)):
+        index = {"dtype": None, "vocab_size": tok.vocab_size, "eos": tok.eos, "pad": tok.pad, "tokenizer": tok.kind,
+                 **get_source(cfg.data.name).indexed(sub, tok)}
+        corpus_folder(Path(folder) / TOKENS_DIR, cfg, i).mkdir(parents=True, exist_ok=True)
+        atomic_write_json(corpus_folder(Path(folder) / TOKENS_DIR, cfg, i) / shards.INDEX, index)
+        indexes.append(index)
+    if not cfg.data.get("mix"):
+        return indexes[0]
+    return shards.write_mix_index(Path(folder) / TOKENS_DIR, [source_dir(i) for i in range(len(indexes))], indexes)
 
 
 def tokenize_into(cfg, folder: Path) -> dict:

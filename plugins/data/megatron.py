@@ -179,15 +179,33 @@ def _indexes(cfg) -> list[Indexed]:
     return [read_index(p) for p in cfg.paths]
 
 
+def _all_paths(cfg) -> list[str]:
+    """The prefixes read: data.paths, or every data.mix source's."""
+    return [p for entry in cfg.mix for p in entry.paths] if cfg.get("mix") else list(cfg.paths)
+
+
 def _fingerprint(cfg) -> str:
     """The files as they are (names, sizes, modification times): a corpus written again is read again."""
-    stamps = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for p in cfg.paths
+    stamps = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for p in _all_paths(cfg)
               for f in files_of(prefix_of(p)) if f.is_file()]
     return "megatron-v1:" + hashlib.sha256(repr(stamps).encode()).hexdigest()
 
 
+def _looks_like_a_weight(path: str) -> bool:
+    try:
+        float(path)
+    except ValueError:
+        return False
+    return not Path(f"{path}.idx").exists()
+
+
 def _check(cfg) -> list[tuple]:
     d = cfg.data
+    if any(_looks_like_a_weight(p) for p in d.paths):  # Megatron's --data-path 0.3 web 0.7 code
+        pairs = list(zip(d.paths[::2], d.paths[1::2]))
+        entries = ",".join(f"{{paths:[{p}],weight:{w}}}" for w, p in pairs)
+        return [("data.paths", list(d.paths), "a blend as Megatron spells it (weight, prefix, ...) is data.mix here: "
+                 "each source its prefixes and its weight", f"data.paths=[] 'data.mix=[{entries}]'")]
     if not d.paths:
         return [("data.paths", [], "data=megatron reads the prefixes of Megatron indexed datasets (prefix.bin and "
                  "prefix.idx)", "data.paths=[/data/corpus_text_document]")]
@@ -212,7 +230,7 @@ def _check(cfg) -> list[tuple]:
 
 
 def _describe(cfg) -> list[str]:
-    ixs = _indexes(cfg.data)
+    ixs = [read_index(p) for p in _all_paths(cfg.data)]
     docs, tokens = sum(ix.n_documents for ix in ixs), sum(ix.n_tokens for ix in ixs)
     size = sum(ix.n_tokens * ix.dtype.itemsize for ix in ixs)
     return [f"data: {len(ixs)} Megatron indexed dataset(s), {docs:,} documents, {tokens:,} tokens "
@@ -252,7 +270,7 @@ def read_corpus(entry: dict, packed: bool) -> dict:
 
 
 def _first_ids(cfg, n: int) -> list[tuple[str, np.ndarray]]:
-    ix = read_index(cfg.paths[0])
+    ix = read_index(_all_paths(cfg)[0])
     tokens, ends = tokens_of(ix), np.concatenate([[0], ix.document_ends()])
     return [(f"{ix.prefix}.bin, document {i + 1} of {ix.n_documents:,}", np.asarray(tokens[ends[i]:ends[i + 1]]))
             for i in range(min(n, ix.n_documents))]

@@ -181,9 +181,9 @@ def _mix_problems(cfg, source) -> list[Problem]:
     """data.mix: sources of files (data=text), data.paths left empty, a positive weight each, and each source's own
     checks under its own key (data.mix[i].paths)."""
     d = cfg.data
-    if source.files is None:
-        return [Problem("data.mix", "[...]", f"data.mix mixes sources of files; data={d.name} has none",
-                        "data=text with data.mix, or data.mix=[] for this source")]
+    if source.files is None and source.indexed is None:
+        return [Problem("data.mix", "[...]", f"data.mix mixes sources of files (or of Megatron corpora); data={d.name} "
+                        "has none", "data=text with data.mix, or data.mix=[] for this source")]
     problems = []
     if d.paths:
         problems.append(Problem("data.paths", list(d.paths), "with data.mix every source names its own paths; "

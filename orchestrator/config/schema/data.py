@@ -121,7 +121,8 @@ class DataConfig:
     mix: List[MixSourceConfig] = key([], "data=text: several sources mixed by weight (Megatron's blend), e.g. "
                                          "'data.mix=[{paths: [/corpus/web], weight: 0.7}, {paths: [/corpus/code], "
                                          "weight: 0.3}]'; each is tokenized on its own (data.max_bytes each), with "
-                                         "one tokenizer; data.paths stays empty")
+                                         "one tokenizer; data.paths stays empty. data=megatron: each source its "
+                                         "prefixes (Megatron's [0.7, web, 0.3, code])")
     preview: int = key(0, "print the first this many records of each source as the model will see them (tokens "
                           "decoded, the part that enters the loss marked) after the plan, and stop: nothing runs "
                           "(0: the plan shows the first one and the run goes on)", content=False, min=0)
