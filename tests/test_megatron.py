@@ -181,6 +181,12 @@ def test_a_corpus_needs_the_tokenizer_it_was_made_with(corpora, tmp_path):
     backend = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(200)}, unk_token="<0>"))
     transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<1>").save_pretrained(small)
     from common.problem import InputFault
+    from plugins.data import get_source
+
+    describe = get_source("megatron").describe
+    assert not any("<eos>" in line for line in describe(make_cfg(*_args(corpora))))  # theirs end in <257>
+    other = make_cfg("data=megatron", f"data.paths=[{corpora['prefixes'][0]}]", f"data.tokenizer=hf:{small}")
+    assert "do not end in <eos> (id 1)" in describe(other)[1]  # said in the plan: made without --append-eod
 
     with pytest.raises(InputFault, match="holds token id 257, and data.tokenizer=hf:.* has 200 tokens"):
         tokenize_into(make_cfg("data=megatron", f"data.paths=[{corpora['prefixes'][0]}]", f"data.tokenizer=hf:{small}",

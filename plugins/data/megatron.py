@@ -34,6 +34,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
           8: np.uint16}
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 CHUNK = 64 << 20  # tokens of the .bin read at a time when its largest id is looked for
+SAMPLED = 100     # documents whose last token the plan reads (does the corpus end its documents in <eos>?)
 
 
 class MegatronError(ValueError):
@@ -233,9 +234,17 @@ def _describe(cfg) -> list[str]:
     ixs = [read_index(p) for p in _all_paths(cfg.data)]
     docs, tokens = sum(ix.n_documents for ix in ixs), sum(ix.n_tokens for ix in ixs)
     size = sum(ix.n_tokens * ix.dtype.itemsize for ix in ixs)
-    return [f"data: {len(ixs)} Megatron indexed dataset(s), {docs:,} documents, {tokens:,} tokens "
-            f"({size / 2**30:,.2f} GB of {', '.join(sorted({ix.dtype.name for ix in ixs}))}), read where they are: "
-            "tokenize reads the indexes and the largest id, no text"]
+    lines = [f"data: {len(ixs)} Megatron indexed dataset(s), {docs:,} documents, {tokens:,} tokens "
+             f"({size / 2**30:,.2f} GB of {', '.join(sorted({ix.dtype.name for ix in ixs}))}), read where they are: "
+             "tokenize reads the indexes and the largest id, no text"]
+    eos = tokenizers.make(cfg.data).eos
+    for ix in ixs:
+        ends, tokens = ix.document_ends()[:SAMPLED], tokens_of(ix)
+        if len(ends) and not any(int(tokens[e - 1]) == eos for e in ends if e):
+            lines.append(f"data: the first documents of {ix.prefix} do not end in <eos> (id {eos}): made without "
+                         "preprocess_data.py's --append-eod, they run into each other in a packed row, as Megatron "
+                         "trains them")
+    return lines
 
 
 def _indexed(cfg, tok: tokenizers.Tokenizer) -> dict:
