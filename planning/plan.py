@@ -69,8 +69,12 @@ def memory_line(cfg, orchestrator: int = 0) -> str:
     host = f", of {p.host_limit / GB:,.1f} GB ({p.host_limit_where})" if p.host_limit else f" ({p.host_limit_where})"
     itself = f"; the orchestrator itself {orchestrator / GB:,.2f} GB" if orchestrator else ""
     return (f"memory: {p.rank.describe()}{of}\n  one process each: {stages}{host}{itself}\n  disk: checkpoints "
-            f"{p.stages['checkpoint'].writes / GB:,.2f} GB each, the aggregate's files "
-            f"{p.stages['aggregate'].writes / GB:,.2f} GB")
+            f"{_size(p.stages['checkpoint'].writes)} each, the aggregate's files {_size(p.stages['aggregate'].writes)}")
+
+
+def _size(n: int) -> str:
+    """GB to two places, under 1 GB in MB (a small model's 0.00 GB said nothing)."""
+    return f"{n / GB:,.2f} GB" if n >= GB else f"{n / 2**20:,.1f} MB"
 
 
 def peft_line(cfg) -> list[str]:

@@ -18,6 +18,7 @@ from storage.fsio import UMASK
 from storage.hf import GPT2_CONV, LLAMA_NAMES
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import validate
+from planning.plan import plan_of
 from tests.conftest import make_cfg, run_cli
 from tests.test_finetune import args, plain_loop, records
 from tests.test_hf import FAMILIES, saved
@@ -78,6 +79,9 @@ def test_lora_trains_as_peft_does_on_the_transformers_model_and_peft_loads_what_
     held = CheckpointReader(checkpoint.parent).tensors("model")
     assert held and [n for n in held if not n.endswith((".lora_A", ".lora_B"))] == []  # the adapters alone
     assert json.loads(checkpoint.read_text())["peft"]["base"]["init_from"] == f"hf:{folder}"
+    written = sum(f.stat().st_size for f in checkpoint.parent.rglob("*") if f.is_file())
+    planned = plan_of(make_cfg(*overrides)).stages["checkpoint"].writes  # the plan's disk line: DCP's entries too
+    assert 0.8 <= planned / written <= 1.25, (planned, written)
 
     (out,) = (work / "runs" / "cache" / "aggregate").glob("*/peft")
     modes = {f.name: f.stat().st_mode & 0o777 for f in [*out.iterdir(), *(out.parent / "hf").iterdir()]}
