@@ -69,8 +69,8 @@ def main(argv: list[str]) -> int:
     args = arguments(argv, __doc__)
     mb, folder = int(args.get("mb", 1024)), Path(args.get("folder", "/tmp/megatron_read"))
     text, tok = corpus(folder, mb), tokenizer(folder)
-    common = [f"data.tokenizer=hf:{tok}", "data.max_bytes=0", "model.vocab_size=640", "cluster=debug"]
-    cfg = compose_config("data=text", f"data.paths=[{text}]", *common)
+    common = [f"data.tokenizer=hf:{tok}", "model.vocab_size=640", "cluster=debug"]
+    cfg = compose_config("data=text", f"data.paths=[{text}]", "data.max_bytes=0", *common)
     t0 = time.perf_counter()
     index = tokenize_into(cfg, folder / "text_out")
     tokenized = time.perf_counter() - t0

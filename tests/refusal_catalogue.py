@@ -192,6 +192,7 @@ CATALOGUE = [
     (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths", "does not exist"),
     (["data=text", "data.paths=[{tmp}/random.bin]"], "data.paths", "binary"),
     (["data=megatron"], "data.paths", "reads the prefixes of Megatron indexed datasets"),
+    (["data=synthetic", "data.max_bytes=1000"], "data.max_bytes", "read only when data.name=text or stdlib"),
     (["data=megatron", "data.paths=[{tmp}/random]"], "data.paths", "random.idx does not exist"),
     (["data=text", "data.paths=[{tmp}/latin1.txt]"], "data.paths", "not UTF-8"),
     (["data=text", "data.paths=[{tmp}/empty.txt]"], "data.paths", "empty"),

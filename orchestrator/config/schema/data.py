@@ -10,6 +10,9 @@ from orchestrator.config.schema.keys import (key, MAX_VOCAB, BPE, PROMPT_COMPLET
                                              COMPLETION_ONLY)
 
 
+FILES = ("data.name", ("text", "stdlib"))  # the sources the tokenize stage reads in pieces of files
+
+
 @dataclass
 class MixSourceConfig:
     paths: List[str] = key([], "this source's files, folders or glob patterns (as data.paths)")
@@ -109,12 +112,13 @@ class DataConfig:
     vocab_size: int = key(2048, "data.tokenizer=bpe: the vocabulary it learns (bytes, <eos>, <pad> and merges); "
                                 "model.vocab_size must be at least this", min=259, max=MAX_VOCAB, read_when=BPE)
     max_bytes: int = key(16_000_000, "read the corpus's first this many bytes, in file order, the last file cut at a "
-                                     "line start (0: all of it); the plan says how much it leaves out", min=0)
+                                     "line start (0: all of it); the plan says how much it leaves out", min=0,
+                         read_when=FILES)  # token sources (synthetic, megatron) are read whole
     tasks: Optional[int] = key(None, "processes of the tokenize stage, each taking a contiguous part of the corpus "
                                      "(files, and big files by byte ranges at line starts); the result does not "
                                      "depend on it. Default: the usable cores (local; 1 on debug), one per node of "
                                      "cluster.nodes (slurm); at most one per MiB of corpus", content=False, min=1,
-                               read_when=("cluster.name", ("local", "slurm")))  # debug: in this process, alone
+                               read_when=[("cluster.name", ("local", "slurm")), FILES])  # debug: in this process
     bpe_sample_bytes: int = key(1_000_000_000, "data.tokenizer=bpe: it learns from at most this many bytes of the "
                                                "training split, pieces spread evenly over the corpus (streamed)",
                                 min=1, read_when=BPE)
