@@ -6,6 +6,9 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
+
+from plugins.data.megatron import write_index
 from tests.user_task_files import user_tasks
 
 # (overrides, the key named, words of the rule or fix); {tmp} is a folder holding the files made by `corpus` below
@@ -193,6 +196,7 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/random.bin]"], "data.paths", "binary"),
     (["data=megatron"], "data.paths", "reads the prefixes of Megatron indexed datasets"),
     (["data=synthetic", "data.max_bytes=1000"], "data.max_bytes", "read only when data.name=text or stdlib"),
+    (["data=text", "data.paths=[{tmp}/web_text_document]"], "data.paths", "names a Megatron indexed dataset"),
     (["data=megatron", "data.paths=[{tmp}/random]"], "data.paths", "random.idx does not exist"),
     (["data=text", "data.paths=[{tmp}/latin1.txt]"], "data.paths", "not UTF-8"),
     (["data=text", "data.paths=[{tmp}/empty.txt]"], "data.paths", "empty"),
@@ -310,6 +314,8 @@ CATALOGUE = [
 def write_corpus(tmp: Path) -> Path:
     """The files the catalogue's cases name under {tmp}: broken, compressed, looping, odd ones."""
     (tmp / "random.bin").write_bytes(bytes(range(256)) * 64)
+    (tmp / "web_text_document.bin").write_bytes(np.arange(1, 90, dtype=np.uint16).tobytes())  # Megatron's
+    write_index(str(tmp / "web_text_document"), np.uint16, [30, 30, 29])
     (tmp / "latin1.txt").write_bytes("café crème ".encode("latin-1") * 500)
     (tmp / "empty.txt").write_text("")
     (tmp / "no_text").mkdir()

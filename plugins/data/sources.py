@@ -19,6 +19,7 @@ import numpy as np
 
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
+from plugins.data.megatron import is_indexed, prefix_of
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.compressed import PACKED, decompress_errors, open_decompressed, packed, suffix_of
 from plugins.data.piece_records import json_object, no_field, record_fields
@@ -203,6 +204,11 @@ def _check_text(cfg) -> list[tuple]:
         return [("data.paths", "[]", "data=text needs files or folders to read", "data.paths='[/path/to/corpus]'")]
     for entry in d.paths:
         p = Path(entry).expanduser()
+        if is_indexed(entry):  # a prefix (or its .bin or .idx) of a corpus tokenized for Megatron-LM: ids, not text
+            problems.append(("data.paths", entry, "names a Megatron indexed dataset (its .idx opens with MMIDIDX): "
+                             "token ids, which data=text would read as text", f"data=megatron "
+                             f"'data.paths=[{prefix_of(entry)}]' data.tokenizer=hf:<the folder it was made with>"))
+            continue
         if _is_glob(entry):
             matched = _glob(entry)
             files.extend((m.name, m) for m in matched)
