@@ -1,7 +1,8 @@
 """A config composed as `python -m orchestrator <overrides>` composes it, for code that is not the command: benchmarks,
 tests, a notebook. Validation is the caller's (orchestrator.config.validate), as the command validates after Hydra
 composes. data.tokenizer=auto is made concrete (the data's code reads a tokenizer; the command resolves it before
-planning, orchestrator/config/resolve.py); the other `auto` values stay (resolve_auto makes them concrete for the machine that runs them).
+planning, orchestrator/config/resolve.py); the other `auto` values stay (resolve_auto makes them concrete for the
+machine that runs them).
 
     from orchestrator.config.compose import compose_config
     cfg = compose_config("model=llama_tiny", "train.steps=10")

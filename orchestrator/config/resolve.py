@@ -22,17 +22,14 @@ from omegaconf import DictConfig, OmegaConf
 def resolve_auto(cfg: DictConfig) -> list[str]:
     """Fill in the config's `auto` values in place; one line per choice made, for the plan."""
     from plugins.data.packing import whole_documents
-    from plugins.data.tokenizer import AUTO, auto_tokenizer
     from plugins.engines import engine_names, get_engine
     from runtime.machine import ranks_on_cuda
     from runtime.precision import auto_precision
     from runtime.sdpa import resolve_attention
 
     notes = []
-    if cfg.data.tokenizer == AUTO:  # first: the data's rules and the packing read the tokenizer
-        cfg.data.tokenizer = auto_tokenizer(cfg.train.init_from)
-        if cfg.data.tokenizer != "bytes":
-            notes.append(f"data.tokenizer=auto: {cfg.data.tokenizer} (train.init_from's own)")
+    if _resolve_tokenizer(cfg) and cfg.data.tokenizer != "bytes":  # first: the packing reads the tokenizer
+        notes.append(f"data.tokenizer=auto: {cfg.data.tokenizer} (train.init_from's own)")
     if cfg.data.packing and cfg.data.packing_strategy == "auto":  # what packs the rows decides what else is read
         cfg.data.packing_strategy = "bfd" if whole_documents(cfg.data) is not None else "wrapped"
     cuda, bf16 = ranks_on_cuda(cfg)
@@ -55,10 +52,20 @@ def with_tokenizer(cfg: DictConfig) -> DictConfig:
     sweep's points and a tune's trials are checked before each runs, and runs resolve it)."""
     import copy
 
-    from plugins.data.tokenizer import AUTO, auto_tokenizer
+    from plugins.data.tokenizer import AUTO
 
     if OmegaConf.select(cfg, "data.tokenizer") != AUTO:
         return cfg
     cfg = copy.deepcopy(cfg)
-    cfg.data.tokenizer = auto_tokenizer(OmegaConf.select(cfg, "train.init_from") or "")
+    _resolve_tokenizer(cfg)
     return cfg
+
+
+def _resolve_tokenizer(cfg: DictConfig) -> bool:
+    """data.tokenizer=auto made concrete in place (plugins.data.tokenizer.auto_tokenizer); whether it was auto."""
+    from plugins.data.tokenizer import AUTO, auto_tokenizer
+
+    if OmegaConf.select(cfg, "data.tokenizer") != AUTO:
+        return False
+    cfg.data.tokenizer = auto_tokenizer(OmegaConf.select(cfg, "train.init_from"))
+    return True

@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -34,6 +34,7 @@ DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.
           8: np.uint16}
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 CHUNK = 64 << 20  # tokens of the .bin read at a time when its largest id is looked for
+INDEX_CHUNK = 1 << 20  # sequences of the .idx checked at a time (its temporaries 8 MB, whatever the corpus)
 SAMPLED = 100     # documents whose last token the plan reads (does the corpus end its documents in <eos>?)
 
 
@@ -54,12 +55,20 @@ class Indexed(NamedTuple):
 
     @property
     def n_tokens(self) -> int:
-        return int(self.lengths.sum(dtype=np.int64))
+        return self.document_end(self.n_documents - 1) if self.n_documents else 0
 
-    def document_ends(self) -> np.ndarray:
-        """Where each document ends, in tokens from the .bin's start (its sequences are back to back)."""
-        ends = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)])
-        return ends[self.documents[1:]]
+    def document_end(self, d: int) -> int:
+        """Where document d ends, in tokens from the .bin's start: its last sequence's end (read_index checked that
+        the sequences are back to back), or where the one before ends for a document of none."""
+        last = int(self.documents[d + 1]) - 1
+        return int(self.pointers[last]) // self.dtype.itemsize + int(self.lengths[last]) if last >= 0 else 0
+
+    def document_ends(self, count: Optional[int] = None) -> np.ndarray:
+        """Where each of the first `count` documents (all: None) ends, as document_end: an int64 a document read
+        from the index, never an array of all its sequences."""
+        last = np.asarray(self.documents[1:None if count is None else count + 1], dtype=np.int64) - 1
+        at = np.maximum(last, 0)
+        return np.where(last >= 0, self.pointers[at] // self.dtype.itemsize + self.lengths[at], 0).astype(np.int64)
 
 
 def prefix_of(path: str) -> Path:
@@ -113,11 +122,15 @@ def read_index(path: str) -> Indexed:
     dtype = np.dtype(DTYPES[code])
     if firsts[0] != 0 or firsts[-1] != sequences or (len(firsts) > 1 and np.any(np.diff(firsts) < 0)):
         raise MegatronError(f"{idx}'s document indices do not run from 0 to its {sequences:,} sequences in order")
-    if sequences and (np.any(lengths < 0) or np.any(pointers != np.concatenate(
-            [[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * dtype.itemsize)):
-        raise MegatronError(f"{idx}'s sequences are not back to back in {bin_.name} (as megatron-core's builder "
-                            "writes them)")
-    end = int(lengths.sum(dtype=np.int64)) * dtype.itemsize
+    tokens = 0  # where the sequences so far end
+    for i in range(0, sequences, INDEX_CHUNK):
+        run = np.asarray(lengths[i:i + INDEX_CHUNK], dtype=np.int64)
+        starts = tokens + np.cumsum(run) - run
+        if np.any(run < 0) or np.any(pointers[i:i + INDEX_CHUNK] != starts * dtype.itemsize):
+            raise MegatronError(f"{idx}'s sequences are not back to back in {bin_.name} (as megatron-core's builder "
+                                "writes them)")
+        tokens += int(run.sum())
+    end = tokens * dtype.itemsize
     if end > bin_.stat().st_size:
         raise MegatronError(f"{idx}'s sequences end at byte {end:,}, past the end of {bin_} "
                             f"({bin_.stat().st_size:,} bytes): the .bin is cut short or another corpus's")
@@ -239,7 +252,7 @@ def _describe(cfg) -> list[str]:
              "tokenize reads the indexes and the largest id, no text"]
     eos = tokenizers.make(cfg.data).eos
     for ix in ixs:
-        ends, tokens = ix.document_ends()[:SAMPLED], tokens_of(ix)
+        ends, tokens = ix.document_ends(SAMPLED), tokens_of(ix)
         if len(ends) and not any(int(tokens[e - 1]) == eos for e in ends if e):
             lines.append(f"data: the first documents of {ix.prefix} do not end in <eos> (id {eos}): made without "
                          "preprocess_data.py's --append-eod, they run into each other in a packed row, as Megatron "
@@ -257,8 +270,8 @@ def _indexed(cfg, tok: tokenizers.Tokenizer) -> dict:
             raise InputFault(f"data.paths: {ix.prefix}.bin holds token id {top:,}, and data.tokenizer="
                              f"{cfg.data.tokenizer} has {tok.vocab_size:,} tokens: it was made with another "
                              "tokenizer; fix: data.tokenizer=hf:<the folder preprocess_data.py used>")
-        ends, cut = ix.document_ends(), held_out(ix, cfg.data.val_fraction)
-        at = int(ends[cut - 1]) if cut else 0
+        cut = held_out(ix, cfg.data.val_fraction)
+        at = ix.document_end(cut - 1) if cut else 0
         entries.append({"prefix": str(ix.prefix.resolve()), "dtype": ix.dtype.name, "documents": ix.n_documents,
                         "held_out_from": cut, "tokens": ix.n_tokens})
         totals["train"]["tokens"] += at
@@ -270,17 +283,20 @@ def _indexed(cfg, tok: tokenizers.Tokenizer) -> dict:
 
 def read_corpus(entry: dict, packed: bool) -> dict:
     """A "megatron" index entry's splits as shards.read lays them out: ("train"|"val") -> (tokens, document ends
-    relative to the split's start); the tokens are views of the memory-mapped .bin."""
+    relative to the split's start; None when packed, which needs none); the tokens are views of the memory-mapped
+    .bin."""
     ix = read_index(entry["prefix"])
-    tokens, ends = tokens_of(ix), ix.document_ends()
-    cut = entry["held_out_from"]
-    at = int(ends[cut - 1]) if cut else 0
+    tokens, cut = tokens_of(ix), entry["held_out_from"]
+    at = ix.document_end(cut - 1) if cut else 0
+    if packed:
+        return {"train": (tokens[:at], None), "val": (tokens[at:], None)}
+    ends = ix.document_ends()
     return {"train": (tokens[:at], ends[:cut]), "val": (tokens[at:], ends[cut:] - at)}
 
 
 def _first_ids(cfg, n: int) -> list[tuple[str, np.ndarray]]:
     ix = read_index(_all_paths(cfg)[0])
-    tokens, ends = tokens_of(ix), np.concatenate([[0], ix.document_ends()])
+    tokens, ends = tokens_of(ix), np.concatenate([[0], ix.document_ends(n)])
     return [(f"{ix.prefix}.bin, document {i + 1} of {ix.n_documents:,}", np.asarray(tokens[ends[i]:ends[i + 1]]))
             for i in range(min(n, ix.n_documents))]
 

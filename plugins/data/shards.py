@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from plugins.data.megatron import read_index, write_index_of_ends
+from plugins.data.megatron import read_corpus, read_index, write_index_of_ends
 from plugins.data.registry import Corpus
 from storage.fsio import atomic_write_json, read_json
 
@@ -126,7 +126,7 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
 
 def ends_of(prefix: Path) -> np.ndarray:
     """Where each document of a part's split ends (in tokens from the part's start), from its Megatron index."""
-    return np.array(read_index(str(prefix)).document_ends(), dtype=np.int64)
+    return read_index(str(prefix)).document_ends()
 
 
 def write_mix_index(folder: Path, sources: list[str], indexes: list[dict], **extra) -> dict:
@@ -203,8 +203,6 @@ class Documents:
 
 def _megatron_corpus(index: dict, packed: bool) -> Corpus:
     """The corpus of Megatron indexed datasets (plugins/data/megatron.py's index entries), one after another."""
-    from plugins.data.megatron import read_corpus
-
     read = [read_corpus(entry, packed) for entry in index["megatron"]]
     splits = {}
     for split in SPLITS:
