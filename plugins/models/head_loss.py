@@ -34,26 +34,74 @@ def head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     device telling their number, so on a GPU nothing here waits for it (a wait in the forward leaves the GPU idle
     while the host queues the whole backward and the optimizer step: 0.64x the hand loop's tokens/s on an H200).
     Without it (evaluation, pipeline stages) `nonzero` asks the device once."""
+    h, y, weight, first, group = _labelled(hidden, weight, labels, _kept(labels, count))
+    grads = torch.is_grad_enabled()
+    return _ChunkedHeadLoss.apply(h, weight, y, vocab, first, max(1, chunk), group,
+                                  grads and h.requires_grad, grads and weight.requires_grad)
+
+
+def row_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, vocab: int,
+                 chunk: int) -> torch.Tensor:
+    """Each row's summed log-probability of its labels that are not IGNORED, and their count: (rows, 2), column 0
+    differentiable (what a preference objective compares: plugins/objectives). The same gathered positions and
+    chunked head as head_loss; the gradient of a row's sum depends on the whole batch's sums (the objective's
+    weight of each pair), so it cannot be folded into the forward as head_loss's is: the backward computes each
+    chunk's logits again (one more head matmul) rather than keep them."""
+    keep = _kept(labels, None)
+    h, y, weight, first, group = _labelled(hidden, weight, labels, keep)
+    token = _ChunkedHeadLogProbs.apply(h, weight, y, vocab, first, max(1, chunk), group)
+    row = keep // labels.shape[-1]
+    rows = labels.reshape(-1, labels.shape[-1]).shape[0]
+    sums = torch.zeros(rows, dtype=token.dtype, device=token.device).index_add(0, row, token)
+    counts = torch.zeros(rows, dtype=token.dtype, device=token.device).index_add(0, row, torch.ones_like(token))
+    return torch.stack([sums, counts], dim=1)
+
+
+def _kept(labels: torch.Tensor, count: Optional[int]) -> torch.Tensor:
+    """The flat indices of the labels that count, in order."""
+    flat = labels.reshape(-1)
+    if count is None:
+        return (flat != IGNORED).nonzero().squeeze(1)
+    # the labelled positions first, in order (a stable sort), then the first `count` of them
+    return torch.argsort((flat == IGNORED).to(torch.uint8), stable=True)[:count]
+
+
+def _labelled(hidden, weight, labels, keep: torch.Tensor) -> tuple:
+    """(the labelled positions' hidden states (n, d), their labels (n,), this rank's head rows, the first row's
+    vocabulary id, the hp group or None) for the chunked head."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(hidden, DTensor):
         hidden = hidden.full_tensor()
-    flat = labels.reshape(-1)
-    if count is None:
-        keep = (flat != IGNORED).nonzero().squeeze(1)
-    else:  # the labelled positions first, in order (a stable sort), then the first `count` of them
-        keep = torch.argsort((flat == IGNORED).to(torch.uint8), stable=True)[:count]
     h = hidden.reshape(-1, hidden.shape[-1]).index_select(0, keep)
-    y = flat.index_select(0, keep)
+    y = labels.reshape(-1).index_select(0, keep)
     group, first = None, 0
     if isinstance(weight, DTensor):  # vocabulary-sharded over hp (the layout's 1-D hp mesh)
         mesh = weight.device_mesh
         group, local = mesh.get_group(), weight.to_local()
         first = mesh.get_local_rank() * local.shape[0]
         weight = local
-    grads = torch.is_grad_enabled()
-    return _ChunkedHeadLoss.apply(h, weight, y, vocab, first, max(1, chunk), group,
-                                  grads and h.requires_grad, grads and weight.requires_grad)
+    return h, y, weight, first, group
+
+
+def _chunk_logits(hc, w, yc, vocab: int, first: int, group) -> tuple:
+    """One chunk's logits over this rank's rows, less their row maximum (over hp), and (exp'd in place: the softmax's
+    numerators) with the target logit, the softmax's sum, whether the target is in this shard and its column."""
+    rows = w.shape[0]
+    logits = (hc @ w.t()).float()  # (c, rows): the only full-width tensor, one chunk's
+    if first + rows > vocab:  # this shard holds padding rows (known on the host: nothing waits for the GPU)
+        logits.masked_fill_(torch.arange(first, first + rows, device=w.device) >= vocab, float("-inf"))
+    top = logits.max(dim=1).values
+    _all_reduce(top, dist.ReduceOp.MAX, group)
+    logits.sub_(top[:, None])
+    mine = (yc >= first) & (yc < first + rows)  # the target's column is in this rank's shard
+    at = (yc - first).clamp(0, rows - 1)
+    target = torch.where(mine, logits.gather(1, at[:, None]).squeeze(1), 0.0)
+    _all_reduce(target, dist.ReduceOp.SUM, group)
+    probs = logits.exp_()
+    norm = probs.sum(dim=1)
+    _all_reduce(norm, dist.ReduceOp.SUM, group)
+    return probs, target, norm, mine, at
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -61,27 +109,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, w, y, vocab: int, first: int, chunk: int, group, need_h: bool, need_w: bool):
-        rows = w.shape[0]
-        padded = first + rows > vocab  # this shard holds padding rows (known on the host: nothing waits for the GPU)
-        padding = torch.arange(first, first + rows, device=w.device) >= vocab if padded else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         grad_h = torch.zeros_like(h) if need_h else None
         grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
         for s in range(0, h.shape[0], chunk):
             hc, yc = h[s:s + chunk], y[s:s + chunk]
-            logits = (hc @ w.t()).float()  # (c, rows): the only full-width tensor, one chunk's
-            if padded:
-                logits.masked_fill_(padding, float("-inf"))
-            top = logits.max(dim=1).values
-            _all_reduce(top, dist.ReduceOp.MAX, group)
-            logits.sub_(top[:, None])
-            mine = (yc >= first) & (yc < first + rows)  # the target's column is in this rank's shard
-            at = (yc - first).clamp(0, rows - 1)
-            target = torch.where(mine, logits.gather(1, at[:, None]).squeeze(1), 0.0)
-            _all_reduce(target, dist.ReduceOp.SUM, group)
-            probs = logits.exp_()
-            norm = probs.sum(dim=1)
-            _all_reduce(norm, dist.ReduceOp.SUM, group)
+            probs, target, norm, mine, at = _chunk_logits(hc, w, yc, vocab, first, group)
             total += (norm.log() - target).sum()
             if need_h or need_w:  # d(loss)/d(logits) = softmax - one_hot(target)
                 probs.div_(norm[:, None])
@@ -102,6 +135,42 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         return (None if grad_h is None else grad_h * grad_total.to(grad_h.dtype),
                 None if grad_w is None else (grad_w * grad_total).to(ctx.w_dtype),
                 None, None, None, None, None, None, None)
+
+
+class _ChunkedHeadLogProbs(torch.autograd.Function):
+    """(h (n, d), w (local rows, d), y (n,)) -> each position's log-probability of its label (n,), fp32."""
+
+    @staticmethod
+    def forward(ctx, h, w, y, vocab: int, first: int, chunk: int, group):
+        out = torch.empty(h.shape[0], dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            _, target, norm, _, _ = _chunk_logits(h[s:s + chunk], w, y[s:s + chunk], vocab, first, group)
+            out[s:s + chunk] = target - norm.log()
+        ctx.save_for_backward(h, w, y)
+        ctx.settings = (vocab, first, chunk, group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w, y = ctx.saved_tensors
+        vocab, first, chunk, group = ctx.settings
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(h) if need_h else None
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None
+        for s in range(0, h.shape[0], chunk):
+            hc = h[s:s + chunk]
+            probs, _, norm, mine, at = _chunk_logits(hc, w, y[s:s + chunk], vocab, first, group)
+            # d(log p_target)/d(logits) = one_hot(target) - softmax, times each position's incoming gradient
+            probs.div_(norm[:, None]).neg_()
+            probs.scatter_add_(1, at[:, None], mine[:, None].to(probs.dtype))
+            g = (probs * grad_out[s:s + chunk, None].float()).to(w.dtype)
+            if need_h:
+                grad_h[s:s + chunk] = g @ w
+            if need_w:
+                grad_w += (g.t() @ hc).float()
+        if need_h:
+            _all_reduce(grad_h, dist.ReduceOp.SUM, group)
+        return (grad_h, None if grad_w is None else grad_w.to(w.dtype), None, None, None, None, None)
 
 
 def _all_reduce(t: torch.Tensor, op, group: Optional[object]) -> None:

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from plugins.models.head_loss import head_loss
+from plugins.models.head_loss import head_loss, row_logprobs
 from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
 from runtime.sdpa import document_block_mask, flex
 from storage.weights import set_constant, set_full
@@ -167,6 +167,8 @@ class Decoder(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.attention = "sdpa"  # the kernel set_attention gave the blocks: the document view it needs
         self.loss_chunk = 1024   # positions per chunk of the sparse head's loss (train.loss_chunk, set by the layout)
+        self.per_row = False     # the sparse head returns each row's summed log-probability and label count instead
+        #                          of the summed loss (a preference objective's input: plugins/objectives; the layout)
         self.layers = nn.ModuleDict({str(i): block() for i in range(cfg.n_layers)})
         self.ln_f = norm()
         self.lm_head = nn.Linear(cfg.d_model, rows, bias=False)
@@ -192,6 +194,8 @@ class Decoder(nn.Module):
             h = self.drop(x)
         for layer in self.layers.values():
             h = layer(h) if view is None else layer(h, documents=view)
+        if self.lm_head is not None and labels is not None and self.per_row:
+            return row_logprobs(self.ln_f(h), self.lm_head.weight, labels, self.vocab_size, self.loss_chunk)
         if self.lm_head is not None and labels is not None:
             return head_loss(self.ln_f(h), self.lm_head.weight, labels, self.vocab_size, self.loss_chunk,
                              label_count)

@@ -1,0 +1,47 @@
+"""Direct preference optimisation: a pair's loss from its chosen and rejected completions' summed log-probabilities
+under the policy and under a frozen reference model (Rafailov et al. 2023), as TRL's DPOTrainer computes it.
+
+Rows come in pairs, the chosen completion's row then the rejected one's (rows 2k and 2k+1), so that any split of a
+batch into ranks and microbatches by whole even slices keeps a pair together. With Δ = (π_c − ref_c) − (π_r − ref_r):
+  sigmoid  −(1 − ε)·log σ(βΔ) − ε·log σ(−βΔ)   (DPO; ε = label_smoothing: conservative DPO, 0 by default)
+  hinge    max(0, 1 − βΔ)                      (SLiC)
+  ipo      ((π_c − ref_c)/n_c − (π_r − ref_r)/n_r − 1/(2β))²   (n: the completion's tokens, TRL's normalisation)
+The rewards are β times each completion's log-ratio; a pair is accurate when its chosen reward is strictly the
+larger (TRL's `>`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+# what a step logs, as TRL names it: each a mean over the step's pairs
+METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
+           "logps/rejected")
+
+
+def pair_losses(rows: torch.Tensor, reference: torch.Tensor, beta: float, loss_type: str,
+                label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows (2P, 2): each row's summed log-probability under the policy (differentiable) and its count of completion
+    tokens, chosen then rejected for each pair; reference (2P,): the reference model's summed log-probabilities of
+    the same rows. Returns the pairs' summed loss (the caller divides by the global count of pairs) and the sums of
+    METRICS over these pairs (2P → (len(METRICS),), detached: summed over ranks, then divided by the pairs)."""
+    logps, tokens = rows[:, 0].float(), rows[:, 1].float()
+    ratios = logps - reference.to(logps.dtype)
+    chosen, rejected = ratios[0::2], ratios[1::2]
+    delta = chosen - rejected
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    elif loss_type == "ipo":
+        per_token = ratios / tokens.clamp(min=1)
+        losses = (per_token[0::2] - per_token[1::2] - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"objective.loss_type={loss_type!r}: one of {', '.join(LOSS_TYPES)}")
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
+        metrics = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
+                               (chosen_rewards > rejected_rewards).float().sum(),
+                               (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
+    return losses.sum(), metrics
