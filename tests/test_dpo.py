@@ -1,7 +1,8 @@
 """Preference tuning's pieces against TRL's DPOTrainer (trl, a dev extra): on the walk-through's tiny chat Llama and
 arithmetic pairs (the right sum chosen, a wrong one rejected), our label-sparse head's per-row log-probabilities give
 TRL's precomputed reference log-probabilities, and after TRL's first step its loss, rewards and gradients for each
-loss type, pairs in our order (chosen, rejected, rows 2k and 2k+1)."""
+loss type, pairs in our order (chosen, rejected, rows 2k and 2k+1); and pairs in TRL's three forms (standard,
+conversational, implicit prompt) tokenize to TRL's ids with the same learned positions."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,6 +11,8 @@ import random
 import pytest
 import torch
 
+from plugins.data import tokenizer as tokenizers
+from plugins.data.preference import pair_ids, split_prompt
 from plugins.models.head_loss import IGNORED
 from plugins.objectives.dpo import LOSS_TYPES, METRICS, pair_losses
 from storage import hf
@@ -55,7 +58,7 @@ def trained(tmp_path_factory):
     batch = next(iter(trainer.get_train_dataloader()))
     start = hf.load_state(folder)
     trainer.train()
-    return trainer, batch, start
+    return trainer, batch, start, folder
 
 
 def rows_of(batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -75,7 +78,7 @@ def row_logps(state: dict, inputs, labels) -> torch.Tensor:
 
 
 def test_the_heads_row_logprobs_are_trls_reference_logprobs(trained):
-    _, batch, start = trained
+    _, batch, start, _ = trained
     inputs, labels, reference = rows_of(batch)
     with torch.no_grad():
         rows = row_logps(start, inputs, labels)
@@ -96,7 +99,7 @@ def as_ours(model, tensors: dict, folder) -> dict:
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_each_loss_type_gives_trls_loss_rewards_and_gradients(trained, loss_type, tmp_path):
-    trainer, batch, _ = trained
+    trainer, batch, _, _ = trained
     model = trainer.model.train()
     trainer.loss_types, trainer._metrics["train"] = [loss_type], type(trainer._metrics["train"])(list)
     model.zero_grad()
@@ -117,3 +120,48 @@ def test_each_loss_type_gives_trls_loss_rewards_and_gradients(trained, loss_type
     for name, p in policy.named_parameters():
         want_grad = want_grads[name]
         assert (p.grad - want_grad).abs().max().item() <= 1e-5 * max(1.0, want_grad.abs().max().item()), name
+
+
+def forms(tokenizer) -> dict[str, list[dict]]:
+    """The same pairs in TRL's forms: conversational, standard (texts: the chat rendered, so that tokens merge
+    across the boundary where they may), and each with an implicit prompt."""
+    conversational = pairs(6, seed=2)
+    conversational[0]["chosen"] = [{"role": "assistant", "content": "12 is the sum"}]  # a shared beginning
+    conversational[0]["rejected"] = [{"role": "assistant", "content": "12 is not it"}]
+    standard = [{"prompt": f"Q: {p['prompt'][0]['content']}\nA:", "chosen": " " + p["chosen"][0]["content"],
+                 "rejected": " " + p["rejected"][0]["content"]} for p in conversational]
+    standard[1]["chosen"] += tokenizer.eos_token  # closed already: no second <eos>
+    standard[2] = {"prompt": "Sum: 4", "chosen": "2", "rejected": "3"}  # "42" may merge across the boundary
+    implicit = [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]} for p in standard]
+    implicit_chat = [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]}
+                     for p in conversational]
+    return {"conversational": conversational, "standard": standard, "implicit": implicit,
+            "implicit-conversational": implicit_chat}
+
+
+def test_every_pair_form_tokenizes_as_trl_tokenizes_it(trained):
+    """ids and learned positions of chosen and rejected equal TRL's prompt_ids + chosen_ids (completion_mask)."""
+    import datasets
+
+    trainer, _, _, folder = trained
+    tok = tokenizers.load_hf(folder)
+    tok.chat_template = trainer.processing_class.chat_template
+    for form, records in forms(trainer.processing_class).items():
+        theirs = trainer._prepare_dataset(datasets.Dataset.from_list(records), trainer.processing_class,
+                                          trainer.args, form)
+        for record, want in zip(records, theirs):
+            prompt = record.get("prompt")
+            got = pair_ids(tok, prompt, record["chosen"], record["rejected"]) if prompt is not None else \
+                pair_ids(tok, *split_prompt(record["chosen"], record["rejected"]))
+            for (ids, learned), completion in zip(got, ("chosen_ids", "rejected_ids")):
+                whole = want["prompt_ids"] + want[completion]
+                assert ids.tolist() == whole, (form, record)
+                assert learned.tolist() == [i >= len(want["prompt_ids"]) for i in range(len(whole))], (form, record)
+
+
+def test_an_implicit_prompt_is_what_chosen_and_rejected_share():
+    messages = [{"role": "user", "content": "Hi"}]
+    assert split_prompt(messages + [{"role": "assistant", "content": "a"}],
+                        messages + [{"role": "assistant", "content": "b"}])[0] == messages
+    assert split_prompt("Q: 2+2? A: 4", "Q: 2+2? A: 5") == ("Q: 2+2? A:", " 4", " 5")
+    assert split_prompt("same", "same") == ("same", "", "")
