@@ -165,3 +165,32 @@ def test_an_implicit_prompt_is_what_chosen_and_rejected_share():
                         messages + [{"role": "assistant", "content": "b"}])[0] == messages
     assert split_prompt("Q: 2+2? A: 4", "Q: 2+2? A: 5") == ("Q: 2+2? A:", " 4", " 5")
     assert split_prompt("same", "same") == ("same", "", "")
+
+
+def test_a_batch_of_pairs_keeps_each_pair_in_two_rows_side_by_side_on_one_rank_with_its_reference():
+    """Rows 2r and 2r+1 hold documents 2k and 2k+1 from their start (a pair's chosen and rejected), dealt to two
+    data-parallel ranks by real tokens a pair at a time, each row with its document's reference log-probability."""
+    import numpy as np
+
+    from plugins.data.batcher import Batcher
+    from plugins.data.registry import Corpus
+
+    rng = np.random.default_rng(0)
+    docs = [np.arange(100 * i, 100 * i + n) for i, n in enumerate(rng.integers(3, 40, 60))]
+    reference = {"train": -rng.random(60) * 50, "val": -rng.random(4) * 50}
+    corpus = Corpus(docs, docs[:4], 6000, packed=False, pad=-5)
+    batcher = Batcher(corpus, 8, 24, seed=1, ranks=2, balance_ranks=True, pairs=True, reference=reference)
+    for step in range(20):
+        batch = batcher.train_batch(step)
+        assert (batch.drawn[0::2] % 2 == 0).all() and (batch.drawn[1::2] == batch.drawn[0::2] + 1).all()
+        assert batch.reference.tolist() == reference["train"][batch.drawn].tolist()
+        for row, doc in zip(batch.inputs.tolist(), batch.drawn):
+            length = min(len(docs[doc]), 24)
+            assert row[:length] == docs[doc][:length].tolist() and set(row[length:]) <= {-5}
+        assert batch.drawn.tolist() == batcher.train_batch(step).drawn.tolist()  # a function of (seed, step)
+    assert len({tuple(batcher.train_batch(s).drawn) for s in range(20)}) == 20
+    balanced = [abs(int(t[0]) - int(t[1])) for t in (batcher.train_batch(s).real.reshape(2, -1).sum(1)
+                                                      for s in range(20))]
+    plain = Batcher(corpus, 8, 24, seed=1, pairs=True)
+    assert sum(balanced) < sum(abs(int(t[0]) - int(t[1])) for t in (plain.train_batch(s).real.reshape(2, -1).sum(1)
+                                                                      for s in range(20)))

@@ -15,7 +15,8 @@ import torch
 from common.problem import InputFault
 from plugins.data import shards
 from plugins.data.corpus import sources_of, tokenized
-from plugins.data.packing import PADDING, balances_ranks, deal, packed_stream, plan_rows, whole_documents
+from plugins.data.packing import (PADDING, balances_ranks, deal, deal_pairs, packed_stream, plan_rows,
+                                  whole_documents)
 from plugins.data.registry import get_source
 from storage import file_hashes
 
@@ -29,6 +30,8 @@ class Batch:
     sources: Optional[np.ndarray] = None   # a mixture's source of each row (data.mix)
     documents: Optional[torch.Tensor] = None  # (B, T) each input's document in rows of whole documents (bfd)
     real: Optional[np.ndarray] = None      # (B,) each row's real (non-padding) input tokens
+    drawn: Optional[np.ndarray] = None     # (B,) each row's document in its split (rows of one document each)
+    reference: Optional[torch.Tensor] = None  # (B,) float64: each row's log-probability under the reference model
 
     @property
     def n_labels(self) -> int:
@@ -41,10 +44,17 @@ class Batcher:
     whole_documents ("split" or "refuse", data.long_documents): rows hold whole documents (plugins/data/packing.py)
     instead of a window of a packed stream or one document each. balance_ranks: the rows are ordered so that each
     of `ranks` data-parallel ranks' slices holds about the same real tokens (data.balance_ranks: one document a row,
-    padded, whose lengths vary)."""
+    padded, whose lengths vary). pairs: the corpus holds preference pairs (documents 2k and 2k+1: chosen and
+    rejected, plugins/data/preference.py): a batch draws batch_size/2 of them, each pair's rows next to each other
+    (rows 2r and 2r+1) and dealt to ranks whole; reference: per split, each document's log-probability under the
+    reference model, given with the rows that hold it."""
 
     def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None,
-                 whole_documents: Optional[str] = None, ranks: int = 1, balance_ranks: bool = False):
+                 whole_documents: Optional[str] = None, ranks: int = 1, balance_ranks: bool = False,
+                 pairs: bool = False, reference: Optional[dict[str, np.ndarray]] = None):
+        if pairs and (batch_size % 2 or weights is not None or whole_documents):
+            raise ValueError("preference pairs take an even batch of rows, one corpus and rows of one document each")
+        self.pairs, self.reference = pairs, reference
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
         self.ranks = ranks if balance_ranks and batch_size % ranks == 0 else 1
         mixture = isinstance(corpus, list)
@@ -77,10 +87,13 @@ class Batcher:
         batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng)
         batch.sources = sources
         if self.ranks > 1:
-            order = deal(batch.real, self.ranks)
+            order = (deal_pairs if self.pairs else deal)(batch.real, self.ranks)
             pick = torch.from_numpy(order)
             batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
             batch.sources = sources[order] if sources is not None else None
+            batch.drawn = batch.drawn[order] if batch.drawn is not None else None
+        if self.reference is not None:
+            batch.reference = torch.from_numpy(self.reference[split][batch.drawn])
         return batch
 
     def _batch(self, sources, split: str, rng: np.random.Generator) -> Batch:
@@ -93,6 +106,7 @@ class Batcher:
         trained = np.ones((self.batch_size, T + 1), dtype=bool)
         documents = np.full((self.batch_size, T + 1), PADDING, dtype=np.int64) if self.rows is not None else None
         corpora = self.corpus if isinstance(self.corpus, list) else [self.corpus]
+        drawn = np.zeros(self.batch_size, dtype=np.int64)
         for r, s in enumerate(sources):
             pool, masks = getattr(corpora[s], split), getattr(corpora[s], f"{split}_mask")
             if self.rows is not None:
@@ -105,9 +119,12 @@ class Batcher:
                     documents[r, at:at + length] = n
                     at += length
                 continue
-            i = rng.integers(len(pool)) if len(pool) > 1 else 0
-            doc = pool[i]
-            start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 else 0
+            if self.pairs:  # a pair's chosen in the even row, its rejected in the odd one after it, from their start
+                i = 2 * int(rng.integers(len(pool) // 2)) if r % 2 == 0 else drawn[r - 1] + 1
+            else:
+                i = rng.integers(len(pool)) if len(pool) > 1 else 0
+            doc, drawn[r] = pool[i], i
+            start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 and not self.pairs else 0
             self._place(r, 0, doc, masks[i] if masks is not None else None, start, min(T + 1, len(doc) - start), rows,
                         real, trained)
         tokens = torch.from_numpy(rows)
@@ -118,7 +135,7 @@ class Batcher:
         labels[torch.from_numpy(~learned)] = -100
         return Batch(inputs, labels, float(real[:, :-1].mean()), float(learned.mean()),
                      documents=None if documents is None else torch.from_numpy(documents[:, :-1].copy()),
-                     real=real[:, :-1].sum(axis=1))
+                     real=real[:, :-1].sum(axis=1), drawn=None if self.rows is not None else drawn)
 
     @staticmethod
     def _place(r, at, doc, mask, start, length, rows, real, trained) -> None:

@@ -163,6 +163,14 @@ def deal(real: np.ndarray, ranks: int) -> np.ndarray:
     return np.array([row for rank in slots for row in rank], dtype=np.int64)
 
 
+def deal_pairs(real: np.ndarray, ranks: int) -> np.ndarray:
+    """deal's order for rows that come in pairs (rows 2k and 2k+1: a preference pair's chosen and rejected): the
+    pairs dealt whole by their real tokens, each pair's two rows kept next to each other."""
+    real = np.asarray(real)
+    pairs = deal(real[0::2] + real[1::2], ranks)
+    return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+
+
 def rank_tokens(real: np.ndarray, ranks: int) -> np.ndarray:
     """The real tokens each data-parallel rank's slice of a batch holds."""
     return np.asarray(real).reshape(ranks, -1).sum(axis=1)
