@@ -1,10 +1,12 @@
-"""One rank of the label-sparsity parity check (run by tests/test_head_loss.py with torch.distributed.run).
+"""One rank of the label-sparse head's parity checks (run by tests/test_head_loss.py with torch.distributed.run).
 
 For each layout given (override lists separated by `--`, all of this world size), builds it twice, with
 train.label_sparsity=false (the dense head and cross-entropy) and true (the head on the labelled positions only, in
 chunks of train.loss_chunk), runs one step's forward and backward of a batch whose labels are ~70% ignored (as a
 prompt/completion batch's are), then the held-out loss, and compares the losses and every local gradient shard.
-Rank 0 prints one JSON line per layout.
+Then the preference loss (DPO: row pairs (2k, 2k+1) a chosen and a rejected completion, a seeded reference
+log-probability per row): one step's loss, its metrics and every gradient in the layout against the same model in
+one process without any parallelism, and the held-out loss. Rank 0 prints two JSON lines per layout.
 
     python -m torch.distributed.run --nproc_per_node=N tests/sparse_parity_rank.py overrides... [-- overrides...]
 """
@@ -22,11 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.data import build_batcher  # noqa: E402
 from plugins.models import get_model  # noqa: E402
+from plugins.objectives.dpo import METRICS, PreferenceLoss  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 MASKED = 0.7
+BETA = 0.5
 
 
 def masked(batch) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -71,13 +75,66 @@ def compare(overrides: list[str]) -> dict:
             "where": where, "compared": sum(r[2] for r in result)}
 
 
+def one_process(cfg, inputs, labels, reference) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
+    """The loss, the gradients and the metrics' sums of the plain model (no mesh, no sharding, one microbatch)."""
+    spec = get_model(cfg.model.name)
+    model = spec.build(cfg.model)
+    spec.init_weights(model, cfg.model, cfg.train.seed)
+    model.loss_chunk, model.per_row = cfg.train.loss_chunk, True
+    objective = PreferenceLoss(BETA, "sigmoid")
+    pairs = len(inputs) // 2
+    loss = objective(model(inputs, labels=labels), reference) / pairs
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, objective.take()
+
+
+def compare_dpo(overrides: list[str]) -> dict:
+    cfg = make_cfg(*overrides)
+    spec = get_model(cfg.model.name)
+    plan = build_plan(cfg.model, cfg.parallel)
+    inputs, labels, _ = masked(build_batcher(cfg).train_batch(0))
+    reference = -torch.rand(len(inputs), generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 100
+    want_loss, want, want_sums = one_process(cfg, inputs, labels, reference)
+
+    objective = PreferenceLoss(BETA, "sigmoid")
+    layout = build_layout(cfg, plan, spec, torch.device("cpu"), objective=objective)
+    pairs = len(inputs) // 2
+    loss = layout.runner.train_step(layout.local_batch(inputs), layout.local_batch(labels), pairs,
+                                    reference=layout.local_batch(reference))
+    layout.sync_and_clip(float("inf"))
+    sums = torch.cat([loss.detach().reshape(1).double(), objective.take().double()
+                      if layout.loss_rank else torch.zeros(len(METRICS), dtype=torch.float64)])
+    held_out = layout.runner.eval_sum(layout.local_batch(inputs), layout.local_batch(labels),
+                                      reference=layout.local_batch(reference))
+    objective.take()
+    sums = torch.cat([sums, held_out.detach().reshape(1).double()])
+    dist.all_reduce(sums)
+    worst, where, compared = 0.0, "", 0
+    scale = max(g.abs().max().item() for g in want.values())
+    for name, p in layout.params:
+        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        if name in layout.aliases:  # a tied copy: its gradient is the weight's, counted where the weight lives
+            continue
+        ratio = (got - want[name]).abs().max().item() / (1e-6 * scale)
+        compared += 1
+        if ratio > worst:
+            worst, where = ratio, name
+    result = [None] * dist.get_world_size()
+    dist.all_gather_object(result, (worst, where, compared))
+    worst, where, _ = max(result)
+    return {"objective": "dpo", "layout": overrides, "loss": sums[0].item(), "want_loss": want_loss,
+            "metrics": (sums[1:1 + len(METRICS)] / pairs).tolist(), "want_metrics": (want_sums / pairs).tolist(),
+            "held_out": sums[-1].item() / pairs, "worst": worst, "where": where,
+            "compared": sum(r[2] for r in result)}
+
+
 def main(groups: list[list[str]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     for overrides in groups:
-        found = compare(overrides)
-        if dist.get_rank() == 0:
-            print(json.dumps(found), flush=True)
+        for found in (compare(overrides), compare_dpo(overrides)):
+            if dist.get_rank() == 0:
+                print(json.dumps(found), flush=True)
     dist.destroy_process_group()
 
 

@@ -45,3 +45,30 @@ def pair_losses(rows: torch.Tensor, reference: torch.Tensor, beta: float, loss_t
                                (chosen_rewards > rejected_rewards).float().sum(),
                                (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
     return losses.sum(), metrics
+
+
+class PreferenceLoss:
+    """The runners' loss for preference pairs (plugins/parallel/pipeline.py): each microbatch's rows from the head
+    (per_row) against their reference log-probabilities, its pairs' summed loss; the METRICS' sums of the step's
+    microbatches kept until the step takes them (`take`). A pipeline schedule also calls its loss once on made-up
+    outputs when it infers its stages' shapes (torch.distributed.pipelining, the first step): its runner keeps the
+    sums of the step's microbatches only (keep_last)."""
+
+    def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0):
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"objective.loss_type={loss_type!r}: one of {', '.join(LOSS_TYPES)}")
+        self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.calls: list[torch.Tensor] = []  # each call's METRICS' sums since the last take
+
+    def __call__(self, rows: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        loss, sums = pair_losses(rows, reference, self.beta, self.loss_type, self.label_smoothing)
+        self.calls.append(sums)
+        return loss
+
+    def keep_last(self, calls: int) -> None:
+        del self.calls[:-calls]
+
+    def take(self) -> torch.Tensor:
+        """The METRICS' sums since the last take (zeros when this rank computed none)."""
+        calls, self.calls = self.calls, []
+        return torch.stack(calls).sum(0) if calls else torch.zeros(len(METRICS))

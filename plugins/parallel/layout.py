@@ -119,9 +119,11 @@ class Layout:
 
 
 def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeline: bool = False,
-                 prepared=None, log=None) -> Layout:
+                 prepared=None, log=None, objective=None) -> Layout:
     """prepared: what the transform stage prepared for the engine (None: no engine); log: where compilation reports
-    (None: the `triton` section is not applied). The train stage passes both; a reference layout neither."""
+    (None: the `triton` section is not applied). The train stage passes both; a reference layout neither.
+    objective: the loss of preference pairs (plugins/objectives/dpo.PreferenceLoss; None: next-token
+    cross-entropy): the head then gives each row's log-probability (per_row), which it takes."""
     p = cfg.parallel
     mesh, coords = build_mesh(p, device)
     local_stages = [s for s in plan["pipeline"] if s["rank"] == coords.pp]
@@ -149,6 +151,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         if cfg.peft.name == "lora":
             init_adapters(module, cfg.train.seed)
         module.loss_chunk = cfg.train.loss_chunk
+        module.per_row = objective is not None
         parts.append(module)
     check_against_plan(parts, plan)
 
@@ -160,11 +163,11 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
         runner = PipelineRunner(parts, [s["stage"] for s in local_stages], [s["rank"] for s in plan["pipeline"]],
                                 p.pp_schedule,
                                 p.microbatches, spec.loss, mesh.get_group("pp"), device, loss_rank,
-                                p.loss_parallel, p.dp, tl, probe, sparse)
+                                p.loss_parallel, p.dp, tl, probe, sparse, objective)
     else:
         tl = None
         runner = MicrobatchRunner(parts[0], spec.loss, p.microbatches, loss_rank, p.loss_parallel, p.dp, probe,
-                                  sparse)
+                                  sparse, objective)
     layout = Layout(parts, runner, coords, aliases, device, mesh, None, tl, loss_rank,
                     [s["stage"] for s in local_stages], kernels, fallbacks)
     if p.pp > 1 and aliases:

@@ -41,30 +41,34 @@ class MicrobatchRunner:
     """One stage holds the whole model (dp and/or hp only): accumulate gradients over microbatches."""
 
     def __init__(self, module: nn.Module, loss_fn: Callable, microbatches: int, counts_loss: bool,
-                 loss_parallel: bool, grad_scale: float = 1.0, probe=None, sparse: bool = False):
+                 loss_parallel: bool, grad_scale: float = 1.0, probe=None, sparse: bool = False, objective=None):
         self.module, self.loss_fn, self.microbatches = module, loss_fn, microbatches
         self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
-        self.grad_scale, self.sparse = grad_scale, sparse
+        self.grad_scale, self.sparse, self.objective = grad_scale, sparse, objective
 
-    def _loss_sum(self, x, y, d, count: Optional[int] = None) -> torch.Tensor:
+    def _loss_sum(self, x, y, d, count: Optional[int] = None, reference=None) -> torch.Tensor:
+        if self.objective is not None:
+            return self.objective(_forward(self.module, x, d, labels=y), reference)
         return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn, count)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
-                   counts: Optional[list[int]] = None) -> torch.Tensor:
+                   counts: Optional[list[int]] = None, reference: Optional[torch.Tensor] = None) -> torch.Tensor:
         """counts: each microbatch's labels that count, read on the host before the batch went to the device (the
-        sparse head then never waits for the GPU); None: the head asks the device."""
+        sparse head then never waits for the GPU); None: the head asks the device. reference: with an objective,
+        each row's reference log-probability (n_labels is then the global batch's count of what it averages)."""
         total = torch.zeros((), device=inputs.device)
         ys = labels.chunk(self.microbatches)
         if counts is None or len(counts) != len(ys):  # counted for another split: let the head ask the device
             counts = [None] * len(ys)
-        chunks = list(zip(inputs.chunk(self.microbatches), ys, _chunks(documents, self.microbatches), counts))
+        chunks = list(zip(inputs.chunk(self.microbatches), ys, _chunks(documents, self.microbatches), counts,
+                          _chunks(reference, self.microbatches)))
         backward_scale = self.grad_scale * loss_scale
-        for i, (x, y, d, count) in enumerate(chunks):
+        for i, (x, y, d, count, r) in enumerate(chunks):
             set_gradient_sync([self.module], i == len(chunks) - 1)
             self._sample("pre_forward")
             with loss_context(self.loss_parallel):
-                loss = self._loss_sum(x, y, d, count) / n_labels
+                loss = self._loss_sum(x, y, d, count, r) / n_labels
                 self._sample("post_forward")
                 (loss * backward_scale if backward_scale != 1 else loss).backward()
             self._sample("post_backward")
@@ -72,10 +76,10 @@ class MicrobatchRunner:
         return total if self.counts_loss else torch.zeros_like(total)
 
     @torch.no_grad()
-    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor, documents: Optional[torch.Tensor] = None,
+                 reference: Optional[torch.Tensor] = None) -> torch.Tensor:
         with loss_context(self.loss_parallel):
-            total = _value(self._loss_sum(inputs, labels, documents))
+            total = _value(self._loss_sum(inputs, labels, documents, reference=reference))
         return total if self.counts_loss else torch.zeros_like(total)
 
     def _sample(self, phase: str) -> None:
@@ -93,7 +97,7 @@ class PipelineRunner:
     def __init__(self, modules: list[nn.Module], stage_ids: list[int], stage_ranks: list[int], schedule: str,
                  microbatches: int, loss_fn: Callable, group, device: torch.device, counts_loss: bool,
                  loss_parallel: bool, grad_scale: float = 1.0, timeline: Optional["Timeline"] = None, probe=None,
-                 sparse: bool = False):
+                 sparse: bool = False, objective=None):
         from torch.distributed.pipelining import PipelineStage, schedules
 
         n_stages = len(stage_ranks)
@@ -103,7 +107,7 @@ class PipelineRunner:
         self.has_first = any(s.is_first for s in self.stages)
         self.has_last = any(s.is_last for s in self.stages)
         self.loss_fn, self.counts_loss, self.loss_parallel = loss_fn, counts_loss, loss_parallel
-        self.grad_scale, self.sparse = grad_scale, sparse
+        self.grad_scale, self.sparse, self.objective = grad_scale, sparse, objective
         self.scale = 1.0  # what the schedule's loss is multiplied by (its returned losses too)
         chosen = SCHEDULES[schedule]
         cls = getattr(schedules, chosen.torch_class)  # single-stage schedules take the stage, the others a list
@@ -115,12 +119,15 @@ class PipelineRunner:
 
     def _loss(self, output, target):
         """The schedule's loss of a microbatch: the last stage's output is already the summed loss when sparse
-        (the labels travelled as a keyword input, split into microbatches like the documents)."""
+        (the labels travelled as a keyword input, split into microbatches like the documents); with an objective it
+        is the rows' log-probabilities, and the target their reference's."""
+        if self.objective is not None:
+            return self.objective(output, target) * self.scale
         return (output if self.sparse else self.loss_fn(output, target)) * self.scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
-                   counts: Optional[list[int]] = None) -> torch.Tensor:
+                   counts: Optional[list[int]] = None, reference: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward and backward of every microbatch, as the schedule orders them (memory is sampled
         around the whole schedule: its phases interleave). documents go to every stage (the schedule splits
         keyword inputs into microbatches like the inputs and hands each stage its own)."""
@@ -131,13 +138,16 @@ class PipelineRunner:
             self.timeline.start_step()
         losses: list = []
         args = (inputs,) if self.has_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        target = reference if self.objective is not None else labels
+        kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if documents is not None:
             kwargs["documents"] = documents
         if self.sparse:  # every stage is given them (keyword inputs go to all); only the head's uses them
             kwargs["labels"] = labels
         with loss_context(self.loss_parallel):
             self.schedule.step(*args, return_outputs=False, **kwargs)
+        if self.objective is not None and self.has_last:  # not the loss of the first step's shape inference
+            self.objective.keep_last(self.microbatches)
         if self.timeline is not None:
             self.timeline.stop_step()
         if self.probe is not None:
@@ -147,8 +157,8 @@ class PipelineRunner:
         return total if self.counts_loss and self.has_last else torch.zeros_like(total)
 
     @torch.no_grad()
-    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor, documents: Optional[torch.Tensor] = None,
+                 reference: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward only, microbatch by microbatch through the stages in order, activations passed
         point-to-point (torch 2.13's schedule.eval() fails for the V schedule: "can't steal_bwd_input
         if this stage doesn't have backward"). Evaluation is rare: simplicity beats overlap here."""
@@ -159,7 +169,7 @@ class PipelineRunner:
         ys = labels.chunk(self.microbatches) if self.has_last else [None] * self.microbatches
         total = torch.zeros((), device=inputs.device)
         last = len(self.stage_ranks) - 1
-        for x, y, d in zip(xs, ys, _chunks(documents, self.microbatches)):
+        for x, y, d, r in zip(xs, ys, _chunks(documents, self.microbatches), _chunks(reference, self.microbatches)):
             h = x
             for s, owner in enumerate(self.stage_ranks):
                 if owner != me:
@@ -167,7 +177,9 @@ class PipelineRunner:
                 if s > 0 and self.stage_ranks[s - 1] != me:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
                 with loss_context(self.loss_parallel):
-                    if s == last:
+                    if s == last and self.objective is not None:
+                        total += _value(self.objective(_forward(self.modules[s], h, d, labels=y), r))
+                    elif s == last:
                         total += _value(_loss_sum(self.modules[s], h, y, d, self.sparse, self.loss_fn))
                     else:
                         h = _forward(self.modules[s], h, d)
