@@ -9,23 +9,35 @@ import torch
 from torch import nn
 
 
-def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]] = lambda: None) -> Optional[float]:
-    """Mean next-token loss over the first n_batches held-out batches, computed in the layout (every rank calls it:
-    the sums are reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece.
-    stop: asked before each batch (by every rank, a collective when several run); when it says why, the evaluation
-    is abandoned and None returned, so that a signal is acted on within a batch, not after the whole evaluation."""
+def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]] = lambda: None,
+              measures: Optional[dict] = None) -> Optional[float]:
+    """Mean next-token loss over the first n_batches held-out batches (preference pairs: the objective's mean loss
+    over their pairs), computed in the layout (every rank calls it: the sums are reduced over ranks). The aggregate's
+    check of a model too big to hold is eval_loss_by_piece. stop: asked before each batch (by every rank, a
+    collective when several run); when it says why, the evaluation is abandoned and None returned, so that a signal
+    is acted on within a batch, not after the whole evaluation. measures: filled with the objective's own means
+    (held-out rewards and accuracies), where it has them."""
     layout.train(False)
-    total, count = torch.zeros((), dtype=torch.float64), 0
+    total, count, shares = torch.zeros((), dtype=torch.float64), 0, []
     try:
         for i in range(n_batches):
             if stop():
                 return None
             batch = batcher.eval_batch(i)
+            pairs = batch.reference is not None
             total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels),
-                                            layout.local_batch(batch.documents)).cpu()
-            count += batch.n_labels
+                                            layout.local_batch(batch.documents),
+                                            **({"reference": layout.local_batch(batch.reference)} if pairs
+                                               else {})).cpu()
+            count += batch.inputs.shape[0] // 2 if pairs else batch.n_labels
+            found = layout.objective_metrics(1) if pairs else None
+            if found is not None:
+                shares.append(found)
     finally:
         layout.train(True)
+    if shares and measures is not None:
+        summed = layout.reduce(torch.stack([share for _, share in shares]).sum(0).cpu().double())
+        measures.update(zip(shares[0][0], (summed / max(count, 1)).tolist()))
     return layout.reduce(total).item() / max(count, 1)
 
 

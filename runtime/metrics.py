@@ -92,6 +92,11 @@ class MetricsWindow:
                 r.update(zip(worst_keys, w))
                 if "pipeline_idle_fraction" in r:
                     r["pipeline_idle_fraction"] = i
+        if "objective" in rows[0]:  # named means, each rank's share: summed over ranks
+            names = rows[0]["objective"][0]
+            shares = torch.stack([r.pop("objective")[1].float() for r in rows])
+            for r, means in zip(rows, (layout.reduce(shares) if layout.world else shares).tolist()):
+                r.update(zip(names, means))
         values = torch.stack([losses.cpu(), norms.cpu()]).tolist()
         for r, loss, norm in zip(rows, *values):
             r["loss"], r["grad_norm"] = loss, norm
@@ -117,6 +122,8 @@ def step_line(row: dict, steps: int) -> str:
     """A step's record as the line train.log_every prints."""
     text = (f"step {row['step']:>{len(str(steps))}}/{steps} | loss {row['loss']:.4f} | lr {row['lr']:.2e} | "
             f"grad norm {row['grad_norm']:.3f} | {row['tokens_per_s']:,.0f} tok/s | {row['step_time_s'] * 1e3:.1f} ms")
+    if "rewards/accuracies" in row:  # preference pairs: how often the chosen wins, and by how much
+        text += f" | reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}"
     if "eval_loss" in row:
         text += f" | eval loss {row['eval_loss']:.4f}"
     return text

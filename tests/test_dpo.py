@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.conftest import ROOT
 from tests.test_hf import ours
 
 BETA = 0.1
+LR = 1e-4  # TRL's default is 1e-6: large enough to move the rewards, small enough not to magnify fp32 rounding
 
 
 def pairs(n: int, seed: int = 0) -> list[dict]:
@@ -194,3 +196,64 @@ def test_a_batch_of_pairs_keeps_each_pair_in_two_rows_side_by_side_on_one_rank_w
     plain = Batcher(corpus, 8, 24, seed=1, pairs=True)
     assert sum(balanced) < sum(abs(int(t[0]) - int(t[1])) for t in (plain.train_batch(s).real.reshape(2, -1).sum(1)
                                                                       for s in range(20)))
+
+
+def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp_path):
+    """TRL's DPOTrainer from the tiny model (AdamW, constant lr, gradients clipped at 1, reference precomputed) and
+    the project's train step (runtime/step.py) in one process, on a batch of the same four pairs every step: the
+    loss and TRL's logged measures equal at every step; then the held-out loss and measures of the same pairs
+    (runtime/evaluate.eval_loss) equal TRL's evaluation of them."""
+    import datasets
+    import transformers
+    from trl import DPOConfig, DPOTrainer
+
+    from plugins.data.batcher import Batch
+    from plugins.models import get_model
+    from plugins.objectives.dpo import PreferenceLoss
+    from plugins.parallel.layout import build_layout
+    from planning.partition import build_plan
+    from runtime.evaluate import eval_loss
+    from runtime.metrics import MemoryProbe, MetricsWindow, step_line
+    from runtime.optim import build_optimizer
+    from runtime.step import StepSettings, train_step
+    from tests.conftest import make_cfg
+
+    _, _, _, folder = trained
+    args = DPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=4, max_steps=3, bf16=False,
+                     learning_rate=LR, lr_scheduler_type="constant", beta=BETA, precompute_ref_log_probs=True,
+                     report_to=[], save_strategy="no", use_cpu=True, seed=0, logging_steps=1, disable_tqdm=True,
+                     max_grad_norm=1.0)
+    trainer = DPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folder), args=args,
+                         train_dataset=datasets.Dataset.from_list(pairs(4)),
+                         processing_class=transformers.AutoTokenizer.from_pretrained(folder))
+    collated = next(iter(trainer.get_train_dataloader()))
+    inputs, labels, reference = rows_of(collated)
+    trainer.train()
+    theirs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    trainer.model.eval()
+    trainer._metrics["eval"].clear()
+    with torch.no_grad():
+        held_out = trainer.compute_loss(trainer.model, collated).item()
+    held_out_measures = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
+
+    cfg = make_cfg("model=llama_tiny", "parallel=single", f"optimizer.lr={LR}", "optimizer.schedule=constant",
+                   "optimizer.betas=[0.9,0.999]", "train.grad_clip=1.0", "tracking=none")
+    layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), get_model("llama"), torch.device("cpu"),
+                          objective=PreferenceLoss(BETA, "sigmoid"))
+    layout.parts[0].load_state_dict(hf.load_state(folder), strict=False)
+    optimizer = build_optimizer(cfg.optimizer, layout.parts[0])
+    batch = Batch(inputs, labels, 1.0, 1.0, reference=reference)
+    window, probe = MetricsWindow(layout), MemoryProbe(torch.device("cpu"))
+    for step in range(3):
+        window.add(train_step(layout, [optimizer], batch, step, LR, StepSettings.of(cfg), probe))
+    ours = window.flush()
+    assert len(theirs) == len(ours) == 3 and "| reward acc 1.00 margin " in step_line(ours[-1], 3)
+    for step, (want, got) in enumerate(zip(theirs, ours)):
+        assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)
+        for name in METRICS[:2] + METRICS[3:] if step == 0 else METRICS:  # step 1's rewards are all 0: ties, which
+            assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-5), name  # a last bit decides: not compared
+    assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"]
+    measures: dict = {}
+    assert eval_loss(layout, SimpleNamespace(eval_batch=lambda i: batch), 1, measures=measures) == \
+        pytest.approx(held_out, abs=1e-5)
+    assert measures == pytest.approx({k: held_out_measures[k] for k in METRICS}, rel=1e-5, abs=1e-5)

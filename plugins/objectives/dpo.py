@@ -58,6 +58,7 @@ class PreferenceLoss:
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"objective.loss_type={loss_type!r}: one of {', '.join(LOSS_TYPES)}")
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
+        self.names = METRICS
         self.calls: list[torch.Tensor] = []  # each call's METRICS' sums since the last take
 
     def __call__(self, rows: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

@@ -109,6 +109,16 @@ class Layout:
         for part in self.parts:
             part.train(mode)
 
+    def objective_metrics(self, count: int) -> Optional[tuple[tuple[str, ...], torch.Tensor]]:
+        """(names, this rank's share of their means over `count`) of what the objective measured since it was last
+        asked (preference pairs' rewards and log-probabilities), summed over ranks they are the global means; None
+        without an objective. Ranks whose values repeat another's (tensor-parallel peers) add nothing."""
+        objective = getattr(self.runner, "objective", None)
+        if objective is None:
+            return None
+        sums = objective.take().to(self.device)
+        return objective.names, sums / count if self.loss_rank else torch.zeros_like(sums)
+
     def reduce(self, values: torch.Tensor, op=None) -> torch.Tensor:
         """All-reduce small host-side statistics (on the rank's device: nccl reduces CUDA tensors only)."""
         if not self.world:
