@@ -33,7 +33,7 @@ from tests.conftest import (ROOT, cli_env, last_wins, make_cfg, requires_ort_tra
 
 pytestmark = pytest.mark.e2e
 
-STEPS, HALF = 6, 3
+STEPS, HALF = 4, 2
 COMMON = ["train.batch_size=8", "train.seq_len=32", f"train.eval_every={HALF}", f"train.checkpoint_every={HALF}",
           "train.eval_batches=2", "optimizer.schedule=constant", "optimizer.warmup_steps=0", "tracking=none",
           "train.progress=false"]
