@@ -86,6 +86,9 @@ def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStag
     """Stages in dependency order, each with its key and whether the cache already holds its output (the stages this
     config runs: a stage's `enabled`)."""
     stages = [s for s in stages if s.enabled(cfg)]
+    running = {s.name for s in stages}  # an optional upstream the config does not run is no upstream
+    stages = [dataclasses.replace(s, after=tuple(u for u in s.after if u in running or u not in s.optional))
+              if s.optional else s for s in stages]
     by_name = {s.name: s for s in stages}
     for s in stages:
         missing = [u for u in s.after if u not in by_name]

@@ -91,7 +91,10 @@ class Stage:
     share only files (tokenize: tasks of very different lengths would outwait the group's timeout)."""
     enabled: Callable[[Any], bool] = lambda cfg: True
     """whether this config runs the stage at all (evaluate: only with evaluate.tasks); a stage left out is not
-    planned, and nothing after it may need it."""
+    planned, and nothing after it may need it (but as `optional`)."""
+    optional: tuple[str, ...] = ()
+    """upstream stages of `after` this stage runs after only when the config runs them (train after the reference
+    log-probabilities: preference pairs only); left out, they are neither inputs nor in the key."""
     adopt: Optional[Callable[..., Optional[int]]] = None
     """(cfg, an earlier attempt's scratch, this attempt's scratch or None, its key) -> the step this attempt would
     continue from (None: nothing usable); given this attempt's scratch, the state is linked into it."""
