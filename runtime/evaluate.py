@@ -18,26 +18,21 @@ def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]]
     is acted on within a batch, not after the whole evaluation. measures: filled with the objective's own means
     (held-out rewards and accuracies), where it has them."""
     layout.train(False)
-    total, count, shares = torch.zeros((), dtype=torch.float64), 0, []
+    total, count = torch.zeros((), dtype=torch.float64), 0
     try:
         for i in range(n_batches):
             if stop():
                 return None
             batch = batcher.eval_batch(i)
-            pairs = batch.reference is not None
             total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels),
                                             layout.local_batch(batch.documents),
-                                            **({"reference": layout.local_batch(batch.reference)} if pairs
-                                               else {})).cpu()
-            count += batch.inputs.shape[0] // 2 if pairs else batch.n_labels
-            found = layout.objective_metrics(1) if pairs else None
-            if found is not None:
-                shares.append(found)
+                                            layout.local_batch(batch.reference)).cpu()
+            count += batch.inputs.shape[0] // 2 if batch.reference is not None else batch.n_labels
     finally:
         layout.train(True)
-    if shares and measures is not None:
-        summed = layout.reduce(torch.stack([share for _, share in shares]).sum(0).cpu().double())
-        measures.update(zip(shares[0][0], (summed / max(count, 1)).tolist()))
+        found = layout.objective_metrics(max(count, 1))  # taken when stopped too: the next step's are its own
+    if found is not None and measures is not None:
+        measures.update(zip(found[0], layout.reduce(found[1].cpu().double()).tolist()))
     return layout.reduce(total).item() / max(count, 1)
 
 

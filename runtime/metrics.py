@@ -95,7 +95,7 @@ class MetricsWindow:
         if "objective" in rows[0]:  # named means, each rank's share: summed over ranks
             names = rows[0]["objective"][0]
             shares = torch.stack([r.pop("objective")[1].float() for r in rows])
-            for r, means in zip(rows, (layout.reduce(shares) if layout.world else shares).tolist()):
+            for r, means in zip(rows, layout.reduce(shares).tolist()):
                 r.update(zip(names, means))
         values = torch.stack([losses.cpu(), norms.cpu()]).tolist()
         for r, loss, norm in zip(rows, *values):

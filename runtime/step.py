@@ -68,7 +68,7 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     loss_scale = scaler.scale
     inputs, labels, documents, counts = layout.rank_inputs(batch, 0 if pairs else s.repack_to, s.microbatches)
     loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents, counts,
-                                    **({"reference": layout.local_batch(batch.reference)} if pairs else {}))
+                                    layout.local_batch(batch.reference))
     grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)
     finite = scaler.step_ok(grad_norm)
     if finite and s.skip_nonfinite and not scaler.enabled:

@@ -50,11 +50,10 @@ def row_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     keep = _kept(labels, None)
     h, y, weight, first, group = _labelled(hidden, weight, labels, keep)
     token = _ChunkedHeadLogProbs.apply(h, weight, y, vocab, first, max(1, chunk), group)
-    row = keep // labels.shape[-1]
-    rows = labels.reshape(-1, labels.shape[-1]).shape[0]
-    sums = torch.zeros(rows, dtype=token.dtype, device=token.device).index_add(0, row, token)
-    counts = torch.zeros(rows, dtype=token.dtype, device=token.device).index_add(0, row, torch.ones_like(token))
-    return torch.stack([sums, counts], dim=1)
+    per_row = labels.reshape(-1, labels.shape[-1])
+    sums = torch.zeros(per_row.shape[0], dtype=token.dtype, device=token.device).index_add(
+        0, keep // labels.shape[-1], token)
+    return torch.stack([sums, (per_row != IGNORED).sum(1).to(token.dtype)], dim=1)
 
 
 def _kept(labels: torch.Tensor, count: Optional[int]) -> torch.Tensor:
@@ -104,6 +103,13 @@ def _chunk_logits(hc, w, yc, vocab: int, first: int, group) -> tuple:
     return probs, target, norm, mine, at
 
 
+def _softmax_less_target(probs, norm, mine, at) -> torch.Tensor:
+    """_chunk_logits' softmax numerators made, in place, the softmax less the one-hot target (its column in this
+    shard): the gradient of a position's cross-entropy with respect to its logits."""
+    probs.div_(norm[:, None])
+    return probs.scatter_add_(1, at[:, None], mine[:, None].to(probs.dtype).neg())  # -1 where mine, -0 else
+
+
 class _ChunkedHeadLoss(torch.autograd.Function):
     """(h (n, d), w (local rows, d), y (n,)) -> summed cross-entropy; gradients computed in the forward."""
 
@@ -117,9 +123,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             probs, target, norm, mine, at = _chunk_logits(hc, w, yc, vocab, first, group)
             total += (norm.log() - target).sum()
             if need_h or need_w:  # d(loss)/d(logits) = softmax - one_hot(target)
-                probs.div_(norm[:, None])
-                probs.scatter_add_(1, at[:, None], mine[:, None].to(probs.dtype).neg())  # -1 where mine, -0 else
-                g = probs.to(w.dtype)
+                g = _softmax_less_target(probs, norm, mine, at).to(w.dtype)
                 if need_h:
                     grad_h[s:s + chunk] = g @ w
                 if need_w:
@@ -161,9 +165,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             hc = h[s:s + chunk]
             probs, _, norm, mine, at = _chunk_logits(hc, w, y[s:s + chunk], vocab, first, group)
             # d(log p_target)/d(logits) = one_hot(target) - softmax, times each position's incoming gradient
-            probs.div_(norm[:, None]).neg_()
-            probs.scatter_add_(1, at[:, None], mine[:, None].to(probs.dtype))
-            g = (probs * grad_out[s:s + chunk, None].float()).to(w.dtype)
+            g = (_softmax_less_target(probs, norm, mine, at) * -grad_out[s:s + chunk, None].float()).to(w.dtype)
             if need_h:
                 grad_h[s:s + chunk] = g @ w
             if need_w:

@@ -54,11 +54,10 @@ class PreferenceLoss:
     outputs when it infers its stages' shapes (torch.distributed.pipelining, the first step): its runner keeps the
     sums of the step's microbatches only (keep_last)."""
 
+    names = METRICS
+
     def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0):
-        if loss_type not in LOSS_TYPES:
-            raise ValueError(f"objective.loss_type={loss_type!r}: one of {', '.join(LOSS_TYPES)}")
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
-        self.names = METRICS
         self.calls: list[torch.Tensor] = []  # each call's METRICS' sums since the last take
 
     def __call__(self, rows: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

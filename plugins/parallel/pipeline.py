@@ -47,9 +47,7 @@ class MicrobatchRunner:
         self.grad_scale, self.sparse, self.objective = grad_scale, sparse, objective
 
     def _loss_sum(self, x, y, d, count: Optional[int] = None, reference=None) -> torch.Tensor:
-        if self.objective is not None:
-            return self.objective(_forward(self.module, x, d, labels=y), reference)
-        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn, count)
+        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn, count, self.objective, reference)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
@@ -177,10 +175,9 @@ class PipelineRunner:
                 if s > 0 and self.stage_ranks[s - 1] != me:
                     h = _recv(self.stage_ranks[s - 1], self.group, inputs.device)
                 with loss_context(self.loss_parallel):
-                    if s == last and self.objective is not None:
-                        total += _value(self.objective(_forward(self.modules[s], h, d, labels=y), r))
-                    elif s == last:
-                        total += _value(_loss_sum(self.modules[s], h, y, d, self.sparse, self.loss_fn))
+                    if s == last:
+                        total += _value(_loss_sum(self.modules[s], h, y, d, self.sparse, self.loss_fn,
+                                                  objective=self.objective, reference=r))
                     else:
                         h = _forward(self.modules[s], h, d)
                 if s < last and self.stage_ranks[s + 1] != me:
@@ -199,9 +196,13 @@ def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tenso
 
 
 def _loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor, documents: Optional[torch.Tensor], sparse: bool,
-              loss_fn: Callable, count: Optional[int] = None) -> torch.Tensor:
+              loss_fn: Callable, count: Optional[int] = None, objective=None,
+              reference: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The summed loss of the part that holds the head: computed by the part itself when sparse (label sparsity;
-    count: its labels that count, where the host knows it), else loss_fn on its logits."""
+    count: its labels that count, where the host knows it), else loss_fn on its logits; with an objective, the
+    objective's of the rows' log-probabilities the part gives against their reference."""
+    if objective is not None:
+        return objective(_forward(module, x, documents, labels=y), reference)
     if sparse:
         return _forward(module, x, documents, labels=y, **({} if count is None else {"label_count": count}))
     return loss_fn(_forward(module, x, documents), y)
