@@ -27,10 +27,11 @@ from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.report import Report, console, plan_table, plan_text
 from orchestrator.tracking.tracker import absolute_uri
 from planning import stage_time
-from planning.plan import compute_line, memory_line, peft_line
+from planning.plan import compute_line, memory_line, objective_line, peft_line
 from planning.plan_time import continued_from, expected_times, planned_lines, time_line
 from planning.stage_time import Expected
-from plugins.data.corpus import TOKENS_DIR, passes_line, plan_lines
+from plugins.data.corpus import TOKENS_DIR, plan_lines
+from plugins.data.preview import passes_line
 from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores
 from storage.fsio import atomic_write_json
@@ -102,7 +103,8 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             train = next((ps for ps in plan if ps.name == "train"), None)
             first_step, continuing = continued_from(cfg, train.resumes_at if train else None)
             planned = expected_times(cfg, to_run, cache.root, startup, first_step)
-            estimates = [*peft_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)), compute_line(cfg),
+            estimates = [*peft_line(cfg), *objective_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)),
+                         compute_line(cfg),
                          time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run)), first_step=first_step),
                          *continuing, *planned_lines(planned, stage_time.where(cfg))]
 

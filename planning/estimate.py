@@ -59,6 +59,7 @@ class Estimate:
     staging: int = 0  # train.async_checkpoint=async: the host copy of the rank's weights and optimizer state
     head: int = 0     # of the activations: the head's and the loss's (the last stage's)
     sparse: bool = False  # train.label_sparsity: the head runs on the labelled positions, in chunks
+    reference: int = 0    # objective.reference=online: the frozen reference model's weights beside the policy
 
     @property
     def total(self) -> int:
@@ -67,8 +68,9 @@ class Estimate:
         so its RSS holds both, and the optimizer step's temporaries on top."""
         if self.cpu:
             return self.parameters + self.optimizer + self.gradients + self.activations + self.temporaries + \
-                self.runtime + self.staging
-        return self.parameters + self.optimizer + max(self.activations, self.gradients) + self.runtime
+                self.runtime + self.staging + self.reference
+        return self.parameters + self.optimizer + max(self.activations, self.gradients) + self.runtime + \
+            self.reference
 
     def describe(self) -> str:
         gb = 2**30
@@ -79,8 +81,9 @@ class Estimate:
         # a GPU rank stages a background checkpoint in host memory, beside the device's figure
         staging = "" if not self.staging else f", checkpoint staging {self.staging / gb:,.2f}" if self.cpu else \
             f"; checkpoint staging {self.staging / gb:,.2f} in host memory"
-        return (f"{self.total / gb:,.2f} GB per rank at its peak (parameters {self.parameters / gb:,.2f}, optimizer "
-                f"state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f}{staging})")
+        frozen = f", the reference model {self.reference / gb:,.2f}" if self.reference else ""
+        return (f"{self.total / gb:,.2f} GB per rank at its peak (parameters {self.parameters / gb:,.2f}{frozen}, "
+                f"optimizer state {self.optimizer / gb:,.2f}, {both}, runtime {self.runtime / gb:,.2f}{staging})")
 
 
 def _held_by_rank(plan: dict, trained: bool = False, which=None) -> dict[int, int]:
@@ -168,7 +171,20 @@ def estimate(cfg, plan: dict) -> Estimate:
     cpu = not ranks_on_cuda(cfg)[0]  # ranks on GPUs: this machine's, or a SLURM job's that asks for them
     staging = gradients + optimizer if cfg.train.get("async_checkpoint", "disabled") == "async" else 0
     return Estimate(parameters, gradients, optimizer, activations, (RUNTIME_CPU if cpu else 0) + reduce_buffer,
-                    int(gradients * STEP_TEMPORARIES) if cpu else 0, cpu, staging, int(head), t.label_sparsity)
+                    int(gradients * STEP_TEMPORARIES) if cpu else 0, cpu, staging, int(head), t.label_sparsity,
+                    reference_bytes(cfg, plan, worst) if _online_reference(cfg) else 0)
+
+
+def _online_reference(cfg) -> bool:
+    o = cfg.get("objective")
+    return o is not None and o.name == "dpo" and o.reference == "online"
+
+
+def reference_bytes(cfg, plan: dict, rank: int = 0) -> int:
+    """A rank's share of the reference model of a preference objective: the model without LoRA's adapters, in fp32,
+    sharded as the policy (the reference stage's weights; the online reference's beside the policy)."""
+    base = _held_by_rank(plan, which=lambda name, q: ".lora_" not in name)
+    return base.get(rank, max(base.values())) * 4 // (cfg.parallel.dp if cfg.parallel.dp_mode == "shard" else 1)
 
 
 def _head_bytes(cfg, tokens: int, compute: int) -> float:

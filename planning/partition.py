@@ -64,3 +64,14 @@ def build_plan(model_cfg, parallel_cfg, peft_cfg=None) -> dict:
         "parameters": params,
         "n_parameters": sum(p.numel() for p in full.parameters()),
     }
+
+
+def without_adapters(cfg) -> tuple:
+    """(a copy of the config with peft=none, its partition plan in the run's layout): the model a preference
+    objective's reference is built as (stages/reference.py, and the train stage's online reference), LoRA's base
+    without its adapters."""
+    import copy
+
+    plain = copy.deepcopy(cfg)
+    plain.peft.name = "none"
+    return plain, build_plan(plain.model, plain.parallel, plain.peft)

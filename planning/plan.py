@@ -89,6 +89,33 @@ def peft_line(cfg) -> list[str]:
     return [line] if line else []
 
 
+def objective_line(cfg) -> list[str]:
+    """objective=dpo: the loss, and where the reference model's log-probabilities come from, at what cost."""
+    o = cfg.get("objective")
+    if o is None or o.name != "dpo":
+        return []
+    from planning.estimate import reference_bytes
+    from plugins.parallel import world_size
+    from storage import adapters
+
+    source = adapters.base_of(cfg.train.init_from) if cfg.peft.name == "lora" else cfg.train.init_from
+    model = (f"{source}'s" + (" (LoRA's base, the adapters off)" if cfg.peft.name == "lora" else "")) if source \
+        else f"train.seed={cfg.train.seed}'s initialisation"
+    loss = f"objective: dpo ({o.loss_type}, beta {o.beta:g}" + \
+        (f", label smoothing {o.label_smoothing:g}" if o.label_smoothing else "") + ") on preference pairs"
+    p = plan_of(cfg)
+    weights = reference_bytes(cfg, p.partition)
+    if o.reference == "online":
+        return [f"{loss}; the reference model ({model} weights) online: a frozen copy beside the policy on every "
+                f"rank ({_size(weights)}, in the memory line), one more forward of every batch's rows"]
+    rank = weights + p.rank.activations + p.rank.runtime
+    return [f"{loss}; the reference stage scores every pair of both splits once with the reference model ({model} "
+            f"weights), as {world_size(cfg.parallel)} rank(s) of at most {_size(rank)} each (its weights "
+            f"{_size(weights)} and a forward's activations: no "
+            "gradients or optimizer state); a sweep over beta, the loss type, the learning rate or LoRA's rank "
+            "reuses it"]
+
+
 def compute_line(cfg) -> str:
     """The plan's line on what the step computes that the loss would throw away: label sparsity's head, and where
     padded rows lose their padding (runtime/step.py)."""

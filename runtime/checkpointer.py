@@ -229,3 +229,20 @@ def pacing_advice(step_before: int, began: float, step: int, asked: float, done:
             f"save takes about {write:.1f} s here and the {step - step_before} steps between saves {steps_s:.1f} s, so "
             f"training waits at every save; "
             f"train.checkpoint_every={math.ceil(write / per_step)} or more keeps the writes out of the steps' way")
+
+
+def load_reference(layout, cfg, vocab_rows: int) -> str:
+    """The reference model of a preference objective into a layout built without adapters: train.init_from's
+    weights (a Hugging Face folder's, or a checkpoint's model state), with peft=lora the base its adapters apply to
+    (the adapters off), else the layout's own initialisation (train.seed's, as train's step 0). Returns what it
+    loaded, for the log."""
+    start = cfg.train.init_from
+    base = adapters.base_of(start) if cfg.peft.name == "lora" else start
+    parts = [(part, None) for part in layout.parts]
+    if hf.folder_of(base):
+        ckpt.load_full_weights(parts, hf.load_state(hf.folder_of(base), vocab_rows), layout.aliases)
+        return f"the Hugging Face weights in {hf.folder_of(base)}"
+    if base:
+        ckpt.load(Path(base), parts, layout.aliases)
+        return f"the weights of the checkpoint {base}"
+    return f"the initialisation of train.seed={cfg.train.seed}"

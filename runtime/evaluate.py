@@ -121,3 +121,41 @@ def _chunks(batches: list, tokens: int) -> list[list]:
         chunks[-1].append(b)
         used += b.inputs.numel()
     return chunks
+
+
+@torch.no_grad()
+def row_sums(layout, batch) -> torch.Tensor:
+    """(rows, 2) float64, the same on every rank: each row's summed log-probability of its learned tokens under the
+    layout's model, and their count: a forward of the rank's rows through its runner, whose objective keeps them
+    (plugins/objectives/dpo.ReferenceRows: the reference model's log-probabilities of preference pairs); the ranks
+    that hold a head and count the loss (one a data-parallel replica) place theirs at their replica's rows, and a sum
+    over ranks gathers them."""
+    layout.train(False)
+    try:
+        layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels))
+    finally:
+        layout.train(True)
+    mine = layout.runner.objective.take()
+    gathered = torch.zeros((batch.inputs.shape[0], 2), dtype=torch.float64)
+    if layout.loss_rank and len(mine):
+        at = layout.coords.dp * len(mine)
+        gathered[at:at + len(mine)] = mine
+    return layout.reduce(gathered)
+
+
+def row_logps(layout, batch) -> torch.Tensor:
+    """(rows,) float64: each row's summed log-probability (row_sums')."""
+    return row_sums(layout, batch)[:, 0]
+
+
+def held_out_nll(layout, batcher, n_batches: int, rows_objective) -> float:
+    """The next-token loss of the first n_batches held-out batches' learned tokens, for a layout built for a
+    preference objective (its runner's objective set to `rows_objective`, ReferenceRows, for the pass): what the
+    aggregate stage's check of the whole model computes of the same batches."""
+    runner = layout.runner
+    objective, runner.objective = runner.objective, rows_objective
+    try:
+        sums = sum(row_sums(layout, batcher.eval_batch(i)).sum(0) for i in range(n_batches))
+    finally:
+        runner.objective = objective
+    return float(-sums[0] / max(float(sums[1]), 1.0))

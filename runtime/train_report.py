@@ -97,7 +97,9 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                "optimizer_impl": describe_impl(run["optimizers"][0]),
                "attention_kernel": attention_kernel(cfg.model, precision, device, cfg.triton.attention,
                                                     run.get("documents", False)),
-               "loss_scaler": run["scaler"].state_dict() if run["scaler"].enabled else None}
+               "loss_scaler": run["scaler"].state_dict() if run["scaler"].enabled else None,
+               # objective=dpo: the held-out batches' next-token loss too (their eval loss is the pairs')
+               **({"final_eval_nll": run["final_eval_nll"]} if run.get("final_eval_nll") is not None else {})}
     atomic_write_json(ctx.out / "summary.json", summary)
     c = layout.coords
     shape = f"dp{c.dp_size} hp{c.hp_size} pp{c.pp_size}"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from stages.base import Resources, Stage, StageContext, Tracker
 
-ORDER = ("tokenize", "export", "transform", "train", "checkpoint", "aggregate", "evaluate")
+ORDER = ("tokenize", "reference", "export", "transform", "train", "checkpoint", "aggregate", "evaluate")
 
 
 def get_stage(name: str) -> Stage:

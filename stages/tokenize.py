@@ -181,6 +181,10 @@ def _report(ctx: StageContext, index: dict, seconds: float, read: int) -> None:
                  "%.0f tokens/s", index["train"]["documents"] + index["val"]["documents"], _mb(read),
                  index["train"]["tokens"], index["val"]["tokens"], index["tokenizer"], index["vocab_size"], seconds,
                  ctx.world_size, tokens / max(seconds, 1e-9))
+    if index.get("pairs_cut"):
+        ctx.log.warning("warning: %d preference pair(s) longer than a row (train.seq_len+1=%d tokens): each row holds "
+                        "its first tokens (TRL's max_length truncation, keeping the start)", index["pairs_cut"],
+                        ctx.cfg.train.seq_len + 1)
     if index.get("unlearned"):  # records with nothing to learn: an empty completion, or no turn marked as the
         ctx.log.warning("warning: %d record(s) with nothing to learn left out (an empty completion, or a chat the "
                         "template marks no assistant turn of)", index["unlearned"])  # assistant's by the template
@@ -204,6 +208,8 @@ def _fingerprint(cfg) -> str:
     """The data's; with records longer than a row refused, that bound too: the stage checks every record (a run
     with a shorter train.seq_len checks them again)."""
     longest = longest_record(cfg)
+    if cfg.data.get("format") == "preference":  # each pair's completions must start within a row (corpus.check_pair)
+        return f"{data_fingerprint(cfg)}+row={cfg.train.seq_len + 1}"
     return data_fingerprint(cfg) if longest is None else f"{data_fingerprint(cfg)}+longest_record={longest}"
 
 

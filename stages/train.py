@@ -7,8 +7,6 @@ batch's labels / their count) do not depend on the layout, so every layout compu
 """
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -16,19 +14,21 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from plugins.data import build_batcher
-from plugins.data.corpus import passes_line
+from plugins.data.preview import passes_line
 from plugins.data.packing import whole_documents
+from planning.partition import without_adapters
 from plugins.engines import get_engine
 from plugins.models import get_model
 from plugins.models.lora import is_adapter
 from plugins.models.registry import vocab_rows
+from plugins.objectives.dpo import ReferenceRows, preference_loss, reference_values
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
 from runtime import preemption
 from runtime.cadence import Cadence
-from runtime.checkpointer import Checkpointer, adopt, progress_hint
-from runtime.evaluate import eval_loss
+from runtime.checkpointer import Checkpointer, adopt, load_reference, progress_hint
+from runtime.evaluate import eval_loss, held_out_nll, row_logps
 from runtime.metrics import MemoryProbe, MetricsLog, MetricsWindow, numeric, step_line
 from runtime.optim import build_optimizer, lr_factor
 from runtime.precision import build_scaler
@@ -37,8 +37,7 @@ from runtime.step import StepSettings, train_step
 from runtime.train_report import (Diverged, divergence, first_nonfinite, gather_timeline, progress, report_kernels,
                                   report_profile, write_summary)
 from stages.base import Resources, Stage, StageContext
-from storage import checkpoint as ckpt
-from storage import adapters, hf
+from storage import adapters, hf, init_from
 from storage.fsio import link_tree, read_json
 
 
@@ -49,14 +48,15 @@ def train(ctx: StageContext) -> None:
     probe = MemoryProbe(device)
     spec = get_model(cfg.model.name)
     prepared = ctx.inputs["transform"] / cfg.engine.name  # what the transform stage prepared for the engine, if any
+    objective = preference_loss(cfg.objective) if cfg.objective.name == "dpo" else None
     layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1,
-                          prepared=prepared, log=ctx.log)
+                          prepared=prepared, log=ctx.log, objective=objective)
     engine = get_engine(cfg.engine.name)
     if engine.report is not None:
         engine.report(ctx, spec, layout.engine_fallbacks, prepared)
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
-    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")
+    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens", _reference(ctx, device))
     if ctx.is_rank0:  # said by the plan too where the tokenize stage ran before it
         for line in passes_line(cfg, ctx.inputs["tokenize"] / "tokens"):
             ctx.log.info("%s", line)
@@ -146,6 +146,8 @@ def train(ctx: StageContext) -> None:
                 raise preemption.Preempted(done, reason)
     history.close()
     checkpointer.wait()
+    # a preference objective's held-out loss is the pairs'; the aggregate's check of the whole model reads this one
+    nll = held_out_nll(layout, batcher, t.eval_batches, ReferenceRows()) if objective is not None else None
     timeline = gather_timeline(layout)
     peak_mb, growth_mb = layout.reduce(torch.tensor([probe.peak_mb, probe.peak_mb - probe.baseline_mb],
                                                     dtype=torch.float64), dist.ReduceOp.MAX).tolist()
@@ -162,7 +164,23 @@ def train(ctx: StageContext) -> None:
         "start": start, "tokens_per_s": timed_tokens / timed_s if timed_s else None, "peak_mb": peak_mb,
         "growth_mb": growth_mb, "timeline": timeline, "probe": probe,
         "optimizers": optimizers, "kernels": layout.kernels, "fallbacks": layout.engine_fallbacks, "scaler": scaler,
-        "documents": whole_documents(cfg.data) is not None, "baseline_eval_loss": baseline})
+        "documents": whole_documents(cfg.data) is not None, "baseline_eval_loss": baseline,
+        "final_eval_nll": nll})
+
+
+def _reference(ctx: StageContext, device):
+    """objective=dpo: the reference log-probabilities of the pairs, the reference stage's (objective.reference=cached)
+    or computed for each batch by a frozen reference model beside the policy (online); None otherwise."""
+    cfg = ctx.cfg
+    if cfg.objective.name != "dpo":
+        return None
+    if cfg.objective.reference == "cached":
+        return reference_values(ctx.inputs["reference"])
+    frozen = build_layout(*without_adapters(cfg), get_model(cfg.model.name), device, objective=ReferenceRows())
+    for part in frozen.parts:
+        part.requires_grad_(False)
+    ctx.log.info("reference model online: %s", load_reference(frozen, cfg, vocab_rows(cfg.model)))
+    return lambda batch: row_logps(frozen, batch)
 
 
 def _baseline(ctx: StageContext, layout, batcher, checkpointer) -> Optional[float]:
@@ -193,21 +211,16 @@ def _summary(out) -> str:
 def _fingerprint(cfg) -> dict:
     """Key material beyond the config and the inputs' keys (the tokenize stage's holds the data): the checkpoint or
     Hugging Face folder a run starts from."""
-    start = None
-    folder = hf.folder_of(cfg.train.init_from)
-    if folder:  # the folder's files as they are now (names, sizes, modification times)
-        start = hf.stamps(folder)
-    elif cfg.train.init_from:
-        manifest = Path(cfg.train.init_from) / ckpt.MANIFEST
-        start = hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else "missing"
-    return {"init_from": start}
+    return {"init_from": init_from.fingerprint(cfg.train.init_from)}
 
 
 STAGE = Stage(
     name="train",
     run=train,
-    after=("transform", "tokenize"),
-    reads=("model", "parallel", "optimizer", "memory", "precision", "triton", "engine", "data", "train", "peft"),
+    after=("transform", "tokenize", "reference"),
+    optional=("reference",),  # objective=dpo with its reference cached
+    reads=("model", "parallel", "optimizer", "memory", "precision", "triton", "engine", "data", "train", "peft",
+           "objective"),
     resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),
     fingerprint=_fingerprint,
     progress=progress_hint,

@@ -3,6 +3,7 @@ this project), or `hf:<folder>`, a Hugging Face folder of a supported architectu
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from common.problem import Problem
 from storage import hf
@@ -94,3 +95,19 @@ def hf_problems(cfg, path: str) -> list[Problem]:
                    + [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, (_, v) in differ.items()])
     listed = "; ".join(f"model.{k}: ours {a}, theirs {b}" for k, (a, b) in differ.items())
     return [Problem("train.init_from", path, f"the folder holds another model ({family}): {listed}", fix)]
+
+
+def fingerprint(init_from) -> Optional[str]:
+    """What train.init_from is now, for the keys of the stages that start from it: a Hugging Face folder's files
+    (names, sizes, modification times), a checkpoint's manifest (its files' checksums), or None (no start)."""
+    import hashlib
+
+    folder = hf.folder_of(init_from)
+    if folder:
+        return hf.stamps(folder)
+    if init_from:
+        from storage.checkpoint import MANIFEST
+
+        manifest = Path(init_from) / MANIFEST
+        return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else "missing"
+    return None

@@ -308,6 +308,32 @@ CATALOGUE = [
     (["tracking.uri=postgresql://u:p@127.0.0.1:1/db"], "tracking.uri", "needs its Python driver psycopg"),
     (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "the scheme ftp:// is not an MLflow store"),
     (["tracking.uri={tmp}/mlruns"], "tracking.uri", "MLflow's filesystem backend"),
+    # preference pairs and the objective that learns from them
+    (["data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "data.format", "objective=dpo, or"),
+    (["objective=dpo"], "objective.name", "data.format=text has no pairs"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "data.packing=true"], "data.packing",
+     "never packed with others"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "parallel=ddp2", "train.batch_size=6"],
+     "train.batch_size", "whole pairs (two rows each): it must be divisible by 4"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "engine=ort"], "engine.name",
+     "on the torch engine only"),
+    (["objective=dpo", "objective.beta=0"], "objective.beta", "between 1e-06 and"),
+    (["objective.beta=0.5"], "objective.beta", "read only when objective.name=dpo"),
+    (["objective=dpo", "objective.loss_type=ipo", "objective.label_smoothing=0.1"], "objective.label_smoothing",
+     "read only when objective.loss_type=sigmoid"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "train.label_sparsity=false"],
+     "train.label_sparsity", "read only when objective.name=sft"),
+    (["data.chosen_field=better"], "data.chosen_field", "read only when data.format=preference"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_same.jsonl]"], "data.paths",
+     "line 2: the pair's chosen and rejected completions are the same"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_empty.jsonl]"], "data.paths",
+     "line 1: the pair's rejected completion (data.rejected_field='rejected') is empty"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_mixed.jsonl]"], "data.paths",
+     "line 1: the pair mixes texts and lists of messages"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_no_prompt.jsonl]"], "data.paths",
+     "has no field data.prompt_field='prompt' and its chosen and rejected completions share no beginning"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_chat.jsonl]"], "data.chat_template",
+     "the pair is made of conversations, which are rendered with a chat template, and there is none"),
 ]
 
 
@@ -345,6 +371,16 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "reasoning.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "2+3?"}, said]}) + "\n")
     (tmp / "reasoning_typed.jsonl").write_text(json.dumps({"messages": [
         {"role": "user", "content": "2+3?"}, {**said, "reasoning_content": 5}]}) + "\n")
+    pair = {"prompt": "2+3=", "chosen": "5", "rejected": "6"}
+    (tmp / "pairs.jsonl").write_text((json.dumps(pair) + "\n") * 50)
+    (tmp / "pairs_same.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "rejected": "5"}) + "\n")
+    (tmp / "pairs_empty.jsonl").write_text(json.dumps({**pair, "rejected": ""}) + "\n")
+    (tmp / "pairs_mixed.jsonl").write_text(json.dumps({**pair, "chosen": [{"role": "assistant", "content": "5"}]})
+                                           + "\n")
+    (tmp / "pairs_no_prompt.jsonl").write_text(json.dumps({"chosen": "5", "rejected": "6"}) + "\n")
+    (tmp / "pairs_chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "2+3?"}],
+                                                      "chosen": [{"role": "assistant", "content": "5"}],
+                                                      "rejected": [{"role": "assistant", "content": "6"}]}) + "\n")
     (tmp / "broken.jinja").write_text("{% for m in messages %}{% generation %}{{ m.content }}")  # never closed
     (tmp / "bad_line.jsonl").write_text('{"text": "a record of text"}\n' * 300 + '{"text": "a tab\tinside"}\n')
     os.mkfifo(tmp / "pipe.txt")  # reading it would wait for a writer for ever

@@ -208,21 +208,18 @@ def test_stage_params_take_sections_and_single_keys():
 
 
 def test_an_optional_upstream_is_an_input_only_when_the_config_runs_it(tmp_path):
-    """train after a stage only some configs run (the reference log-probabilities of preference pairs): planned
-    after it, its key in train's, when it runs; else neither, and train's key is the one without it."""
-    stages = all_stages()
-    extra = Stage(name="extra", run=lambda ctx: None, after=("tokenize",),
-                  enabled=lambda cfg: cfg.train.seed == 7)
-    with_optional = [*stages[:1], extra, *[replace(s, after=(*s.after, "extra"), optional=("extra",))
-                                           if s.name == "train" else s for s in stages[1:]]]
-    cache = Cache(tmp_path)
-    off = {ps.name: ps for ps in plan(make_cfg(), with_optional, cache)}
-    assert "extra" not in off and "extra" not in off["train"].stage.after
-    assert off["train"].key == {ps.name: ps for ps in plan(make_cfg(), stages, cache)}["train"].key
-    on = {ps.name: ps for ps in plan(make_cfg("train.seed=7"), with_optional, cache)}
-    assert "extra" in on["train"].stage.after and on["train"].material["inputs"]["extra"] == on["extra"].key
-    assert list(on).index("extra") < list(on).index("train")
-    required = [*stages[:1], extra, *[replace(s, after=(*s.after, "extra")) if s.name == "train" else s
-                                      for s in stages[1:]]]
+    """train after a stage only some configs run (the reference log-probabilities of preference pairs, cached):
+    planned after it, its key in train's, when it runs; else neither, and train's key is the one without it."""
+    stages, cache = all_stages(), Cache(tmp_path)
+    alone = [replace(s, after=tuple(u for u in s.after if u != "reference"), optional=()) if s.name == "train" else s
+             for s in stages if s.name != "reference"]
+    for overrides in ((), ("objective=dpo", "objective.reference=online")):
+        off = {ps.name: ps for ps in plan(make_cfg(*overrides), stages, cache)}
+        assert "reference" not in off and "reference" not in off["train"].stage.after
+        assert off["train"].key == {ps.name: ps for ps in plan(make_cfg(*overrides), alone, cache)}["train"].key
+    on = {ps.name: ps for ps in plan(make_cfg("objective=dpo"), stages, cache)}
+    assert "reference" in on["train"].stage.after and on["train"].material["inputs"]["reference"] == on["reference"].key
+    assert list(on).index("tokenize") < list(on).index("reference") < list(on).index("train")
+    required = [replace(s, optional=()) if s.name == "train" else s for s in stages]
     with pytest.raises(ValueError, match="unknown stage"):
         plan(make_cfg(), required, cache)

@@ -9,6 +9,7 @@ import importlib.util
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -257,3 +258,53 @@ def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp
     assert eval_loss(layout, SimpleNamespace(eval_batch=lambda i: batch), 1, measures=measures) == \
         pytest.approx(held_out, abs=1e-5)
     assert measures == pytest.approx({k: held_out_measures[k] for k in METRICS}, rel=1e-5, abs=1e-5)
+
+
+def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts_at_log_2(trained, tmp_path):
+    """`-m objective.beta=0.1,0.5` on conversational pairs, data-parallel: the reference stage runs for the first
+    point only (the second's is a cache hit: its key is the model and the pairs, not beta); its log-probability of
+    every document of both splits equals transformers' of the same ids, as the rows hold them (train.seq_len+1 tokens:
+    a long pair is cut at the end, as TRL's max_length); each point's first step starts from the reference, so its
+    loss is log 2 and its rewards 0, which holds only if every row met its own reference value; the aggregate's check
+    of the whole model (its held-out next-token loss against the train stage's) passes."""
+    import json
+    import math
+
+    import transformers
+
+    from plugins.data import shards
+    from tests.conftest import run_cli
+
+    _, _, _, folder = trained
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs(48, seed=3)))
+    seq_len = 26  # shorter than some pairs: they are cut
+    result = run_cli(["-m", "objective=dpo", "objective.beta=0.1,0.5", "data=preference", f"data.paths=[{data}]",
+                      "model=llama_tiny", f"train.init_from=hf:{folder}", "parallel=ddp2", "train.steps=2",
+                      "train.batch_size=8", f"train.seq_len={seq_len}", "train.eval_every=0", "train.eval_batches=1",
+                      "train.log_every=1", "tracking=none", "aggregate.onnx=false"], tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("[reference] reference log-probabilities of ") == 1, result.stdout
+    assert "pair(s) longer than a row" in result.stdout
+    (entry,) = (tmp_path / "runs" / "cache" / "reference").iterdir()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    (tokens,) = (tmp_path / "runs" / "cache" / "tokenize").iterdir()
+    corpus = shards.read_all(tokens / "tokens", False)[0]
+    for split in ("train", "val"):
+        ours = np.load(entry / f"{split}.npy")
+        docs, masks = getattr(corpus, split), getattr(corpus, f"{split}_mask")
+        assert len(ours) == len(docs) and len(docs) % 2 == 0
+        for doc, mask, value in zip(docs, masks, ours):
+            ids = torch.as_tensor(np.asarray(doc[:seq_len + 1], dtype=np.int64))[None]
+            with torch.no_grad():
+                logps = torch.log_softmax(model(ids[:, :-1]).logits.double(), -1)
+            learned = torch.as_tensor(np.asarray(mask[1:seq_len + 1], dtype=bool))
+            theirs = logps[0].gather(-1, ids[0, 1:, None])[:, 0][learned].sum().item()
+            assert value == pytest.approx(theirs, abs=1e-4), split
+    for beta in (0.1, 0.5):
+        (metrics,) = [p for p in (tmp_path / "runs" / "multirun").rglob("train/output/metrics.jsonl")
+                      if f"objective.beta={beta}" in (p.parents[3] / "config.yaml").read_text()
+                      or f"beta: {beta}" in (p.parents[3] / "config.yaml").read_text()]
+        first = json.loads(metrics.read_text().splitlines()[0])
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert first["rewards/margins"] == pytest.approx(0, abs=1e-6) and first["rewards/accuracies"] == 0

@@ -140,7 +140,7 @@ def test_stdlib_corpus_has_a_held_out_split():
 def test_the_plan_says_how_much_of_the_training_split_the_steps_draw(tmp_path):
     import json
 
-    from plugins.data.corpus import passes_line
+    from plugins.data.preview import passes_line
 
     (tmp_path / "index.json").write_text(json.dumps({"train": {"documents": 40, "tokens": 4_000}}))
     assert passes_line(make_cfg("train.steps=150", "train.batch_size=8", "train.seq_len=64"), tmp_path) == [

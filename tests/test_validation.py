@@ -28,7 +28,7 @@ def test_default_config_is_valid():
 
 
 @pytest.mark.parametrize("group", ["model", "parallel", "optimizer", "memory", "precision", "triton", "engine",
-                                   "data", "cluster", "tracking"])
+                                   "data", "cluster", "tracking", "objective"])
 def test_every_option_composes_and_validates(group, tmp_path):
     """Each option validates; the only problems allowed are the machine's: no SLURM commands here, or too little
     memory or disk for a GPU-sized model (llama_1b on a CI runner). data=text and data=chat are given files."""
@@ -38,11 +38,19 @@ def test_every_option_composes_and_validates(group, tmp_path):
     (tmp_path / "chatml.jinja").write_text(CHATML)
     given = {"text": ["data.paths=[README.md]"],
              "chat": [f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={tmp_path}/chatml.jinja"],
-             "megatron": _megatron_corpus(tmp_path)}
+             "megatron": _megatron_corpus(tmp_path), "preference": [*_pairs(tmp_path), "objective=dpo"],
+             "dpo": [*_pairs(tmp_path), "data=preference"]}
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
-        overrides = [f"{group}={option}"] + (given.get(option, []) if group == "data" else [])
+        overrides = [f"{group}={option}"] + (given.get(option, []) if group in ("data", "objective") else [])
         got = [p for p in problems_of(*overrides) if not _machine_problem(p)]
         assert got == [], (group, option, [(p.key, str(p.value), p.rule) for p in got])
+
+
+def _pairs(tmp_path) -> list[str]:
+    """Preference pairs (data=preference's paths)."""
+    pair = {"prompt": "What is 2 + 3? ", "chosen": "5.", "rejected": "6."}
+    (tmp_path / "pairs.jsonl").write_text((json.dumps(pair) + "\n") * 400)
+    return [f"data.paths=[{tmp_path}/pairs.jsonl]"]
 
 
 def _megatron_corpus(tmp_path) -> list[str]:

@@ -87,7 +87,8 @@ def objective_problems(cfg: DictConfig) -> list[Problem]:
 # the schema holds: they bring torch (1.5 s), which a config refused by its schema never waits for.
 STRUCTURAL = (Check("model", "plugins.models.registry"), Check("parallel", "plugins.parallel.rules"),
               Check("peft", "plugins.models.lora_rules"))
-OTHERS = (Check("data", "plugins.data.rules"), Check("engine", "plugins.onnx.rules"),
+OTHERS = (Check("data", "plugins.data.rules"), Check("objective", "plugins.objectives.rules"),
+          Check("engine", "plugins.onnx.rules"),
           Check("optimizer", "runtime.optim"), Check("train.profile", "runtime.profiling"),
           Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),
           Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),

@@ -47,11 +47,11 @@ class Batcher:
     padded, whose lengths vary). pairs: the corpus holds preference pairs (documents 2k and 2k+1: chosen and
     rejected, plugins/data/preference.py): a batch draws batch_size/2 of them, each pair's rows next to each other
     (rows 2r and 2r+1) and dealt to ranks whole; reference: per split, each document's log-probability under the
-    reference model, given with the rows that hold it."""
+    reference model, given with the rows that hold it (or a function that computes a batch's)."""
 
     def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None,
                  whole_documents: Optional[str] = None, ranks: int = 1, balance_ranks: bool = False,
-                 pairs: bool = False, reference: Optional[dict[str, np.ndarray]] = None):
+                 pairs: bool = False, reference=None):
         if pairs and (batch_size % 2 or weights is not None or whole_documents):
             raise ValueError("preference pairs take an even batch of rows, one corpus and rows of one document each")
         self.pairs, self.reference = pairs, reference
@@ -80,11 +80,20 @@ class Batcher:
     def eval_batch(self, index: int) -> Batch:
         return self._draw("val", (self.seed, 1, index))
 
-    def _draw(self, split: str, key: tuple[int, ...]) -> Batch:
+    def pairs_in_order(self, split: str, first: int) -> Batch:
+        """Pairs first, first+1, ... of a split (the first ones again past its last, to fill the batch), as a drawn
+        batch holds them: a reference pass over every pair (stages/reference.py)."""
+        n = len(getattr(self.corpus, split)) // 2
+        return self._draw(split, (self.seed, 2, first), (first + np.arange(self.batch_size // 2)) % n)
+
+    def pair_count(self, split: str) -> int:
+        return len(getattr(self.corpus, split)) // 2
+
+    def _draw(self, split: str, key: tuple[int, ...], pairs: Optional[np.ndarray] = None) -> Batch:
         rng = np.random.default_rng(key)
         sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights) if self.weights is not None \
             else None
-        batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng)
+        batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng, pairs)
         batch.sources = sources
         if self.ranks > 1:
             order = (deal_pairs if self.pairs else deal)(batch.real, self.ranks)
@@ -92,11 +101,13 @@ class Batcher:
             batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
             batch.sources = sources[order] if sources is not None else None
             batch.drawn = batch.drawn[order] if batch.drawn is not None else None
-        if self.reference is not None:
-            batch.reference = torch.from_numpy(self.reference[split][batch.drawn])
+        if callable(self.reference):  # computed for each batch (objective.reference=online)
+            batch.reference = self.reference(batch)
+        elif self.reference is not None:
+            batch.reference = torch.from_numpy(np.asarray(self.reference[split][batch.drawn], dtype=np.float64))
         return batch
 
-    def _batch(self, sources, split: str, rng: np.random.Generator) -> Batch:
+    def _batch(self, sources, split: str, rng: np.random.Generator, pairs: Optional[np.ndarray] = None) -> Batch:
         """Rows drawn from each row's corpus's split: a window of a document (a packed stream is one), padded when
         short, or a row of whole documents. A label enters the loss where its token is real, in a masked corpus
         trained (the completion), and in a row of documents of the same document as its input."""
@@ -120,7 +131,8 @@ class Batcher:
                     at += length
                 continue
             if self.pairs:  # a pair's chosen in the even row, its rejected in the odd one after it, from their start
-                i = 2 * int(rng.integers(len(pool) // 2)) if r % 2 == 0 else drawn[r - 1] + 1
+                chosen = int(rng.integers(len(pool) // 2)) if pairs is None else int(pairs[r // 2])
+                i = 2 * chosen if r % 2 == 0 else drawn[r - 1] + 1
             else:
                 i = rng.integers(len(pool)) if len(pool) > 1 else 0
             doc, drawn[r] = pool[i], i
@@ -146,16 +158,17 @@ class Batcher:
             trained[r, at:at + length] = mask[start:start + length]
 
 
-def build_batcher(cfg, tokens: Optional[Path] = None) -> Batcher:
+def build_batcher(cfg, tokens: Optional[Path] = None, reference=None) -> Batcher:
     """The batcher of an experiment: the tokenize stage's shards (memory-mapped) when given, else the corpus
-    tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights."""
+    tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights; preference pairs
+    (data.format=preference) drawn whole, with each split's reference log-probabilities where given."""
     corpus = shards.read_all(tokens, packed_stream(cfg.data)) if tokens is not None else tokenized(cfg)
     mix = cfg.data.get("mix") or []
     if not mix:
         corpus = corpus[0] if isinstance(corpus, list) else corpus
     return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
                    [float(m.weight) for m in mix] if mix else None, whole_documents(cfg.data), cfg.parallel.dp,
-                   balances_ranks(cfg.data))
+                   balances_ranks(cfg.data), cfg.data.get("format") == "preference", reference)
 
 
 def data_fingerprint(cfg) -> str:

@@ -23,10 +23,11 @@ from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.reading import Layout, in_val, layout, partition
-from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs, masks_loss,
-                                  piece_documents)
+from plugins.data.preference import check_pair, pair_ids
+from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
+                                  masks_loss, piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
-from storage.fsio import atomic_write_json, read_json
+from storage.fsio import atomic_write_json
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
 TOKENIZER_DIR, TOKENS_DIR = "tokenizer", "tokens"
@@ -167,7 +168,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     joint = cfg.data.get("prompt_encoding") == "joint"
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
-    held = read = unlearned = run = 0
+    held = read = unlearned = run = cut = 0
 
     def check_length(texts, ids, closes):
         nonlocal run
@@ -182,11 +183,14 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                              + f"train.seq_len={run - 1} or more, or a shorter document")
 
     def flush():
-        nonlocal batch, held, unlearned
-        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, Chat)
+        nonlocal batch, held, unlearned, cut
+        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, (Chat, Pair))
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
-            if isinstance(texts, Chat):
+            if isinstance(texts, Pair):  # its chosen and its rejected document, one after the other
+                made = pair_ids(tok, texts.prompt, texts.chosen, texts.rejected)
+                cut += check_pair(texts, made, cfg.train.seq_len + 1)
+            elif isinstance(texts, Chat):
                 made = [(ids, trained) for ids, trained in chat_ids(tok, texts, masked, **chatting)
                         if not masked or trained[:-1].any()]  # else the template marks nothing as the assistant's
                 if not made:
@@ -212,7 +216,9 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
             flush()
     flush()
     return writer.close(bytes_read=read, seconds=time.perf_counter() - t0, unlearned=unlearned,
-                        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+                        peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                        **({"pairs_cut": cut} if cfg.data.get("format") == "preference" else {}))
+
 
 
 def source_tokens(cfg, folder: Path) -> dict:
@@ -226,9 +232,10 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     """The index of the parts; a split left empty by a small corpus borrows the other's last document (as a list
     of documents is split); a corpus too small for that is refused, naming what was read."""
     index = shards.write_index(folder, parts, tok.vocab_size, tok.eos, tok.pad, tok.kind, **extra)
+    whole = 2 if cfg.data.get("format") == "preference" else 1  # a pair's two documents move together
     for src, dst in (("train", "val"), ("val", "train")):
-        if not index[dst]["documents"] and index[src]["documents"] > 1:
-            index = shards.move_last_document(folder, index, src, dst)
+        if not index[dst]["documents"] and index[src]["documents"] > whole:
+            index = shards.move_last_document(folder, index, src, dst, whole)
     if index.get("unlearned") and not index["train"]["documents"] + index["val"]["documents"]:
         raise InputFault(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
@@ -366,25 +373,6 @@ def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
                          f"out {_size(lay.left_out)} {where}of the corpus's {_size(lay.total_bytes)} ({share:.0%}); "
                          "data.max_bytes=0 reads all of it")
     return lines
-
-
-def passes_line(cfg, tokens: Path) -> list[str]:
-    """How much of the training split the steps draw, from the tokenize stage's counts (its index.json in `tokens`):
-    rows are drawn at random, so this is each token's expected number of visits (16 passes over a small chat set
-    overfits, and nothing else says so). A data.mix draws each source by weight: not said here, nor where an index
-    holds no counts (an entry written before they were kept)."""
-    path = Path(tokens) / shards.INDEX
-    index = read_json(path) if not cfg.data.get("mix") and path.is_file() else {}
-    if not isinstance(index.get("train"), dict) or not index["train"].get("tokens") or not cfg.train.steps:
-        return []  # train.steps=0 draws nothing (the train stage says what it does instead)
-    t, train = cfg.train, index["train"]
-    if cfg.data.packing:  # windows (or rows of whole documents) of train.seq_len tokens
-        drawn, pool, unit = t.steps * t.batch_size * t.seq_len, train["tokens"], "tokens"
-    else:  # one record a row
-        drawn, pool, unit = t.steps * t.batch_size, train["documents"], "records"
-    share = f"about {drawn / pool:,.1f} passes over it" if drawn >= pool else f"{drawn / pool:.2%} of it"
-    return [f"data: {t.steps:,} steps of {t.batch_size:,} rows draw {drawn:,} {unit} at random from the training "
-            f"split's {pool:,}: {share}"]
 
 
 def _size(n: int) -> str:

@@ -19,6 +19,7 @@ from typing import Union
 
 import numpy as np
 
+from common.problem import InputFault
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import render
 
@@ -76,3 +77,16 @@ def _chat_ids(tok: tokenizers.Tokenizer, messages: list, generation_prompt: bool
     encodes them (the template writes its own special tokens: none added)."""
     text, _ = render(tok.chat_template, messages, add_generation_prompt=generation_prompt, **(tok.special or {}))
     return np.asarray(tok.with_offsets().encode(text, add_special_tokens=False).ids, dtype=np.int64)
+
+
+def check_pair(pair, made: list[tuple[np.ndarray, np.ndarray]], row: int) -> int:
+    """1 when a pair's documents are longer than a row (train.seq_len+1 tokens: the row holds their first ones, TRL's
+    max_length truncation keeping the start), else 0; refused, naming the record, when either completion starts
+    past the row (nothing of it would be learned: TRL drops such pairs without a word)."""
+    for (ids, learned), which in zip(made, ("chosen", "rejected")):
+        if not learned[1:row].any():
+            start = int(np.argmax(learned)) if learned.any() else len(ids)
+            raise InputFault(f"{pair.where}: the pair's {which} completion starts at token {start:,}, past a row of "
+                             f"train.seq_len+1={row:,} tokens: nothing of it would be learned; fix: "
+                             f"train.seq_len={start} or more, or a shorter prompt")
+    return int(any(len(ids) > row for ids, _ in made))

@@ -6,15 +6,19 @@ stops. On a terminal the learned part is underlined in colour; in a file or a pi
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 from rich.text import Text
 
+from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.corpus import corpus_layouts
 from plugins.data.registry import get_source
-from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
+from storage.fsio import read_json
+from plugins.data.preference import pair_ids
+from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
 
 LEARNED = ("⟦", "⟧")            # around the learned part where no style can show it
@@ -71,13 +75,17 @@ def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarra
         for _, texts, closes in piece_documents(d, piece):
             if not texts or not any(texts):
                 continue
-            if isinstance(texts, Chat):
+            if isinstance(texts, Pair):  # its two documents, as the tokenize stage writes them
+                made = pair_ids(tok, texts.prompt, texts.chosen, texts.rejected)
+            elif isinstance(texts, Chat):
                 made = chat_ids(tok, texts, masked, **chatting)
             else:
                 pieces = tok.encode(list(encode_inputs(texts, joint)))
                 made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
             for turn, (ids, trained) in enumerate(made, 1):
-                yield _where(texts, piece) + (f", example {turn} of {len(made)} (data.chat_turns={why})"
+                yield _where(texts, piece) + (f", its {('chosen', 'rejected')[turn - 1]} completion"
+                                              if isinstance(texts, Pair) else
+                                              f", example {turn} of {len(made)} (data.chat_turns={why})"
                                               if len(made) > 1 else ""), ids, trained
             shown += 1
             if shown >= records:
@@ -124,3 +132,24 @@ def _slice(runs: list[tuple[str, bool]], start: int, end: int) -> list[tuple[str
 
 def _decode(tok, ids) -> str:
     return tok.with_offsets().decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def passes_line(cfg, tokens: Path) -> list[str]:
+    """How much of the training split the steps draw, from the tokenize stage's counts (its index.json in `tokens`):
+    rows are drawn at random, so this is each token's expected number of visits (16 passes over a small chat set
+    overfits, and nothing else says so). A data.mix draws each source by weight: not said here, nor where an index
+    holds no counts (an entry written before they were kept)."""
+    path = Path(tokens) / shards.INDEX
+    index = read_json(path) if not cfg.data.get("mix") and path.is_file() else {}
+    if not isinstance(index.get("train"), dict) or not index["train"].get("tokens") or not cfg.train.steps:
+        return []  # train.steps=0 draws nothing (the train stage says what it does instead)
+    t, train = cfg.train, index["train"]
+    if cfg.data.get("format") == "preference":  # a pair is two rows
+        drawn, pool, unit = t.steps * t.batch_size // 2, train["documents"] // 2, "pairs"
+    elif cfg.data.packing:  # windows (or rows of whole documents) of train.seq_len tokens
+        drawn, pool, unit = t.steps * t.batch_size * t.seq_len, train["tokens"], "tokens"
+    else:  # one record a row
+        drawn, pool, unit = t.steps * t.batch_size, train["documents"], "records"
+    share = f"about {drawn / pool:,.1f} passes over it" if drawn >= pool else f"{drawn / pool:.2%} of it"
+    return [f"data: {t.steps:,} steps of {t.batch_size:,} rows draw {drawn:,} {unit} at random from the training "
+            f"split's {pool:,}: {share}"]

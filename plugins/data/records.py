@@ -17,6 +17,7 @@ from plugins.data.chat_turns import Example, examples
 from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
 from plugins.data.piece_records import documents, kind_of, preview, record_fields, records, text_value
+from plugins.data.preference import split_prompt
 
 
 def masks_loss(cfg) -> bool:
@@ -25,7 +26,7 @@ def masks_loss(cfg) -> bool:
 
 
 def masks_loss_of(d) -> bool:
-    return d.format in ("prompt_completion", "chat") and d.loss_on == "completion"
+    return d.format == "preference" or (d.format in ("prompt_completion", "chat") and d.loss_on == "completion")
 
 
 def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
@@ -38,8 +39,12 @@ def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
         for split, text, closes, where in documents(piece, d.text_field, d.val_fraction):
             yield split, (Record if piece.kind != "text" or piece.opens else Continued)((text,), where), closes
         return
-    optional = {"tools_field": d.tools_field} if d.format == "chat" else None
+    optional = {"tools_field": d.tools_field} if d.format == "chat" else \
+        {"prompt_field": d.prompt_field} if d.format == "preference" else None
     for split, record, where in records(piece, record_fields(d), d.val_fraction, optional):
+        if d.format == "preference":  # its two documents: a pair is one record, in one split
+            yield split, Pair(record["prompt_field"], record["chosen_field"], record["rejected_field"], where, d), True
+            continue
         if d.format == "chat":
             chat = Chat(record["messages_field"], where, record.get("tools_field"))
             yield split, chat if answers(chat, d) else Unanswered(chat), True
@@ -179,6 +184,56 @@ class Conversation(Chat):
         return chat
 
 
+class Pair(Record):
+    """A preference pair (data.format=preference): its prompt, chosen and rejected completion, all texts or all lists
+    of messages (TRL's standard and conversational forms; a record without a prompt has an implicit one, the
+    beginning chosen and rejected share: plugins/data/preference.split_prompt). Its texts (what a BPE learns from)
+    are the prompt's and the completions' bytes. A pair with an empty completion, or whose completions are the same
+    (its loss is log 2 whatever the model), is refused naming the record."""
+
+    def __new__(cls, prompt, chosen, rejected, where, d):
+        given = [(v, k) for v, k in ((prompt, "prompt_field"), (chosen, "chosen_field"), (rejected, "rejected_field"))
+                 if v is not None or k != "prompt_field"]
+        form = "texts, or lists of {role, content} messages (TRL's conversational form)"
+        for value, k in given:
+            if not isinstance(value, (str, list)):
+                raise InputFault(f"{where}: data.{k} ({d[k]!r}) is {_kind(value)}, not text or a list of messages: "
+                                 f"{preview(value)}; fix: records whose prompt, chosen and rejected are {form}")
+        if len({isinstance(v, list) for v, _ in given}) > 1:
+            raise InputFault(f"{where}: the pair mixes texts and lists of messages ("
+                             + ", ".join(f"data.{k} is {'messages' if isinstance(v, list) else 'text'}"
+                                         for v, k in given) + f"); fix: records whose fields are all {form}")
+        for value, k in given:
+            if isinstance(value, list) and (why := messages_problem(value, f"data.{k} ({d[k]!r})")):
+                raise InputFault(f"{where}: {why}; fix: records whose fields are all {form}")
+        if prompt is None:
+            prompt, chosen, rejected = split_prompt(chosen, rejected)
+            if not prompt:
+                raise InputFault(f"{where}: the record has no field data.prompt_field={d.prompt_field!r} and its "
+                                 "chosen and rejected completions share no beginning to be its prompt (TRL's "
+                                 "implicit prompt); fix: data.prompt_field= the field that holds the prompt")
+        for value, k in ((chosen, "chosen_field"), (rejected, "rejected_field")):
+            if not value:
+                raise InputFault(f"{where}: the pair's {k.split('_')[0]} completion (data.{k}={d[k]!r}) is empty: "
+                                 "there is nothing to compare; fix: leave the pair out, or repair it")
+        if chosen == rejected:
+            raise InputFault(f"{where}: the pair's chosen and rejected completions are the same: it teaches nothing "
+                             "(its loss is log 2 whatever the model); fix: leave the pair out, or repair it")
+        parts = [prompt, chosen, rejected]
+        pair = super().__new__(cls, (v.encode("utf-8") if isinstance(v, str) else
+                                     "".join(m["content"] for m in v).encode("utf-8") for v in parts), where)
+        pair.prompt, pair.chosen, pair.rejected = parts
+        return pair
+
+    @property
+    def conversational(self) -> bool:
+        return isinstance(self.chosen, list)
+
+    def as_chat(self) -> Chat:
+        """The prompt and the chosen completion as a chat (its roles and template checked as a chat record's)."""
+        return Chat(self.prompt + self.chosen, self.where)
+
+
 def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True, turns: str = "auto",
              learn_reasoning: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
     """A chat record's training examples (data.chat_turns: one, or one per assistant turn), each as (its ids: the
@@ -295,6 +350,11 @@ def first_records_problem(d, piece, template: Optional[str], variables: dict,
             if row and (why := _longer_than_a_row(texts, template, variables, *row)):
                 return ("data.long_documents", why), learned, False
             if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
+                return ("data.paths", why), learned, False
+            if isinstance(texts, Pair) and texts.conversational and not template:
+                return ("data.chat_template", f"{texts.where}: the pair is made of conversations, which are rendered "
+                                              "with a chat template, and there is none"), learned, False
+            if isinstance(texts, Pair) and texts.conversational and (why := render_problem(texts.as_chat(), template)):
                 return ("data.paths", why), learned, False
             if not isinstance(texts, Chat):
                 learned += bool(texts and texts[-1])

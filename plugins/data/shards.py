@@ -84,6 +84,8 @@ def write_index(folder: Path, parts: list[str], vocab_size: int, eos: int, pad: 
     index = {"dtype": dtype_for(vocab_size).name, "vocab_size": vocab_size, "eos": eos, "pad": pad, "tokenizer": kind,
              "parts": parts, "masked": any(s.get("masked") for s in summaries),
              "unlearned": sum(s.get("unlearned", 0) for s in summaries), **extra}  # records with nothing to learn
+    if any("pairs_cut" in s for s in summaries):  # preference pairs longer than a row (cut at its end)
+        index["pairs_cut"] = sum(s.get("pairs_cut", 0) for s in summaries)
     index.update(_totals(summaries))
     atomic_write_json(folder / INDEX, index)
     return index
@@ -94,14 +96,15 @@ def _totals(counts: list[dict]) -> dict:
     return {s: {k: sum(c[s][k] for c in counts) for k in ("tokens", "documents")} for s in SPLITS}
 
 
-def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
+def move_last_document(folder: Path, index: dict, src: str, dst: str, count: int = 1) -> dict:
     """A corpus too small for its split rule (a few records, none drawn for the held-out split): the last document
-    of `src` moves to the end of `dst`, the same one whatever the number of parts. Returns the new index."""
+    of `src` (the last `count`: a preference pair's two, which one task writes together) moves to the end of `dst`,
+    the same one whatever the number of parts. Returns the new index."""
     folder = Path(folder)
     part = next(p for p in reversed(index["parts"]) if read_json(folder / p / PART)[src]["documents"])
     dtype = np.dtype(index["dtype"])
     ends = {split: ends_of(folder / part / split) for split in (src, dst)}
-    start, end = (int(ends[src][-2]) if len(ends[src]) > 1 else 0), int(ends[src][-1])
+    start, end = (int(ends[src][-count - 1]) if len(ends[src]) > count else 0), int(ends[src][-1])
     tokens = np.array(_memmap(folder / part / f"{src}.bin", dtype)[start:end])
     summary = read_json(folder / part / PART)
     with open(folder / part / f"{dst}.bin", "ab") as f:
@@ -112,13 +115,14 @@ def move_last_document(folder: Path, index: dict, src: str, dst: str) -> dict:
             f.write(trained.tobytes())
         os.truncate(folder / part / f"{src}.mask", start)
     os.truncate(folder / part / f"{src}.bin", start * dtype.itemsize)
-    write_index_of_ends(str(folder / part / dst), dtype, np.append(ends[dst], summary[dst]["tokens"] + len(tokens)))
-    write_index_of_ends(str(folder / part / src), dtype, ends[src][:-1])
+    moved = np.asarray(ends[src][-count:], dtype=np.int64) - start + summary[dst]["tokens"]
+    write_index_of_ends(str(folder / part / dst), dtype, np.append(ends[dst], moved))
+    write_index_of_ends(str(folder / part / src), dtype, ends[src][:-count])
     index = {**index}
     for counts in (summary, index):  # the part's and the corpus's counts move alike
         for split, sign in ((src, -1), (dst, 1)):
             counts[split] = {"tokens": counts[split]["tokens"] + sign * len(tokens),
-                             "documents": counts[split]["documents"] + sign}
+                             "documents": counts[split]["documents"] + sign * count}
     atomic_write_json(folder / part / PART, summary)
     atomic_write_json(folder / INDEX, index)
     return index

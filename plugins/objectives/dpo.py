@@ -11,6 +11,9 @@ larger (TRL's `>`).
 """
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +50,11 @@ def pair_losses(rows: torch.Tensor, reference: torch.Tensor, beta: float, loss_t
     return losses.sum(), metrics
 
 
+def preference_loss(objective) -> "PreferenceLoss":
+    """The objective config section's loss (objective=dpo)."""
+    return PreferenceLoss(objective.beta, objective.loss_type, objective.label_smoothing)
+
+
 class PreferenceLoss:
     """The runners' loss for preference pairs (plugins/parallel/pipeline.py): each microbatch's rows from the head
     (per_row) against their reference log-probabilities, its pairs' summed loss; the METRICS' sums of the step's
@@ -72,3 +80,36 @@ class PreferenceLoss:
         """The METRICS' sums since the last take (zeros when this rank computed none)."""
         calls, self.calls = self.calls, []
         return torch.stack(calls).sum(0) if calls else torch.zeros(len(METRICS))
+
+
+class ReferenceRows:
+    """The reference pass's objective: no loss (zero), each row's summed log-probability and its learned tokens kept,
+    in the order the runner computes its microbatches (stages/reference.py; the train step's online reference). A
+    pipeline's first-step shape inference does not happen in a forward-only pass."""
+
+    names = ()
+
+    def __init__(self):
+        self.rows: list[torch.Tensor] = []
+
+    def __call__(self, rows: torch.Tensor, reference=None) -> torch.Tensor:
+        self.rows.append(rows.detach().double().cpu())
+        return rows[:, 0].sum() * 0
+
+    def keep_last(self, calls: int) -> None:
+        del self.rows[:-calls]
+
+    def take(self) -> torch.Tensor:
+        """(rows, 2): the rows' log-probabilities and learned tokens since the last take (none where this rank holds
+        no head)."""
+        rows, self.rows = self.rows, []
+        return torch.cat(rows) if rows else torch.zeros((0, 2), dtype=torch.float64)
+
+
+REFERENCE_SPLITS = ("train", "val")
+
+
+def reference_values(folder: Path) -> dict[str, np.ndarray]:
+    """The reference stage's output as the batcher takes it: each split's log-probabilities, one a document
+    ({split}.npy, float64, memory-mapped)."""
+    return {split: np.load(Path(folder) / f"{split}.npy", mmap_mode="r") for split in REFERENCE_SPLITS}

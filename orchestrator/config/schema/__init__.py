@@ -1,5 +1,5 @@
 """The experiment schema: one dataclass per config section, a help text per field, a module per kind of section
-(keys: how a key is declared; model, training, data, cluster, sweeps, evaluate); the whole (`Config`) and its
+(keys: how a key is declared; model, training, objective, data, cluster, sweeps, evaluate); the whole (`Config`) and its
 registration with Hydra here.
 
 YAML files under conf/ only pick values; every key they may set is declared here. Field metadata:
@@ -25,6 +25,7 @@ from orchestrator.config.schema.keys import (BPE, CHAT, CHAT_OR_PROMPT, COMPILED
                                              MAX_SEED, MAX_STEPS, MAX_THREADS, MAX_TOKENS, MAX_VOCAB, MAX_WAIT_S,
                                              MAX_WIDTH, PP_SCHEDULES, PROMPT_COMPLETION, Filled, key)
 from orchestrator.config.schema.model import LlamaConfig, ModelConfig, PeftConfig
+from orchestrator.config.schema.objective import ObjectiveConfig
 from orchestrator.config.schema.sweeps import TRAIN_OBJECTIVES, SweepConfig, TuneConfig
 from orchestrator.config.schema.training import (AdamWConfig, AggregateConfig, EngineConfig, ExportConfig,
                                                  MemoryConfig, OptimizerConfig, OrtEngineConfig, ParallelConfig,
@@ -45,6 +46,7 @@ class Config:
     cluster: ClusterConfig = MISSING
     tracking: TrackingConfig = MISSING
     peft: PeftConfig = MISSING
+    objective: ObjectiveConfig = MISSING
     train: TrainConfig = field(default_factory=TrainConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     transform: TransformConfig = field(default_factory=TransformConfig)
@@ -80,6 +82,7 @@ GROUP_SCHEMAS = {
     "tracking": {"tracking_schema": TrackingConfig},
     "tune": {"tune_schema": TuneConfig},
     "peft": {"peft_schema": PeftConfig},
+    "objective": {"objective_schema": ObjectiveConfig},
 }
 
 
@@ -104,7 +107,7 @@ __all__ = ["AdamWConfig", "AggregateConfig", "BPE", "CHAT", "CHAT_OR_PROMPT", "C
            "ExportConfig", "FILLED", "FP16", "Filled", "GROUP_SCHEMAS", "LAYOUT_TUNING", "LORA",
            "LauncherConf", "LlamaConfig", "MAX_GPUS", "MAX_LAYERS", "MAX_RANKS", "MAX_SEED", "MAX_STEPS",
            "MAX_THREADS", "MAX_TOKENS", "MAX_VOCAB", "MAX_WAIT_S", "MAX_WIDTH", "MemoryConfig",
-           "MixSourceConfig", "ModelConfig", "OptimizerConfig", "OrtEngineConfig", "PP_SCHEDULES",
+           "MixSourceConfig", "ModelConfig", "ObjectiveConfig", "OptimizerConfig", "OrtEngineConfig", "PP_SCHEDULES",
            "PROMPT_COMPLETION", "ParallelConfig", "PeftConfig", "PlanConfig", "PrecisionConfig",
            "SGDConfig", "STAGE_TIMES_MIN", "SlurmClusterConfig", "SweepConfig", "TRAIN_OBJECTIVES",
            "TorchEngineConfig", "TrackingConfig", "TrainConfig", "TransformConfig", "TritonConfig",

@@ -7,7 +7,7 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from orchestrator.config.schema.keys import (key, MAX_VOCAB, BPE, PROMPT_COMPLETION, CHAT, CHAT_OR_PROMPT,
-                                             COMPLETION_ONLY)
+                                             COMPLETION_ONLY, PREFERENCE, PROMPT_OR_PAIR)
 
 
 FILES = ("data.name", ("text", "stdlib"))  # the sources the tokenize stage reads in pieces of files
@@ -56,13 +56,21 @@ class DataConfig:
                               "load_from_disk / load_dataset name them (the held-out part is still "
                               "data.val_fraction of it)", read_when=("data.name", ("text",)))
     format: str = key("text", "what a record is: text (one field, every token trained), prompt_completion (a "
-                              "prompt and its completion) or chat (a list of {role, content} messages, rendered "
-                              "with the chat template); records from JSON Lines or Parquet; what the model learns: "
-                              "data.loss_on", choices=("text", "prompt_completion", "chat"))
+                              "prompt and its completion), chat (a list of {role, content} messages, rendered "
+                              "with the chat template) or preference (a prompt with a chosen and a rejected "
+                              "completion, for objective=dpo: texts, lists of messages, or chosen and rejected "
+                              "alone, their common beginning the prompt: TRL's three forms); records from JSON "
+                              "Lines or Parquet; what the model learns: data.loss_on",
+                      choices=("text", "prompt_completion", "chat", "preference"))
     text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text",
                           read_when=("data.format", ("text",)))
-    prompt_field: str = key("prompt", "data.format=prompt_completion: the field that holds a record's prompt",
-                            read_when=PROMPT_COMPLETION)
+    prompt_field: str = key("prompt", "data.format=prompt_completion or preference: the field that holds a record's "
+                                      "prompt (preference: a record without it has an implicit prompt, the "
+                                      "beginning its chosen and rejected share)", read_when=PROMPT_OR_PAIR)
+    chosen_field: str = key("chosen", "data.format=preference: the field that holds a pair's preferred completion",
+                            read_when=PREFERENCE)
+    rejected_field: str = key("rejected", "data.format=preference: the field that holds its dispreferred completion",
+                              read_when=PREFERENCE)
     completion_field: str = key("completion", "data.format=prompt_completion: the field that holds its completion",
                                 read_when=PROMPT_COMPLETION)
     prompt_encoding: str = key("separate", "data.format=prompt_completion with text fields: separate (the prompt "

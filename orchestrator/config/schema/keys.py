@@ -47,9 +47,13 @@ COMPILED = ("triton.enabled", (True,))
 BPE = ("data.tokenizer", ("bpe",))
 PROMPT_COMPLETION = ("data.format", ("prompt_completion",))
 CHAT = ("data.format", ("chat",))
-CHAT_OR_PROMPT = ("data.format", ("chat", "prompt_completion"))
+CHAT_OR_PROMPT = ("data.format", ("chat", "prompt_completion", "preference"))  # records a template may render
+PREFERENCE = ("data.format", ("preference",))
+PROMPT_OR_PAIR = ("data.format", ("prompt_completion", "preference"))  # records with a prompt field
 LAYOUT_TUNING = ("tune.name", ("layout",))
 COMPLETION_ONLY = ("data.loss_on", ("completion",))
 
 LORA = ("peft.name", ("lora",))
+DPO = ("objective.name", ("dpo",))
+SFT = ("objective.name", ("sft",))
 

@@ -8,7 +8,7 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from orchestrator.config.schema.keys import (key, PP_SCHEDULES, MAX_STEPS, MAX_SEED, MAX_LAYERS, MAX_TOKENS,
-                                             MAX_RANKS, MAX_THREADS, FP16, COMPILED)
+                                             MAX_RANKS, MAX_THREADS, FP16, COMPILED, SFT)
 
 
 @dataclass
@@ -159,7 +159,9 @@ class TrainConfig:
     label_sparsity: bool = key(True, "run the vocabulary head and the cross-entropy only at the positions whose label "
                                      "enters the loss (gathered before the head; ONNX Runtime's label sparsity, TRL's "
                                      "chunked NLL): the same loss and gradients to fp32 rounding, without the logits "
-                                     "of masked prompt tokens and padding; false: the dense head over every position")
+                                     "of masked prompt tokens and padding; false: the dense head over every position "
+                                     "(objective=dpo always takes the sparse head's per-row log-probabilities)",
+                                read_when=SFT)
     loss_chunk: int = key(1024, "positions the sparse head projects onto the vocabulary at once (its full-width "
                                 "logits exist for this many positions only, in the forward and the backward)",
                           min=1, max=MAX_TOKENS, read_when=("train.label_sparsity", (True,)))
