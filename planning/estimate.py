@@ -176,8 +176,12 @@ def estimate(cfg, plan: dict) -> Estimate:
 
 
 def _online_reference(cfg) -> bool:
+    """A frozen reference model beside the policy: objective.reference=online, unless the policy with its adapters
+    off is the reference (planning/partition.adapters_are_the_difference)."""
+    from planning.partition import adapters_are_the_difference
+
     o = cfg.get("objective")
-    return o is not None and o.name == "dpo" and o.reference == "online"
+    return o is not None and o.name == "dpo" and o.reference == "online" and not adapters_are_the_difference(cfg)
 
 
 def reference_bytes(cfg, plan: dict, rank: int = 0) -> int:

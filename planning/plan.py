@@ -95,22 +95,26 @@ def objective_line(cfg) -> list[str]:
     if o is None or o.name != "dpo":
         return []
     from planning.estimate import reference_bytes
+    from planning.partition import adapters_are_the_difference
     from plugins.parallel import world_size
     from storage import adapters
 
     source = adapters.base_of(cfg.train.init_from) if cfg.peft.name == "lora" else cfg.train.init_from
-    model = (f"{source}'s" + (" (LoRA's base, the adapters off)" if cfg.peft.name == "lora" else "")) if source \
-        else f"train.seed={cfg.train.seed}'s initialisation"
+    model = (f"{source}'s weights" + (": LoRA's base, the adapters off" if cfg.peft.name == "lora" else "")) \
+        if source else f"train.seed={cfg.train.seed}'s initialisation"
     loss = f"objective: dpo ({o.loss_type}, beta {o.beta:g}" + \
         (f", label smoothing {o.label_smoothing:g}" if o.label_smoothing else "") + ") on preference pairs"
     p = plan_of(cfg)
     weights = reference_bytes(cfg, p.partition)
+    if o.reference == "online" and adapters_are_the_difference(cfg):
+        return [f"{loss}; the reference model ({model}) online: the policy with its adapters off, one more "
+                "forward of every batch's rows (no second model)"]
     if o.reference == "online":
-        return [f"{loss}; the reference model ({model} weights) online: a frozen copy beside the policy on every "
+        return [f"{loss}; the reference model ({model}) online: a frozen copy beside the policy on every "
                 f"rank ({_size(weights)}, in the memory line), one more forward of every batch's rows"]
     rank = weights + p.rank.activations + p.rank.runtime
-    return [f"{loss}; the reference stage scores every pair of both splits once with the reference model ({model} "
-            f"weights), as {world_size(cfg.parallel)} rank(s) of at most {_size(rank)} each (its weights "
+    return [f"{loss}; the reference stage scores every pair of both splits once with the reference model ({model}), "
+            f"as {world_size(cfg.parallel)} rank(s) of at most {_size(rank)} each (its weights "
             f"{_size(weights)} and a forward's activations: no "
             "gradients or optimizer state); a sweep over beta, the loss type, the learning rate or LoRA's rank "
             "reuses it"]
@@ -129,7 +133,9 @@ def compute_line(cfg) -> str:
     if cfg.data.packing:
         return f"{head}; rows are packed, with no padding to leave out"
     why = padding_kept(cfg, get_engine(cfg.engine.name).one_shape)
+    pairs = cfg.data.get("format") == "preference"
     rows = "padded rows keep their padding: " + why if why else \
+        "a batch's rows of pairs are cut after their longest real run (each row stays a completion)" if pairs else \
         "padded rows reach the blocks as their real tokens only (each rank packs them into fewer rows)"
     return f"{head}; {rows}"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -124,15 +124,17 @@ def _chunks(batches: list, tokens: int) -> list[list]:
 
 
 @torch.no_grad()
-def row_sums(layout, batch) -> torch.Tensor:
+def row_sums(layout, batch, width_multiple: int = 0) -> torch.Tensor:
     """(rows, 2) float64, the same on every rank: each row's summed log-probability of its learned tokens under the
     layout's model, and their count: a forward of the rank's rows through its runner, whose objective keeps them
     (plugins/objectives/dpo.ReferenceRows: the reference model's log-probabilities of preference pairs); the ranks
     that hold a head and count the loss (one a data-parallel replica) place theirs at their replica's rows, and a sum
-    over ranks gathers them."""
+    over ranks gathers them. width_multiple (the step's repack_to; 0: rows keep their shape): the rank's rows cut
+    after their longest real run, as the train step cuts them (Layout.rank_inputs)."""
+    inputs, labels, _, _ = layout.rank_inputs(batch, width_multiple, rows_kept=True)
     layout.train(False)
     try:
-        layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels))
+        layout.runner.eval_sum(inputs, labels)
     finally:
         layout.train(True)
     mine = layout.runner.objective.take()
@@ -143,19 +145,27 @@ def row_sums(layout, batch) -> torch.Tensor:
     return layout.reduce(gathered)
 
 
-def row_logps(layout, batch) -> torch.Tensor:
+def row_logps(layout, batch, width_multiple: int = 0) -> torch.Tensor:
     """(rows,) float64: each row's summed log-probability (row_sums')."""
-    return row_sums(layout, batch)[:, 0]
+    return row_sums(layout, batch, width_multiple)[:, 0]
 
 
-def held_out_nll(layout, batcher, n_batches: int, rows_objective) -> float:
+@contextlib.contextmanager
+def objective_set(layout, objective) -> Iterator[None]:
+    """The layout's runner computes `objective` inside the block (a preference layout's rows recorded instead of its
+    loss: ReferenceRows), its own after it."""
+    runner = layout.runner
+    kept, runner.objective = runner.objective, objective
+    try:
+        yield
+    finally:
+        runner.objective = kept
+
+
+def held_out_nll(layout, batcher, n_batches: int, rows_objective, width_multiple: int = 0) -> float:
     """The next-token loss of the first n_batches held-out batches' learned tokens, for a layout built for a
     preference objective (its runner's objective set to `rows_objective`, ReferenceRows, for the pass): what the
     aggregate stage's check of the whole model computes of the same batches."""
-    runner = layout.runner
-    objective, runner.objective = runner.objective, rows_objective
-    try:
-        sums = sum(row_sums(layout, batcher.eval_batch(i)).sum(0) for i in range(n_batches))
-    finally:
-        runner.objective = objective
+    with objective_set(layout, rows_objective):
+        sums = sum(row_sums(layout, batcher.eval_batch(i), width_multiple).sum(0) for i in range(n_batches))
     return float(-sums[0] / max(float(sums[1]), 1.0))

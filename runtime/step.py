@@ -66,7 +66,7 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     n_labels = batch.inputs.shape[0] // 2 if pairs else max(batch.n_labels, 1)
     probe.start_step()
     loss_scale = scaler.scale
-    inputs, labels, documents, counts = layout.rank_inputs(batch, 0 if pairs else s.repack_to, s.microbatches)
+    inputs, labels, documents, counts = layout.rank_inputs(batch, s.repack_to, s.microbatches, rows_kept=pairs)
     loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents, counts,
                                     layout.local_batch(batch.reference))
     grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)

@@ -98,7 +98,8 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                "attention_kernel": attention_kernel(cfg.model, precision, device, cfg.triton.attention,
                                                     run.get("documents", False)),
                "loss_scaler": run["scaler"].state_dict() if run["scaler"].enabled else None,
-               # objective=dpo: the held-out batches' next-token loss too (their eval loss is the pairs')
+               # objective=dpo: the held-out pairs' measures, and their next-token loss (their eval loss is the pairs')
+               **{f"final_{k}": v for k, v in last.items() if k.startswith(("eval_rewards/", "eval_logps/"))},
                **({"final_eval_nll": run["final_eval_nll"]} if run.get("final_eval_nll") is not None else {})}
     atomic_write_json(ctx.out / "summary.json", summary)
     c = layout.coords

@@ -27,6 +27,7 @@ from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
 from runtime.checkpointer import load_reference
 from runtime.evaluate import row_logps
+from runtime.step import StepSettings
 from stages.base import Resources, Stage, StageContext
 from storage import adapters, init_from
 from storage.fsio import atomic_write_json, read_json
@@ -39,12 +40,13 @@ def reference(ctx: StageContext) -> None:
     loaded = load_reference(layout, cfg, vocab_rows(cfg.model))
     batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")
     per_batch, forwards, summary = cfg.train.batch_size // 2, 0, {}
+    width = StepSettings.of(cfg).repack_to  # rows cut after their longest real run, as the train step cuts them
     for split in REFERENCE_SPLITS:
         pairs = batcher.pair_count(split)
         values = np.full(2 * pairs, np.nan)
         for first in range(0, pairs, per_batch):
             batch = batcher.pairs_in_order(split, first)
-            values[batch.drawn] = row_logps(layout, batch).numpy()
+            values[batch.drawn] = row_logps(layout, batch, width).numpy()
             forwards += len(batch.drawn)
         if np.isnan(values).any() or not np.isfinite(values).all():
             raise RuntimeError(f"the reference model's log-probability of {int((~np.isfinite(values)).sum())} "

@@ -16,10 +16,10 @@ from omegaconf import OmegaConf
 from plugins.data import build_batcher
 from plugins.data.preview import passes_line
 from plugins.data.packing import whole_documents
-from planning.partition import without_adapters
+from planning.partition import adapters_are_the_difference, without_adapters
 from plugins.engines import get_engine
 from plugins.models import get_model
-from plugins.models.lora import is_adapter
+from plugins.models.lora import adapters_off, is_adapter
 from plugins.models.registry import vocab_rows
 from plugins.objectives.dpo import ReferenceRows, preference_loss, reference_values
 from plugins.parallel import world_size
@@ -28,7 +28,7 @@ from plugins.parallel.mesh import pick_device
 from runtime import preemption
 from runtime.cadence import Cadence
 from runtime.checkpointer import Checkpointer, adopt, load_reference, progress_hint
-from runtime.evaluate import eval_loss, held_out_nll, row_logps
+from runtime.evaluate import eval_loss, held_out_nll, objective_set, row_logps
 from runtime.metrics import MemoryProbe, MetricsLog, MetricsWindow, numeric, step_line
 from runtime.optim import build_optimizer, lr_factor
 from runtime.precision import build_scaler
@@ -56,7 +56,7 @@ def train(ctx: StageContext) -> None:
         engine.report(ctx, spec, layout.engine_fallbacks, prepared)
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
-    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens", _reference(ctx, device))
+    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens", _reference(ctx, layout, device))
     if ctx.is_rank0:  # said by the plan too where the tokenize stage ran before it
         for line in passes_line(cfg, ctx.inputs["tokenize"] / "tokens"):
             ctx.log.info("%s", line)
@@ -115,13 +115,14 @@ def train(ctx: StageContext) -> None:
                 rows = window.flush()  # the only read-back from the device outside evaluation and fp16
                 diverged = first_nonfinite(rows) or (rows[-1] if stalled else None)
                 if evaluating and not diverged:  # a signal during it stops it within a batch (then saves, below)
+                    held_out: dict = {}  # a preference objective's measures of the held-out pairs
                     loss = eval_loss(layout, batcher, t.eval_batches, lambda: preemption.stop_requested(
-                        layout.world, control))
+                        layout.world, control), measures=held_out)
                     if loss is None:
                         reason = reason or preemption.stop_requested(layout.world, control) or "a signal"
                         saving = True
                     else:
-                        rows[-1]["eval_loss"] = loss
+                        rows[-1].update({"eval_loss": loss, **{f"eval_{k}": v for k, v in held_out.items()}})
                 for row in rows:
                     if when.timed(row["step"]):
                         timed_tokens, timed_s = timed_tokens + row["tokens"], timed_s + row["step_time_s"]
@@ -147,7 +148,8 @@ def train(ctx: StageContext) -> None:
     history.close()
     checkpointer.wait()
     # a preference objective's held-out loss is the pairs'; the aggregate's check of the whole model reads this one
-    nll = held_out_nll(layout, batcher, t.eval_batches, ReferenceRows()) if objective is not None else None
+    nll = held_out_nll(layout, batcher, t.eval_batches, ReferenceRows(), settings.repack_to) if objective is not None \
+        else None
     timeline = gather_timeline(layout)
     peak_mb, growth_mb = layout.reduce(torch.tensor([probe.peak_mb, probe.peak_mb - probe.baseline_mb],
                                                     dtype=torch.float64), dist.ReduceOp.MAX).tolist()
@@ -168,19 +170,28 @@ def train(ctx: StageContext) -> None:
         "final_eval_nll": nll})
 
 
-def _reference(ctx: StageContext, device):
+def _reference(ctx: StageContext, policy, device):
     """objective=dpo: the reference log-probabilities of the pairs, the reference stage's (objective.reference=cached)
-    or computed for each batch by a frozen reference model beside the policy (online); None otherwise."""
+    or computed for each batch (online) by the policy with its adapters off (peft=lora: no second model) or a frozen
+    reference model beside it; None otherwise."""
     cfg = ctx.cfg
     if cfg.objective.name != "dpo":
         return None
     if cfg.objective.reference == "cached":
         return reference_values(ctx.inputs["reference"])
+    width = StepSettings.of(cfg).repack_to  # rows cut after their longest real run, as the step cuts them
+    if adapters_are_the_difference(cfg):
+        ctx.log.info("reference model online: the policy with its adapters off")
+
+        def base(batch):
+            with adapters_off(policy.parts), objective_set(policy, ReferenceRows()):
+                return row_logps(policy, batch, width)
+        return base
     frozen = build_layout(*without_adapters(cfg), get_model(cfg.model.name), device, objective=ReferenceRows())
     for part in frozen.parts:
         part.requires_grad_(False)
     ctx.log.info("reference model online: %s", load_reference(frozen, cfg, vocab_rows(cfg.model)))
-    return lambda batch: row_logps(frozen, batch)
+    return lambda batch: row_logps(frozen, batch, width)
 
 
 def _baseline(ctx: StageContext, layout, batcher, checkpointer) -> Optional[float]:

@@ -23,7 +23,9 @@ CATALOGUE = [
     (["+foo=1"], "foo", "has no key 'foo'"),
     (["+model.n_head=2"], "model.n_head", "did you mean model.n_heads?"),
     (["precision.name=fp8"], "precision.name", "one of auto, fp32, bf16, fp16"),
-    (["sweep.objective=speed"], "sweep.objective", "one of eval_loss, loss, tokens_per_s, peak_memory, or <task>/"),
+    (["sweep.objective=speed"], "sweep.objective", "one of eval_loss, loss, tokens_per_s, peak_memory, "
+     "eval_reward_accuracy, eval_reward_margin, or <task>/"),
+    (["sweep.objective=eval_reward_accuracy"], "sweep.objective", "objective=sft has none"),
     (["optimizer.name=lion"], "optimizer.name", "the optimizers there are: adamw, sgd"),
     (["trian.steps=4"], "trian.steps", "did you mean train?"),
     (["cluster.partition=gpu"], "cluster.partition", "is a key of cluster=slurm"),

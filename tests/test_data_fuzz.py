@@ -34,6 +34,7 @@ TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] =
           "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ROLES = ("user", "assistant", "system")
+ROW = 257  # train.seq_len+1 of the preference cases: their completions must start within a row
 
 # -- values a field may hold -------------------------------------------------------------------------------------
 
@@ -108,6 +109,8 @@ def _chat(hf, messages) -> tuple[list[int], list[int]]:
 
 def expected(fmt: str, record: dict, hf) -> tuple | None:
     """The document a record gives (ids, learned or None), None for none; Refused when it must be refused."""
+    if fmt == "preference":
+        return expected_pair(record, hf)
     if fmt == "text":
         if "text" not in record:
             raise Refused
@@ -141,6 +144,50 @@ def expected(fmt: str, record: dict, hf) -> tuple | None:
     if not tail:
         return None
     return list(head) + list(tail) + [EOS], [0] * len(head) + [1] * (len(tail) + 1)
+
+
+def _shared(a, b) -> int:
+    """How long a and b begin alike (texts by character, conversations by message): an implicit prompt's end, a
+    space before the first difference going to the completions."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n - 1 if n < min(len(a), len(b)) and n and a[n - 1] == " " else n
+
+
+def _common(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def expected_pair(record: dict, hf) -> list:
+    """A preference record's two documents (chosen, rejected: ids and learned), each the prompt and its completion
+    encoded together, learned from where the prompt's ids and either whole's first differ; Refused when it must be."""
+    if "chosen" not in record or "rejected" not in record:
+        raise Refused
+    parts = {k: record[k] for k in ("prompt", "chosen", "rejected") if record.get(k) is not None or k != "prompt"}
+    if len({isinstance(v, list) for v in parts.values()}) > 1:
+        raise Refused
+    conversational = isinstance(parts["chosen"], list)
+    parts = {k: _messages(v) if conversational else _text(v).decode() for k, v in parts.items()}
+    if "prompt" not in parts:
+        at = _shared(parts["chosen"], parts["rejected"])
+        parts = {"prompt": parts["chosen"][:at], "chosen": parts["chosen"][at:], "rejected": parts["rejected"][at:]}
+        if not parts["prompt"]:
+            raise Refused
+    if not parts["chosen"] or not parts["rejected"] or parts["chosen"] == parts["rejected"]:
+        raise Refused
+    if conversational:
+        head = list(hf.apply_chat_template(parts["prompt"], chat_template=CHATML, tokenize=True,
+                                           add_generation_prompt=True, return_dict=True)["input_ids"])
+        wholes = [list(hf.apply_chat_template(parts["prompt"] + parts[k], chat_template=CHATML, tokenize=True,
+                                              return_dict=True)["input_ids"]) for k in ("chosen", "rejected")]
+    else:
+        head = list(parts["prompt"].encode())
+        wholes = [list((parts["prompt"] + parts[k]).encode()) + [EOS] for k in ("chosen", "rejected")]
+    start = min(_common(head, ids) for ids in wholes)
+    if start >= ROW:
+        raise Refused  # a completion that starts past a row: nothing of it would be learned
+    return [(ids, [int(i >= start) for i in range(len(ids))]) for ids in wholes]
 
 
 # -- containers ------------------------------------------------------------------------------------------------------
@@ -220,19 +267,21 @@ def pa_errors() -> tuple:
 
 @st.composite
 def cases(draw):
-    fmt = draw(st.sampled_from(["text", "prompt_completion", "chat"]))
-    fields = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion")}[fmt]
+    fmt = draw(st.sampled_from(["text", "prompt_completion", "chat", "preference"]))
+    fields = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion"),
+              "preference": ("prompt", "chosen", "rejected")}[fmt]
     container = draw(st.sampled_from(["jsonl", "jsonl", "json", "jsonl.gz", "json.zst", "parquet", "arrow",
                                       "arrow_file", "datasets"]))
-    good = {"text": TEXT, "chat": MESSAGES, "prompt_completion": TEXT}[fmt]
+    good = {"text": TEXT, "chat": MESSAGES, "prompt_completion": TEXT,
+            "preference": draw(st.sampled_from([TEXT, MESSAGES]))}[fmt]  # TRL's standard or conversational form
     values = st.one_of(VALUE, BYTES) if not container.startswith("json") else VALUE
 
     clean = draw(st.booleans())  # every record of the right types (else: a third of the values anything)
 
     def record():
         r = {f: draw(good if clean else st.one_of(good, good, values)) for f in fields}
-        if not clean and draw(st.integers(0, 9)) == 0:
-            r.pop(draw(st.sampled_from(fields)))               # a missing field
+        if not clean and draw(st.integers(0, 9)) == 0 or fmt == "preference" and draw(st.integers(0, 3)) == 0:
+            r.pop(draw(st.sampled_from(fields)))               # a missing field (a pair's prompt: implicit)
         if draw(st.booleans()):
             r["extra"] = draw(TEXT if clean else values)        # an extra field, read by no one
         if fmt == "chat" and draw(st.integers(0, 4)) == 0:
@@ -275,20 +324,24 @@ def test_every_record_trains_as_meant_or_is_refused_before_launch(bytes_hf, case
             return  # datasets' own writer refused the values
         (folder / "chatml.jinja").write_text(CHATML)
         cfg = make_cfg("data=text", f"data.paths=[{path}]", f"data.format={fmt}", "data.packing=false",
-                       "train.seq_len=16", "train.batch_size=1", "train.eval_batches=1", "data.val_fraction=0.5",
+                       f"train.seq_len={ROW - 1 if fmt == 'preference' else 16}",
+                       "train.batch_size=1", "train.eval_batches=1", "data.val_fraction=0.5",
                        *([f"data.chat_template={folder}/chatml.jinja"] if fmt != "text" else []), runs_dir=folder)
         problems = check(cfg)
         try:
             wanted = [d for r in records if (d := expected(fmt, r, bytes_hf)) is not None]
+            if fmt == "preference":  # a pair is two documents
+                wanted = [doc for pair in wanted for doc in pair]
         except Refused:
             wanted = None
-        if damage != "none" or wanted is not None and len(wanted) < 2:
+        least = 4 if fmt == "preference" else 2  # documents that can be split into a training and a held-out part
+        if damage != "none" or wanted is not None and len(wanted) < least:
             assert problems, (case, "a damaged input, or one too small to hold a document out, was accepted")
             return
         if problems:
             assert all(p.key.startswith(("data.", "train.", "model.")) and p.rule and p.fix for p in problems), problems
             record_level = [p for p in problems if "line " in p.rule or "row " in p.rule]
-            if wanted is not None and len(wanted) >= 2:
+            if wanted is not None and len(wanted) >= least:
                 assert not record_level, (case, "a good record refused", problems)
             return
         assert wanted is not None, (case, "a record that must be refused was accepted")

@@ -55,7 +55,8 @@ def readers_files(tmp_path_factory) -> Path:
     """The files the pages' commands name, made where they name them (relative paths: in this folder)."""
     tmp = tmp_path_factory.mktemp("reader")
     made = subprocess.run([sys.executable, str(ROOT / "scripts" / "tiny_chat_model.py"), "tiny-llama", "--chats",
-                           "chats.jsonl", "--records", "2000"], cwd=tmp, capture_output=True, text=True, timeout=300)
+                           "chats.jsonl", "--pairs", "pairs.jsonl", "--records", "2000"], cwd=tmp,
+                          capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     text = "".join(f"line {i} of a document in the reader's corpus, with some words in it\n" for i in range(3000))
     for folder in ("corpus", "data", "sft", "fineweb", "web", "code"):

@@ -6,7 +6,6 @@ conversational, implicit prompt) tokenize to TRL's ids with the same learned pos
 from __future__ import annotations
 
 import importlib.util
-import random
 from types import SimpleNamespace
 
 import numpy as np
@@ -25,16 +24,20 @@ BETA = 0.1
 LR = 1e-4  # TRL's default is 1e-6: large enough to move the rewards, small enough not to magnify fp32 rounding
 
 
+def _tiny_chat_model():
+    """scripts/tiny_chat_model.py: the walk-through's model and data (scripts/ is no package)."""
+    spec = importlib.util.spec_from_file_location("tiny_chat_model", ROOT / "scripts" / "tiny_chat_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TINY_CHAT_MODEL = _tiny_chat_model()
+
+
 def pairs(n: int, seed: int = 0) -> list[dict]:
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        wrong = a + b + rng.choice([-10, -1, 1, 10])
-        out.append({"prompt": [{"role": "user", "content": f"What is {a} + {b}?"}],
-                    "chosen": [{"role": "assistant", "content": f"{a + b}."}],
-                    "rejected": [{"role": "assistant", "content": f"{wrong}."}]})
-    return out
+    """The walk-through's arithmetic pairs: the right sum chosen, a near miss rejected."""
+    return TINY_CHAT_MODEL.preference_pairs(n, seed)
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +47,9 @@ def trained(tmp_path_factory):
     import transformers
     from trl import DPOConfig, DPOTrainer
 
-    spec = importlib.util.spec_from_file_location("tiny_chat_model", ROOT / "scripts" / "tiny_chat_model.py")
-    tiny_chat_model = importlib.util.module_from_spec(spec)  # the walk-through's model (scripts/)
-    spec.loader.exec_module(tiny_chat_model)
     folder = tmp_path_factory.mktemp("dpo") / "tiny-llama"
     chats = [[p["prompt"][0], p["chosen"][0]] for p in pairs(64, seed=1)]
-    tiny_chat_model.make(folder, chats)
+    TINY_CHAT_MODEL.make(folder, chats)
     model = transformers.AutoModelForCausalLM.from_pretrained(folder)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
     args = DPOConfig(output_dir=str(folder.parent / "trl"), per_device_train_batch_size=4, max_steps=1, bf16=False,
@@ -282,10 +282,11 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
     result = run_cli(["-m", "objective=dpo", "objective.beta=0.1,0.5", "data=preference", f"data.paths=[{data}]",
                       "model=llama_tiny", f"train.init_from=hf:{folder}", "parallel=ddp2", "train.steps=2",
                       "train.batch_size=8", f"train.seq_len={seq_len}", "train.eval_every=0", "train.eval_batches=1",
-                      "train.log_every=1", "tracking=none", "aggregate.onnx=false"], tmp_path)
+                      "train.log_every=1", "tracking=none", "aggregate.onnx=false",
+                      "sweep.objective=eval_reward_accuracy"], tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("[reference] reference log-probabilities of ") == 1, result.stdout
-    assert "pair(s) longer than a row" in result.stdout
+    assert "pair(s) longer than a row" in result.stdout and "best eval_reward_accuracy first" in result.stdout
     (entry,) = (tmp_path / "runs" / "cache" / "reference").iterdir()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     (tokens,) = (tmp_path / "runs" / "cache" / "tokenize").iterdir()
@@ -305,6 +306,43 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
         (metrics,) = [p for p in (tmp_path / "runs" / "multirun").rglob("train/output/metrics.jsonl")
                       if f"objective.beta={beta}" in (p.parents[3] / "config.yaml").read_text()
                       or f"beta: {beta}" in (p.parents[3] / "config.yaml").read_text()]
-        first = json.loads(metrics.read_text().splitlines()[0])
-        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        lines = metrics.read_text().splitlines()
+        first, last = json.loads(lines[0]), json.loads(lines[-1])
+        assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and 0 <= last["eval_rewards/accuracies"] <= 1
+        assert json.loads((metrics.parent / "summary.json").read_text())["final_eval_rewards/accuracies"] == \
+            last["eval_rewards/accuracies"]
         assert first["rewards/margins"] == pytest.approx(0, abs=1e-6) and first["rewards/accuracies"] == 0
+
+
+def test_a_lora_policy_with_its_adapters_off_scores_as_its_base(tmp_path):
+    """objective.reference=online with peft=lora: the policy's own forward with every adapter scaled by 0 (no second
+    model) gives each row the log-probability the base model alone gives it, with trained (non-zero) adapters."""
+    from planning.partition import build_plan, without_adapters
+    from plugins.data.batcher import Batch
+    from plugins.models import get_model
+    from plugins.models.lora import adapters_off
+    from plugins.objectives.dpo import PreferenceLoss, ReferenceRows
+    from plugins.parallel.layout import build_layout
+    from runtime.evaluate import objective_set, row_logps
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg("peft=lora", "train.init_from=null", "tracking=none")
+    spec, cpu = get_model(cfg.model.name), torch.device("cpu")
+    policy = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), spec, cpu,
+                          objective=PreferenceLoss(BETA, "sigmoid"))
+    base = build_layout(*without_adapters(cfg), spec, cpu, objective=ReferenceRows())
+    base.parts[0].load_state_dict({k: v for k, v in policy.parts[0].state_dict().items() if "lora_" not in k})
+    with torch.no_grad():
+        for name, p in policy.parts[0].named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.5)  # trained adapters: the policy differs from its base
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, 17), generator=g)
+    labels = tokens[:, 1:].clone()
+    labels[:, :8] = IGNORED
+    batch = Batch(tokens[:, :-1], labels, 1.0, 0.5)
+    with adapters_off(policy.parts), objective_set(policy, ReferenceRows()):
+        off = row_logps(policy, batch)
+    with objective_set(policy, ReferenceRows()):
+        on = row_logps(policy, batch)
+    assert torch.equal(off, row_logps(base, batch)) and not torch.allclose(on, off)

@@ -85,3 +85,19 @@ def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "data.tokenizer=auto: hf:tiny-llama (train.init_from's own)" in done.stdout  # the folder's, not bytes
     assert re.search(r"aggregate\s+│ ran", done.stdout), done.stdout[-3000:]
+    # docs/preference.md's recipe goes on from this fine-tune: its pairs made, then DPO from the fine-tune's hf/
+    # folder (the start and the reference), scored on the shipped chat task
+    page = (ROOT / "docs" / "preference.md").read_text()
+    block = page.split("## Offline: tiny model, SFT, then DPO, then a score\n", 1)[1].split("```shell\n", 1)[1]
+    steps = re.sub(r"\\\n\s*", " ", block.split("```", 1)[0]).strip().splitlines()
+    assert steps[0] == lines[0] + " --pairs pairs.jsonl" and steps[1] == lines[2], steps
+    made = subprocess.run([sys.executable, str(ROOT / steps[0].split()[1]), *shlex.split(steps[0])[2:]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0 and (tmp_path / "pairs.jsonl").is_file(), made.stderr[-2000:]
+    run_dir = re.search(r"^outputs: (\S+)", done.stdout, re.M).group(1)
+    args = [a.replace("runs/outputs/<date>/<time>", run_dir) for a in shlex.split(steps[2])[3:]
+            if not a.startswith("train.steps=")]
+    preferred = run_cli(args + SHORT + ["cluster=debug", "evaluate.limit=8"], tmp_path, timeout=600)
+    assert preferred.returncode == 0, preferred.stdout[-3000:] + preferred.stderr[-3000:]
+    assert "objective: dpo (sigmoid, beta 0.1)" in preferred.stdout and "reward acc" in preferred.stdout
+    assert re.search(r"reference\s+│ ran", preferred.stdout) and re.search(r"evaluate\s+│ ran", preferred.stdout)

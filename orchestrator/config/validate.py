@@ -75,6 +75,10 @@ def objective_problems(cfg: DictConfig) -> list[Problem]:
     """sweep.objective: one of the train stage's, or a metric an evaluate task produces."""
     from orchestrator.config.schema import TRAIN_OBJECTIVES
 
+    if cfg.sweep.objective.startswith("eval_reward_") and cfg.objective.name != "dpo":
+        return [Problem("sweep.objective", cfg.sweep.objective, "the held-out pairs' reward accuracy and margin are "
+                        f"measured by a preference objective; objective={cfg.objective.name} has none",
+                        "objective=dpo, or sweep.objective=eval_loss")]
     if cfg.sweep.objective in TRAIN_OBJECTIVES:
         return []
     from plugins.evaluate.harness import objective_problems as evaluate_objective

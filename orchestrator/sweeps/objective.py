@@ -13,6 +13,8 @@ OBJECTIVES = {
     "loss": ("final_loss", "minimize"),
     "tokens_per_s": ("tokens_per_s", "maximize"),
     "peak_memory": ("peak_memory_mb", "minimize"),
+    "eval_reward_accuracy": ("final_eval_rewards/accuracies", "maximize"),  # objective=dpo: the held-out pairs'
+    "eval_reward_margin": ("final_eval_rewards/margins", "maximize"),
 }
 
 

@@ -188,6 +188,8 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
             if isinstance(texts, Pair):  # its chosen and its rejected document, one after the other
+                if texts.conversational and (why := texts.render_problem(tok.chat_template)):
+                    raise InputFault(why)
                 made = pair_ids(tok, texts.prompt, texts.chosen, texts.rejected)
                 cut += check_pair(texts, made, cfg.train.seq_len + 1)
             elif isinstance(texts, Chat):

@@ -171,6 +171,14 @@ def deal_pairs(real: np.ndarray, ranks: int) -> np.ndarray:
     return np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
 
 
+def trimmed_width(real, width: int, multiple: int) -> int:
+    """The columns padded rows of one document each need: their longest real run rounded up to a multiple, at most
+    `width` (the padding after a row's tokens changes no logit before it: attention is causal). Rows whose order
+    and count must stay (preference pairs: a row is a completion) lose their padding so, where repack cannot."""
+    longest = max((int(n) for n in real), default=1)
+    return min(width, -(-max(longest, 1) // multiple) * multiple)
+
+
 def rank_tokens(real: np.ndarray, ranks: int) -> np.ndarray:
     """The real tokens each data-parallel rank's slice of a batch holds."""
     return np.asarray(real).reshape(ranks, -1).sum(axis=1)

@@ -17,7 +17,7 @@ from plugins.data.chat_turns import Example, examples
 from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
 from plugins.data.piece_records import documents, kind_of, preview, record_fields, records, text_value
-from plugins.data.preference import split_prompt
+from plugins.data.preference import check_pair, pair_ids, split_prompt
 
 
 def masks_loss(cfg) -> bool:
@@ -192,13 +192,14 @@ class Pair(Record):
     (its loss is log 2 whatever the model), is refused naming the record."""
 
     def __new__(cls, prompt, chosen, rejected, where, d):
-        given = [(v, k) for v, k in ((prompt, "prompt_field"), (chosen, "chosen_field"), (rejected, "rejected_field"))
-                 if v is not None or k != "prompt_field"]
         form = "texts, or lists of {role, content} messages (TRL's conversational form)"
-        for value, k in given:
-            if not isinstance(value, (str, list)):
-                raise InputFault(f"{where}: data.{k} ({d[k]!r}) is {_kind(value)}, not text or a list of messages: "
-                                 f"{preview(value)}; fix: records whose prompt, chosen and rejected are {form}")
+        given = [(v if isinstance(v, list) else text_value(v, where, k, d[k]).decode("utf-8"), k)  # (bytes: Arrow's)
+                 for v, k in ((prompt, "prompt_field"), (chosen, "chosen_field"), (rejected, "rejected_field"))
+                 if v is not None or k != "prompt_field"]
+        if prompt is None:
+            (chosen, _), (rejected, _) = given
+        else:
+            (prompt, _), (chosen, _), (rejected, _) = given
         if len({isinstance(v, list) for v, _ in given}) > 1:
             raise InputFault(f"{where}: the pair mixes texts and lists of messages ("
                              + ", ".join(f"data.{k} is {'messages' if isinstance(v, list) else 'text'}"
@@ -229,9 +230,10 @@ class Pair(Record):
     def conversational(self) -> bool:
         return isinstance(self.chosen, list)
 
-    def as_chat(self) -> Chat:
-        """The prompt and the chosen completion as a chat (its roles and template checked as a chat record's)."""
-        return Chat(self.prompt + self.chosen, self.where)
+    def render_problem(self, template: str) -> str:
+        """Why the template cannot render the pair's conversations as meant ('' when it can), as a chat record's."""
+        return next((why for completion in (self.chosen, self.rejected)
+                     if (why := render_problem(Chat(self.prompt + completion, self.where), template))), "")
 
 
 def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True, turns: str = "auto",
@@ -336,13 +338,14 @@ def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: 
 CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them
 
 
-def first_records_problem(d, piece, template: Optional[str], variables: dict,
-                          row: Optional[tuple[int, int]] = None) -> tuple[Optional[tuple[str, str]], int, bool]:
+def first_records_problem(d, piece, template: Optional[str], variables: dict, row: Optional[tuple[int, int]] = None,
+                          pairs: Optional[tuple] = None) -> tuple[Optional[tuple[str, str]], int, bool]:
     """((key, why) or None, documents with something to learn, whether the piece was read to its end) of the first
     CHECKED_RECORDS records of a file's first piece, read as the tokenize stage reads them: the fields' types, the
     messages, their roles, the template's rendering; a problem too when none of them has a token to learn, or (row:
     the tokens a row holds and the most bytes a token covers, where a longer record is refused) when one is longer
-    than a row whatever the tokenizer makes of it."""
+    than a row whatever the tokenizer makes of it; pairs: (the tokenizer, a row's tokens) where preference pairs are
+    tokenized now, a completion that starts past the row refused."""
     learned = seen = 0
     try:
         for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
@@ -354,8 +357,14 @@ def first_records_problem(d, piece, template: Optional[str], variables: dict,
             if isinstance(texts, Pair) and texts.conversational and not template:
                 return ("data.chat_template", f"{texts.where}: the pair is made of conversations, which are rendered "
                                               "with a chat template, and there is none"), learned, False
-            if isinstance(texts, Pair) and texts.conversational and (why := render_problem(texts.as_chat(), template)):
+            if isinstance(texts, Pair) and texts.conversational and (why := texts.render_problem(template)):
                 return ("data.paths", why), learned, False
+            if isinstance(texts, Pair) and pairs is not None:
+                tok, tokens = pairs
+                try:
+                    check_pair(texts, pair_ids(tok, texts.prompt, texts.chosen, texts.rejected), tokens)
+                except InputFault as e:
+                    return ("train.seq_len", str(e)), learned, False
             if not isinstance(texts, Chat):
                 learned += bool(texts and texts[-1])
                 continue

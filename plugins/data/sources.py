@@ -16,6 +16,7 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
+from omegaconf import OmegaConf
 
 from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
@@ -300,15 +301,23 @@ def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     longest = longest_record(cfg)
     widest = tokenizers.widest_token(d) if longest else None
     row = (longest, widest) if widest else None
+    # preference pairs tokenized as the tokenize stage will (a BPE is learned there: not before): a completion that
+    # starts past a row is refused now
+    pairs = None
+    if d.format == "preference" and (d.tokenizer == "bytes" or tokenizers.hf_folder(d.tokenizer) is not None):
+        try:
+            pairs = tokenizers.make(d), cfg.train.seq_len + 1
+        except (OSError, ValueError):  # said by the data rules (data.tokenizer)
+            pass
     documents, whole = 0, True
     for name, path in chosen:
         lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)
-        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables, row) if lay.pieces \
-            else (None, 0, True)
+        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables, row, pairs) \
+            if lay.pieces else (None, 0, True)
         if found:
             key, why = found
             rule, _, fix = why.partition("; fix: ")
-            return [(key, d.get(key.split(".", 1)[1]) if key != "data.paths" else list(d.paths), rule,
+            return [(key, OmegaConf.select(cfg, key) if key != "data.paths" else list(d.paths), rule,
                      fix or ("repair the record, or remove the file from data.paths" if key == "data.paths" else
                              "data.chat_template= a template for these records" if key == "data.chat_template" else
                              "records with something to learn, or data.loss_on=all"))]

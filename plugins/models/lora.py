@@ -14,9 +14,10 @@ shard: the values do not depend on the layout.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +47,21 @@ class LoRALinear(nn.Linear):
         out.view(-1, out.shape[-1]).addmm_(low.reshape(-1, low.shape[-1]), self.lora_B.to(low.dtype).t(),
                                            alpha=self.scaling)
         return out
+
+
+@contextlib.contextmanager
+def adapters_off(modules: list[nn.Module]) -> Iterator[None]:
+    """The modules compute as their base model inside the block (peft's disable_adapter): every adapter's output
+    scaled by 0, which adds exactly nothing to its Linear's; their scales back after it."""
+    linears = [m for part in modules for m in part.modules() if isinstance(m, LoRALinear)]
+    kept = [m.scaling for m in linears]
+    for m in linears:
+        m.scaling = 0.0
+    try:
+        yield
+    finally:
+        for m, scaling in zip(linears, kept):
+            m.scaling = scaling
 
 
 def shard_adapters(model: nn.Module) -> None:

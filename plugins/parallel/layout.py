@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from plugins.data.packing import rank_tokens, repack
+from plugins.data.packing import rank_tokens, repack, trimmed_width
 from plugins.engines import get_engine
 from plugins.models.head_loss import IGNORED
 from plugins.models.lora import apply_lora, init_adapters, store_frozen
@@ -70,12 +70,18 @@ class Layout:
         whole documents)."""
         return None if tensor is None else self.to_device(self.rank_rows(tensor))
 
-    def rank_inputs(self, batch, repack_to: int = 0, microbatches: int = 1) -> tuple:
+    def rank_inputs(self, batch, repack_to: int = 0, microbatches: int = 1, rows_kept: bool = False) -> tuple:
         """This rank's (inputs, labels, documents) of a batch on its device: its rows, or (repack_to: padded rows
         of one document each) their real tokens packed into fewer rows (plugins/data/packing.repack): the same
-        logits per token, about the real tokens' compute, so ranks dealt equal real tokens take equal time. Fourth,
-        each microbatch's count of labels that enter the loss, read here on the host (the sparse head's `count`)."""
-        if not repack_to or batch.real is None or batch.documents is not None:
+        logits per token, about the real tokens' compute, so ranks dealt equal real tokens take equal time; with
+        rows_kept (preference pairs: each row is a completion), the rows cut after their longest real run instead
+        (packing.trimmed_width). Fourth, each microbatch's count of labels that enter the loss, read here on the host
+        (the sparse head's `count`)."""
+        if repack_to and rows_kept and batch.real is not None and batch.documents is None:
+            width = trimmed_width(self.rank_rows(torch.from_numpy(batch.real)).tolist(), batch.inputs.shape[1],
+                                  repack_to)
+            mine = (self.rank_rows(batch.inputs)[:, :width], self.rank_rows(batch.labels)[:, :width], None)
+        elif not repack_to or batch.real is None or batch.documents is not None:
             mine = tuple(None if t is None else self.rank_rows(t) for t in (batch.inputs, batch.labels,
                                                                              batch.documents))
         else:

@@ -29,7 +29,8 @@ class TuneConfig:
                          content=False, read_when=LAYOUT_TUNING)
 
 
-TRAIN_OBJECTIVES = ("eval_loss", "loss", "tokens_per_s", "peak_memory")  # sweep.objective from the train stage
+TRAIN_OBJECTIVES = ("eval_loss", "loss", "tokens_per_s", "peak_memory",  # sweep.objective from the train stage
+                    "eval_reward_accuracy", "eval_reward_margin")  # objective=dpo: the held-out pairs' (maximised)
 
 
 @dataclass
@@ -40,7 +41,8 @@ class SweepConfig:
                                "starts, about 0.2 s each); an optimising sweeper's search space larger than this has "
                                "each value validated alone", content=False, min=1, max=10**7)
     objective: str = key("eval_loss", "what a point returns to Hydra's sweeper (Optuna, Nevergrad, Ax optimise it) and "
-                                      "what ranks the sweep's summary: eval_loss, loss (final train loss), tokens_per_s "
-                                      "or peak_memory (MB, the worst rank's), or <task>/<metric>: a score of the "
+                                      "what ranks the sweep's summary: eval_loss, loss (final train loss), tokens_per_s, "
+                                      "peak_memory (MB, the worst rank's), eval_reward_accuracy or eval_reward_margin "
+                                      "(objective=dpo: the held-out pairs'), or <task>/<metric>: a score of the "
                                       "evaluate stage (e.g. arith_mc/acc, a task in evaluate.tasks; its direction the "
                                       "task's)", content=False)
