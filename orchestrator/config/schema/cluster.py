@@ -31,7 +31,8 @@ class ClusterConfig:
                             choices=("forkserver", "exec"), content=False)
 
 
-STAGE_TIMES_MIN = {"tokenize": 60, "export": 10, "transform": 10, "train": 60, "checkpoint": 10, "aggregate": 20, "evaluate": 60}
+STAGE_TIMES_MIN = {"tokenize": 60, "reference": 60, "export": 10, "transform": 10, "train": 60, "checkpoint": 10,
+                   "aggregate": 20, "evaluate": 60}
 
 
 @dataclass
