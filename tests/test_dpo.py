@@ -6,6 +6,7 @@ conversational, implicit prompt) tokenize to TRL's ids with the same learned pos
 from __future__ import annotations
 
 import importlib.util
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -199,14 +200,20 @@ def test_a_batch_of_pairs_keeps_each_pair_in_two_rows_side_by_side_on_one_rank_w
                                                                       for s in range(20)))
 
 
-def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp_path):
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp_path, adapters):
     """TRL's DPOTrainer from the tiny model (AdamW, constant lr, gradients clipped at 1, reference precomputed) and
     the project's train step (runtime/step.py) in one process, on a batch of the same four pairs every step: the
     loss and TRL's logged measures equal at every step; then the held-out loss and measures of the same pairs
-    (runtime/evaluate.eval_loss) equal TRL's evaluation of them."""
+    (runtime/evaluate.eval_loss) equal TRL's evaluation of them. LoRA: peft's adapters on every Linear of the blocks
+    (rank 4) from our initial A, TRL's reference the model with its adapters disabled, ours the base's."""
     import datasets
+    import peft
     import transformers
     from trl import DPOConfig, DPOTrainer
+
+    from plugins.models.lora import initial_A
+    from storage.hf import LLAMA_NAMES
 
     from plugins.data.batcher import Batch
     from plugins.models import get_model
@@ -224,8 +231,15 @@ def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp
                      learning_rate=LR, lr_scheduler_type="constant", beta=BETA, precompute_ref_log_probs=True,
                      report_to=[], save_strategy="no", use_cpu=True, seed=0, logging_steps=1, disable_tqdm=True,
                      max_grad_norm=1.0)
-    trainer = DPOTrainer(model=transformers.AutoModelForCausalLM.from_pretrained(folder), args=args,
-                         train_dataset=datasets.Dataset.from_list(pairs(4)),
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    if adapters:
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+        with torch.no_grad():  # our initial A, drawn from its own name (B is zero in both)
+            for name, p in model.named_parameters():
+                if (m := re.search(r"\.layers\.(\d+)\.(.+)\.lora_A\.", name)):
+                    p.copy_(initial_A(f"layers.{m.group(1)}.{LLAMA_NAMES[m.group(2)]}.lora_A", tuple(p.shape), 1234))
+    trainer = DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(pairs(4)),
                          processing_class=transformers.AutoTokenizer.from_pretrained(folder))
     collated = next(iter(trainer.get_train_dataloader()))
     inputs, labels, reference = rows_of(collated)
@@ -238,8 +252,9 @@ def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp
     held_out_measures = {k: v[-1] for k, v in trainer._metrics["eval"].items()}
 
     cfg = make_cfg("model=llama_tiny", "parallel=single", f"optimizer.lr={LR}", "optimizer.schedule=constant",
-                   "optimizer.betas=[0.9,0.999]", "train.grad_clip=1.0", "tracking=none")
-    layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel), get_model("llama"), torch.device("cpu"),
+                   "optimizer.betas=[0.9,0.999]", "train.grad_clip=1.0", "tracking=none", "train.seed=1234",
+                   *(["peft=lora", "peft.rank=4", "peft.alpha=8", f"train.init_from=hf:{folder}"] if adapters else []))
+    layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), get_model("llama"), torch.device("cpu"),
                           objective=PreferenceLoss(BETA, "sigmoid"))
     layout.parts[0].load_state_dict(hf.load_state(folder), strict=False)
     optimizer = build_optimizer(cfg.optimizer, layout.parts[0])
