@@ -13,6 +13,7 @@ sweep over any of them computes it once. The train stage reads it with each batc
 """
 from __future__ import annotations
 
+import resource
 import time
 
 import numpy as np
@@ -58,10 +59,13 @@ def reference(ctx: StageContext) -> None:
     seconds = time.perf_counter() - t0
     if not ctx.is_rank0:
         return
-    atomic_write_json(ctx.out / "reference.json", {**summary, "model": loaded, "rows": forwards, "seconds": seconds})
-    ctx.tracker.log_metrics({"reference_s": seconds, "reference_rows": forwards})
-    ctx.log.info("reference log-probabilities of %d + %d pairs under %s: %d rows in %.1f s",
-                 summary["train"]["pairs"], summary["val"]["pairs"], loaded, forwards, seconds)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # against the plan's "at most" per rank
+    atomic_write_json(ctx.out / "reference.json", {**summary, "model": loaded, "rows": forwards, "seconds": seconds,
+                                                   "peak_rss": peak})
+    ctx.tracker.log_metrics({"reference_s": seconds, "reference_rows": forwards, "reference_peak_rss": peak})
+    ctx.log.info("reference log-probabilities of %d + %d pairs under %s: %d rows in %.1f s, peak RSS %.2f GB "
+                 "(rank 0)", summary["train"]["pairs"], summary["val"]["pairs"], loaded, forwards, seconds,
+                 peak / 2**30)
 
 
 def _fingerprint(cfg) -> dict:
