@@ -167,5 +167,6 @@ def held_out_nll(layout, batcher, n_batches: int, rows_objective, width_multiple
     preference objective (its runner's objective set to `rows_objective`, ReferenceRows, for the pass): what the
     aggregate stage's check of the whole model computes of the same batches."""
     with objective_set(layout, rows_objective):
-        sums = sum(row_sums(layout, batcher.eval_batch(i), width_multiple).sum(0) for i in range(n_batches))
+        sums = sum(row_sums(layout, batcher.eval_batch(i, with_reference=False), width_multiple).sum(0)
+                   for i in range(n_batches))
     return float(-sums[0] / max(float(sums[1]), 1.0))

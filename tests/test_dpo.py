@@ -281,7 +281,8 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
     every document of both splits equals transformers' of the same ids, as the rows hold them (train.seq_len+1 tokens:
     a long pair is cut at the end, as TRL's max_length); each point's first step starts from the reference, so its
     loss is log 2 and its rewards 0, which holds only if every row met its own reference value; the aggregate's check
-    of the whole model (its held-out next-token loss against the train stage's) passes."""
+    of the whole model (its held-out next-token loss against the train stage's) passes. The first point again with
+    objective.reference=online (a frozen copy in the train stage, no reference stage) gives the same losses."""
     import json
     import math
 
@@ -294,11 +295,11 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
     data = tmp_path / "pairs.jsonl"
     data.write_text("".join(json.dumps(p) + "\n" for p in pairs(48, seed=3)))
     seq_len = 26  # shorter than some pairs: they are cut
-    result = run_cli(["-m", "objective=dpo", "objective.beta=0.1,0.5", "data=preference", f"data.paths=[{data}]",
-                      "model=llama_tiny", f"train.init_from=hf:{folder}", "parallel=ddp2", "train.steps=2",
-                      "train.batch_size=8", f"train.seq_len={seq_len}", "train.eval_every=0", "train.eval_batches=1",
-                      "train.log_every=1", "tracking=none", "aggregate.onnx=false",
-                      "sweep.objective=eval_reward_accuracy"], tmp_path)
+    args = ["-m", "objective=dpo", "objective.beta=0.1,0.5", "data=preference", f"data.paths=[{data}]",
+            "model=llama_tiny", f"train.init_from=hf:{folder}", "parallel=ddp2", "train.steps=2", "train.batch_size=8",
+            f"train.seq_len={seq_len}", "train.eval_every=0", "train.eval_batches=1", "train.log_every=1",
+            "tracking=none", "aggregate.onnx=false", "sweep.objective=eval_reward_accuracy"]
+    result = run_cli(args, tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("[reference] reference log-probabilities of ") == 1, result.stdout
     assert "pair(s) longer than a row" in result.stdout and "best eval_reward_accuracy first" in result.stdout
@@ -317,11 +318,21 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
             learned = torch.as_tensor(np.asarray(mask[1:seq_len + 1], dtype=bool))
             theirs = logps[0].gather(-1, ids[0, 1:, None])[:, 0][learned].sum().item()
             assert value == pytest.approx(theirs, abs=1e-4), split
+    # the same point with the reference computed in the train step by a frozen copy: the same losses
+    online = run_cli([a for a in args if a not in ("-m", "objective.beta=0.1,0.5")] +
+                     ["objective.beta=0.1", "objective.reference=online"], tmp_path)
+    assert online.returncode == 0 and "reference model online: the Hugging Face weights" in online.stdout, \
+        online.stdout[-3000:]
+    assert not re.search(r"reference\s+│ (ran|cached)", online.stdout)  # no stage
+    (online_metrics,) = (tmp_path / "runs" / "outputs").rglob("train/output/metrics.jsonl")
     for beta in (0.1, 0.5):
         (metrics,) = [p for p in (tmp_path / "runs" / "multirun").rglob("train/output/metrics.jsonl")
                       if f"objective.beta={beta}" in (p.parents[3] / "config.yaml").read_text()
                       or f"beta: {beta}" in (p.parents[3] / "config.yaml").read_text()]
         lines = metrics.read_text().splitlines()
+        if beta == 0.1:
+            assert [json.loads(line)["loss"] for line in online_metrics.read_text().splitlines()] == \
+                pytest.approx([json.loads(line)["loss"] for line in lines], abs=1e-6)
         first, last = json.loads(lines[0]), json.loads(lines[-1])
         assert first["loss"] == pytest.approx(math.log(2), abs=1e-6) and 0 <= last["eval_rewards/accuracies"] <= 1
         assert json.loads((metrics.parent / "summary.json").read_text())["final_eval_rewards/accuracies"] == \

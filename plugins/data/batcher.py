@@ -77,8 +77,10 @@ class Batcher:
     def train_batch(self, step: int) -> Batch:
         return self._draw("train", (self.seed, 0, step))
 
-    def eval_batch(self, index: int) -> Batch:
-        return self._draw("val", (self.seed, 1, index))
+    def eval_batch(self, index: int, with_reference: bool = True) -> Batch:
+        """with_reference=False: without the reference log-probabilities (a pass that does not compare with the
+        reference model: the held-out next-token loss), which an online reference would compute for nothing."""
+        return self._draw("val", (self.seed, 1, index), with_reference=with_reference)
 
     def pairs_in_order(self, split: str, first: int) -> Batch:
         """Pairs first, first+1, ... of a split (the first ones again past its last, to fill the batch), as a drawn
@@ -89,7 +91,8 @@ class Batcher:
     def pair_count(self, split: str) -> int:
         return len(getattr(self.corpus, split)) // 2
 
-    def _draw(self, split: str, key: tuple[int, ...], pairs: Optional[np.ndarray] = None) -> Batch:
+    def _draw(self, split: str, key: tuple[int, ...], pairs: Optional[np.ndarray] = None,
+              with_reference: bool = True) -> Batch:
         rng = np.random.default_rng(key)
         sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights) if self.weights is not None \
             else None
@@ -101,7 +104,9 @@ class Batcher:
             batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
             batch.sources = sources[order] if sources is not None else None
             batch.drawn = batch.drawn[order] if batch.drawn is not None else None
-        if callable(self.reference):  # computed for each batch (objective.reference=online)
+        if not with_reference:
+            pass
+        elif callable(self.reference):  # computed for each batch (objective.reference=online)
             batch.reference = self.reference(batch)
         elif self.reference is not None:
             batch.reference = torch.from_numpy(np.asarray(self.reference[split][batch.drawn], dtype=np.float64))
