@@ -99,7 +99,7 @@ def objective_line(cfg) -> list[str]:
     from plugins.parallel import world_size
     from storage import adapters
 
-    source = adapters.base_of(cfg.train.init_from) if cfg.peft.name == "lora" else cfg.train.init_from
+    source = adapters.reference_of(cfg)
     model = (f"{source}'s weights" + (": LoRA's base, the adapters off" if cfg.peft.name == "lora" else "")) \
         if source else f"train.seed={cfg.train.seed}'s initialisation"
     loss = f"objective: dpo ({o.loss_type}, beta {o.beta:g}" + \

@@ -236,8 +236,7 @@ def load_reference(layout, cfg, vocab_rows: int) -> str:
     weights (a Hugging Face folder's, or a checkpoint's model state), with peft=lora the base its adapters apply to
     (the adapters off), else the layout's own initialisation (train.seed's, as train's step 0). Returns what it
     loaded, for the log."""
-    start = cfg.train.init_from
-    base = adapters.base_of(start) if cfg.peft.name == "lora" else start
+    base = adapters.reference_of(cfg)
     parts = [(part, None) for part in layout.parts]
     if hf.folder_of(base):
         ckpt.load_full_weights(parts, hf.load_state(hf.folder_of(base), vocab_rows), layout.aliases)

@@ -43,6 +43,12 @@ def base_of(init_from: Optional[str]) -> Optional[str]:
     return read_json(manifest).get("peft", {}).get("base", {}).get("init_from") if manifest.is_file() else None
 
 
+def reference_of(cfg) -> Optional[str]:
+    """Where a preference objective's reference model is read from: with peft=lora the base its adapters apply to
+    (base_of), else train.init_from; None: train.seed's initialisation."""
+    return base_of(cfg.train.init_from) if cfg.peft.name == "lora" else cfg.train.init_from
+
+
 def base_folder(init_from: Optional[str]) -> Path:
     """The folder of base_of(init_from) (a LoRA run's, checked before launch: it exists)."""
     return hf.folder_of(base_of(init_from))

@@ -85,8 +85,8 @@ class Batcher:
     def pairs_in_order(self, split: str, first: int) -> Batch:
         """Pairs first, first+1, ... of a split (the first ones again past its last, to fill the batch), as a drawn
         batch holds them: a reference pass over every pair (stages/reference.py)."""
-        n = len(getattr(self.corpus, split)) // 2
-        return self._draw(split, (self.seed, 2, first), (first + np.arange(self.batch_size // 2)) % n)
+        pairs = (first + np.arange(self.batch_size // 2)) % self.pair_count(split)
+        return self._draw(split, (self.seed, 2, first), pairs)
 
     def pair_count(self, split: str) -> int:
         return len(getattr(self.corpus, split)) // 2
@@ -104,11 +104,9 @@ class Batcher:
             batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
             batch.sources = sources[order] if sources is not None else None
             batch.drawn = batch.drawn[order] if batch.drawn is not None else None
-        if not with_reference:
-            pass
-        elif callable(self.reference):  # computed for each batch (objective.reference=online)
+        if with_reference and callable(self.reference):  # computed for each batch (objective.reference=online)
             batch.reference = self.reference(batch)
-        elif self.reference is not None:
+        elif with_reference and self.reference is not None:
             batch.reference = torch.from_numpy(np.asarray(self.reference[split][batch.drawn], dtype=np.float64))
         return batch
 

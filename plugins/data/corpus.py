@@ -23,7 +23,6 @@ from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.reading import Layout, in_val, layout, partition
-from plugins.data.preference import check_pair, pair_ids
 from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss, piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
@@ -188,10 +187,8 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
             if isinstance(texts, Pair):  # its chosen and its rejected document, one after the other
-                if texts.conversational and (why := texts.render_problem(tok.chat_template)):
-                    raise InputFault(why)
-                made = pair_ids(tok, texts.prompt, texts.chosen, texts.rejected)
-                cut += check_pair(texts, made, cfg.train.seq_len + 1)
+                made, longer = texts.documents(tok, cfg.train.seq_len + 1)
+                cut += longer
             elif isinstance(texts, Chat):
                 made = [(ids, trained) for ids, trained in chat_ids(tok, texts, masked, **chatting)
                         if not masked or trained[:-1].any()]  # else the template marks nothing as the assistant's
@@ -220,7 +217,6 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     return writer.close(bytes_read=read, seconds=time.perf_counter() - t0, unlearned=unlearned,
                         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                         **({"pairs_cut": cut} if cfg.data.get("format") == "preference" else {}))
-
 
 
 def source_tokens(cfg, folder: Path) -> dict:

@@ -15,11 +15,11 @@ from rich.text import Text
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
 from plugins.data.corpus import corpus_layouts
-from plugins.data.registry import get_source
-from storage.fsio import read_json
 from plugins.data.preference import pair_ids
 from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
+from plugins.data.registry import get_source
+from storage.fsio import read_json
 
 LEARNED = ("⟦", "⟧")            # around the learned part where no style can show it
 LEARNED_STYLE = "bold green underline"

@@ -235,6 +235,15 @@ class Pair(Record):
         return next((why for completion in (self.chosen, self.rejected)
                      if (why := render_problem(Chat(self.prompt + completion, self.where), template))), "")
 
+    def documents(self, tok: tokenizers.Tokenizer, row: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+        """(its chosen and its rejected document: each ids and which are learned; 1 when they are longer than a row
+        of `row` tokens, cut there, else 0), as the tokenize stage writes them; InputFault naming the record for a
+        conversation the template cannot render, or a completion that starts past the row."""
+        if self.conversational and (why := self.render_problem(tok.chat_template)):
+            raise InputFault(why)
+        made = pair_ids(tok, self.prompt, self.chosen, self.rejected)
+        return made, check_pair(self, made, row)
+
 
 def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True, turns: str = "auto",
              learn_reasoning: bool = True) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -360,9 +369,8 @@ def first_records_problem(d, piece, template: Optional[str], variables: dict, ro
             if isinstance(texts, Pair) and texts.conversational and (why := texts.render_problem(template)):
                 return ("data.paths", why), learned, False
             if isinstance(texts, Pair) and pairs is not None:
-                tok, tokens = pairs
-                try:
-                    check_pair(texts, pair_ids(tok, texts.prompt, texts.chosen, texts.rejected), tokens)
+                try:  # (its rendering is checked above: what is left is the row)
+                    texts.documents(*pairs)
                 except InputFault as e:
                     return ("train.seq_len", str(e)), learned, False
             if not isinstance(texts, Chat):
