@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from plugins.data.reasoning import as_template_reads
+from plugins.data.reasoning import as_template_reads, reasoning_of, written
 
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 SPECIAL = {"qwen3": (None, "<|im_end|>"), "deepseek-r1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>")}
@@ -23,6 +23,8 @@ CHATS = {
                         {"role": "assistant", "content": "4.", "reasoning_content": "Two and two make four."}],
     "reasoning-inline": [{"role": "user", "content": "What is 2+2?"},
                          {"role": "assistant", "content": "<think>\nTwo and two.\n</think>\n\n4."}],
+    "reasoning-quotes-answer": [{"role": "user", "content": "What is 2+2?"},  # the answer's text in its reasoning
+                                {"role": "assistant", "content": "<think>\nTwo and two make 4.\n</think>\n\n4."}],
     "system-two-turns": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."},
                          {"role": "assistant", "content": "Blue.", "reasoning_content": "The sea is blue."},
                          {"role": "user", "content": "Another?"},
@@ -38,8 +40,10 @@ CHATS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+@pytest.fixture(scope="module", params=["think-added", "think-special"])
+def tokenizer(request):
+    """A byte-level BPE with both families' special tokens; <think> and </think> added as the models' tokenizers
+    add them (not special), or special, as a user's tokenizer may make them (a stop inside the turn)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE(unk_token=None))
@@ -49,7 +53,7 @@ def tokenizer():
     texts = [m["content"] + m.get("reasoning_content", "") for chat in CHATS.values() for m in chat] * 20
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.add_tokens(THINKING)
+    (tok.add_special_tokens if request.param == "think-special" else tok.add_tokens)(THINKING)
     return tok
 
 
@@ -92,8 +96,13 @@ def test_each_assistant_turn_is_an_example_as_inference_renders_it(tokenizer, fa
             assert ids.tolist() == list(theirs["input_ids"]), (family, name, k)
             assert trained.astype(int).tolist() == _last_run(list(theirs["assistant_masks"])), (family, name, k)
             said = hf.decode([i for i, t in zip(ids, trained) if t])
-            reasoning = chat[k].get("reasoning_content") or ""
-            assert reasoning in said and said.endswith(eos) and chat[k]["content"].split("</think>")[-1] in said
+            reasoning, answer = (s.strip() for s in reasoning_of(chat[k]))
+            assert reasoning in said and said.endswith(eos) and answer in said
+            if reasoning and not chat[k].get("tool_calls"):  # as at inference: the template's prompt with its generation prompt, then the turn
+                prompt = hf.apply_chat_template(as_read[:k], tools=tools, chat_template=plain, tokenize=False,
+                                                add_generation_prompt=True)
+                assert hf.decode(ids).startswith(prompt + said)  # (then the newline ChatML writes after a turn)
+                assert (prompt + said).endswith(written(reasoning, answer) + eos), (family, name, k)
         history = hf.decode(made[-1][0])
         assert all(m["reasoning_content"] not in history for m in chat[:turns[-1]]  # as at inference: dropped
                    if m.get("reasoning_content") and not name.startswith("tool"))

@@ -22,7 +22,7 @@ from typing import Optional
 
 import numpy as np
 
-from plugins.data.reasoning import reasoning_of
+from plugins.data.reasoning import THINK, reasoning_of
 
 TEMPLATE_FILE = "tokenizer_config.json"
 STANDARD_ROLES = ("system", "user", "assistant", "tool")  # what chat templates render (OpenAI's and HF's roles)
@@ -226,7 +226,7 @@ def turn_span(template: str, messages: list[dict], k: int, text: str, stops: tup
         raise NotExtending(f"the template renders message {k + 1} (the assistant's) otherwise when it ends the "
                            "conversation than when a turn follows it, so what the assistant said cannot be told "
                            "apart")
-    return len(prompt), stop_end(text, len(prompt), end, said, stops)
+    return len(prompt), stop_end(text, len(prompt), end, said, stops, reasoning)
 
 
 def spans_like_first(messages: list[dict], text: str, assistant: list[int], first: tuple[int, int],
@@ -273,10 +273,18 @@ def spans_like_first(messages: list[dict], text: str, assistant: list[int], firs
     return spans
 
 
-def stop_end(text: str, start: int, end: int, said: str, stops: tuple[str, ...]) -> int:
+def stop_end(text: str, start: int, end: int, said: str, stops: tuple[str, ...], reasoning: str = "") -> int:
     """Where an assistant's turn text[start:end] ends for the model: after the special token that closes it (the first
-    of `stops` after its content: a turn of tool calls alone has its calls before it), else at `end`."""
-    after = text.find(said, start, end) + len(said) if said else start
+    of `stops` after its content: a turn of tool calls alone has its calls before it), else at `end`. The answer is
+    looked for after the turn's reasoning: a reasoning that quotes its answer ("6*7 is 42.") would otherwise end
+    the turn at the first stop after the quote. The reasoning's own tags never stop a turn, even where a tokenizer
+    makes them special: `</think>` is followed by the answer (or a tool call)."""
+    stops = tuple(s for s in stops if s not in THINK)
+    after = start
+    if reasoning and (at := text.find(reasoning, start, end)) >= 0:
+        after = at + len(reasoning)
+    if said and (at := text.find(said, after, end)) >= 0:
+        after = at + len(said)
     found = [(at, -len(s)) for s in stops if s and 0 <= (at := text.find(s, after, end)) and at + len(s) <= end]
     return min(found)[0] - min(found)[1] if found else end
 

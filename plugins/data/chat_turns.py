@@ -80,7 +80,7 @@ def turn_example(template: str, messages: list[dict], k: int, stops: tuple[str, 
         lost = "reasoning" if reasoning and reasoning not in text[start:] else "answer"
         raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s {lost} (the "
                            "assistant's), so there is nothing of it to learn")
-    return text, (start, stop_end(text, start, end, answer, stops))
+    return text, (start, stop_end(text, start, end, answer, stops, reasoning))
 
 
 def _holds(turn: str, reasoning: str, answer: str) -> bool:
