@@ -73,7 +73,13 @@ def check_run(config: DictConfig) -> None:
     problems = unresolved(config, ("hydra.run.dir",))  # Hydra's key the run reads (validate resolves the rest)
     if problems:
         raise ConfigError(problems)
-    check_experiment(experiment(config), task_overrides(config.hydra))
+    cfg = experiment(config)
+    check_experiment(cfg, task_overrides(config.hydra))
+    if cfg.tune.name == "layout":  # and one layout at least runs: else no trial starts, and the layouts that do say
+        from orchestrator.sweeps.tune import layout_problems
+
+        if problems := layout_problems(cfg):
+            raise ConfigError(problems)
     run_dir = str(config.hydra.run.dir)
     problems = folder_problems("hydra.run.dir", run_dir, "the run's files") + sweep_keys_alone(config)
     if problems:

@@ -180,12 +180,13 @@ def _online_reference(cfg) -> bool:
     off is the reference (planning/partition.adapters_are_the_difference)."""
     from planning.partition import adapters_are_the_difference
 
-    o = cfg.get("objective")
-    return o is not None and o.name == "dpo" and o.reference == "online" and not adapters_are_the_difference(cfg)
+    from plugins.objectives.reference import online
+
+    return online(cfg) and not adapters_are_the_difference(cfg)
 
 
 def reference_bytes(cfg, plan: dict, rank: int = 0) -> int:
-    """A rank's share of the reference model of a preference objective: the model without LoRA's adapters, in fp32,
+    """A rank's share of the reference model of an objective that takes one: the model without LoRA's adapters, in fp32,
     sharded as the policy (the reference stage's weights; the online reference's beside the policy)."""
     base = _held_by_rank(plan, which=lambda name, q: ".lora_" not in name)
     return base.get(rank, max(base.values())) * 4 // (cfg.parallel.dp if cfg.parallel.dp_mode == "shard" else 1)

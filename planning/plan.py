@@ -90,10 +90,20 @@ def peft_line(cfg) -> list[str]:
 
 
 def objective_line(cfg) -> list[str]:
-    """objective=dpo: the loss, and where the reference model's log-probabilities come from, at what cost."""
+    """An objective other than the default's: what it minimises (its spec's words), and where the reference model's
+    log-probabilities come from, at what cost, where it takes them."""
     o = cfg.get("objective")
-    if o is None or o.name != "dpo":
+    if o is None:
         return []
+    from plugins.objectives import get_objective
+    from plugins.objectives.reference import cached, needs_reference
+
+    spec = get_objective(o.name)
+    if spec.loss is None:
+        return []  # next-token cross-entropy: the compute line says how
+    loss = f"objective: {spec.describe(o)}"
+    if not needs_reference(cfg):
+        return [loss]
     from planning.estimate import reference_bytes
     from planning.partition import adapters_are_the_difference
     from plugins.parallel import world_size
@@ -102,22 +112,20 @@ def objective_line(cfg) -> list[str]:
     source = adapters.reference_of(cfg)
     model = (f"{source}'s weights" + (": LoRA's base, the adapters off" if cfg.peft.name == "lora" else "")) \
         if source else f"train.seed={cfg.train.seed}'s initialisation"
-    loss = f"objective: dpo ({o.loss_type}, beta {o.beta:g}" + \
-        (f", label smoothing {o.label_smoothing:g}" if o.label_smoothing else "") + ") on preference pairs"
     p = plan_of(cfg)
     weights = reference_bytes(cfg, p.partition)
-    if o.reference == "online" and adapters_are_the_difference(cfg):
+    if not cached(cfg) and adapters_are_the_difference(cfg):
         return [f"{loss}; the reference model ({model}) online: the policy with its adapters off, one more "
                 "forward of every batch's rows (no second model)"]
-    if o.reference == "online":
+    if not cached(cfg):
         return [f"{loss}; the reference model ({model}) online: a frozen copy beside the policy on every "
                 f"rank ({_size(weights)}, in the memory line), one more forward of every batch's rows"]
     rank = weights + p.rank.activations + p.rank.runtime
     return [f"{loss}; the reference stage scores every pair of both splits once with the reference model ({model}), "
             f"as {world_size(cfg.parallel)} rank(s) of at most {_size(rank)} each (its weights "
             f"{_size(weights)} and a forward's activations: no "
-            "gradients or optimizer state); a sweep over beta, the loss type, the learning rate or LoRA's rank "
-            "reuses it"]
+            f"gradients or optimizer state); a sweep over objective.{'/'.join(k for k in o if k != 'name')}, the "
+            "learning rate or LoRA's rank reuses it"]
 
 
 def compute_line(cfg) -> str:
@@ -133,9 +141,11 @@ def compute_line(cfg) -> str:
     if cfg.data.packing:
         return f"{head}; rows are packed, with no padding to leave out"
     why = padding_kept(cfg, get_engine(cfg.engine.name).one_shape)
-    pairs = cfg.data.get("format") == "preference"
+    from plugins.objectives import objective_of
+
+    kept = objective_of(cfg).loss is not None  # an objective of rows: each row stays one example
     rows = "padded rows keep their padding: " + why if why else \
-        "a batch's rows of pairs are cut after their longest real run (each row stays a completion)" if pairs else \
+        "a batch's rows are cut after their longest real run (each row stays one example)" if kept else \
         "padded rows reach the blocks as their real tokens only (each rank packs them into fewer rows)"
     return f"{head}; {rows}"
 
@@ -227,11 +237,12 @@ def _example_problems(cfg, avail: int, where: str) -> list[Problem]:
                                 f"export.sample_batch+1 example sequences through torch and ONNX Runtime: about "
                                 f"{need / GB:,.1f} GB, more than the {avail / GB:,.1f} GB it may use ({where})",
                                 f"export.sample_batch={fits}" if fits >= 1 else "a smaller export.sample_seq"))
-    if cfg.data.name == "synthetic" and 16 * cfg.data.synthetic_tokens > room:
+    if cfg.data.name == "synthetic" and 16 * cfg.data.synthetic_tokens > room:  # the fix offers half the room:
+        # what is free moves between runs, and a fix sized to the byte would be refused in turn
         problems.append(Problem("data.synthetic_tokens", cfg.data.synthetic_tokens, f"the synthetic stream is drawn "
                                 f"in memory, 16 bytes a token: {16 * cfg.data.synthetic_tokens / GB:,.1f} GB, more "
                                 f"than the {avail / GB:,.1f} GB it may use ({where})",
-                                f"data.synthetic_tokens={max(room // 16, 2):,}".replace(",", "")))
+                                f"data.synthetic_tokens={max(room // 32, 2):,}".replace(",", "")))
     return problems
 
 
@@ -247,23 +258,38 @@ def _tokenize_problem(cfg, avail: int, where: str):
     return memory_problem(cfg, tokenize_tasks(cfg, corpora, usable_cores()), avail, where)
 
 
+def checkpoint_saves(train) -> int:
+    """The checkpoints a run writes: every train.checkpoint_every steps and the last step's (a baseline's, at
+    train.steps=0, too)."""
+    return max(-(-train.steps // train.checkpoint_every) if train.checkpoint_every else 1, 1)
+
+
+def checkpoints_on_disk(train, keep: int) -> int:
+    """The most checkpoints on disk at once: `keep` and the one just written, before the oldest is pruned; never
+    more than the run writes (keeping "all" on a short run is a few checkpoints, not `keep`)."""
+    return min(keep + 1, checkpoint_saves(train))
+
+
 def _disk_problems(cfg, plan: Plan) -> list[Problem]:
-    """Room for the checkpoints (fp32 weights and optimizer state): train.keep_checkpoints of them while training
-    plus the published one (the checkpoint stage links it, no copy on the same disk), and the aggregate's files
-    (the checkpoint's bytes again, as safetensors: the weights once, in hf/, and the optimizer state; and the ONNX
-    model's weights)."""
+    """Room for the checkpoints (fp32 weights and optimizer state): as many as are on disk at once (the checkpoint
+    stage links the published one, no copy on the same disk), and the aggregate's files (the checkpoint's bytes
+    again, as safetensors: the weights once, in hf/, and the optimizer state; and the ONNX model's weights)."""
     where = Path(cfg.cache_dir).expanduser().absolute()
     while not where.exists():
         where = where.parent
     free = shutil.disk_usage(where).free
     per_checkpoint = int(plan.stages["checkpoint"].writes * 1.1) + 4 * 2**20  # + DCP's metadata
     aggregate = plan.stages["aggregate"].writes
-    needed = per_checkpoint * (cfg.train.keep_checkpoints + 1) + aggregate
+    t = cfg.train
+    at_once = checkpoints_on_disk(t, t.keep_checkpoints)
+    needed = per_checkpoint * at_once + aggregate
     if free >= needed:
         return []
     mb = 2**20
+    fits_with_one = per_checkpoint * checkpoints_on_disk(t, 1) + aggregate <= free  # offered only where it fits
+    fewer = ", or train.keep_checkpoints=1" if fits_with_one else ""
     return [Problem("cache_dir", cfg.cache_dir, f"the checkpoints of this model need about {needed / mb:,.0f} MB "
-                    f"({per_checkpoint / mb:,.0f} MB each: fp32 weights and optimizer state; train.keep_checkpoints="
-                    f"{cfg.train.keep_checkpoints} while training, the final one, and the aggregate's "
-                    f"{aggregate / mb:,.0f} MB); {where} has {free / mb:,.0f} MB free",
-                    "free space, cache_dir= a larger disk, or train.keep_checkpoints=1")]
+                    f"({per_checkpoint / mb:,.0f} MB each, fp32 weights and optimizer state, {at_once} on disk at "
+                    f"once: train.keep_checkpoints={t.keep_checkpoints} of the {checkpoint_saves(t)} this run "
+                    f"writes and the one being written; and the aggregate's {aggregate / mb:,.0f} MB); {where} has "
+                    f"{free / mb:,.0f} MB free", f"free space{'' if fewer else ' or'} cache_dir= a larger disk{fewer}")]

@@ -8,7 +8,7 @@ from typing import Optional
 
 from planning import stage_time
 from planning.estimate import matmul_rate, step_flops
-from planning.plan import partition_plan, plan_of
+from planning.plan import checkpoint_saves, partition_plan, plan_of
 from planning.stage_time import Expected
 from plugins.parallel import world_size
 from runtime.threads import rank_threads, usable_cores
@@ -144,7 +144,7 @@ def saves_line(cfg) -> str:
     a save or an aggregate of about that size measured here before, else a file written now (storage.disk_speed)."""
     t, p = cfg.train, plan_of(cfg)
     checkpoint, aggregate = p.stages["checkpoint"].writes, p.stages["aggregate"].writes
-    saves = -(-t.steps // t.checkpoint_every) if t.checkpoint_every else 1
+    saves = checkpoint_saves(t)
     root = Path(cfg.cache_dir).resolve()
     try:
         root.mkdir(parents=True, exist_ok=True)  # where the run writes next (a dry run does not come here)

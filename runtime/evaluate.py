@@ -1,4 +1,5 @@
-"""Held-out loss: the same batches every time, so two evaluations of the same weights agree exactly."""
+"""Held-out loss: the same batches every time, so two evaluations of the same weights agree exactly; each held-out
+example scored once (the batcher's eval_batches: as many batches as the split fills, at most train.eval_batches)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,23 +12,24 @@ from torch import nn
 
 def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]] = lambda: None,
               measures: Optional[dict] = None) -> Optional[float]:
-    """Mean next-token loss over the first n_batches held-out batches (preference pairs: the objective's mean loss
-    over their pairs), computed in the layout (every rank calls it: the sums are reduced over ranks). The aggregate's
-    check of a model too big to hold is eval_loss_by_piece. stop: asked before each batch (by every rank, a
+    """Mean next-token loss over the held-out batches, at most n_batches (an objective of rows: its mean loss over
+    what it counts, a preference objective's pairs), computed in the layout (every rank calls it: the sums are
+    reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece. stop: asked before each batch (by every rank, a
     collective when several run); when it says why, the evaluation is abandoned and None returned, so that a signal
     is acted on within a batch, not after the whole evaluation. measures: filled with the objective's own means
     (held-out rewards and accuracies), where it has them."""
     layout.train(False)
     total, count = torch.zeros((), dtype=torch.float64), 0
     try:
-        for i in range(n_batches):
+        for i in range(batcher.eval_batches(n_batches)):
             if stop():
                 return None
             batch = batcher.eval_batch(i)
+            objective = layout.runner.objective
+            count += objective.count(batch) if objective is not None else batch.n_labels  # (first: it may keep totals)
             total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels),
                                             layout.local_batch(batch.documents),
-                                            layout.local_batch(batch.reference)).cpu()
-            count += batch.inputs.shape[0] // 2 if batch.reference is not None else batch.n_labels
+                                            layout.local_batch(batch.row_inputs)).cpu()
     finally:
         layout.train(True)
         found = layout.objective_metrics(max(count, 1))  # taken when stopped too: the next step's are its own
@@ -90,7 +92,7 @@ def eval_loss_by_piece(pieces: Iterable[Callable[[], nn.Module]], loss_fn, batch
     depend on how the tokens are grouped, and the summed loss adds up over groups). beside: inputs whose outputs
     (in fp32, without autocast) are made in the first chunk's pass: the aggregate's ONNX check's reference, made
     while the parts are made for the eval anyway. Returns (the loss, those outputs)."""
-    batches = [batcher.eval_batch(i) for i in range(n_batches)]
+    batches = [batcher.eval_batch(i) for i in range(batcher.eval_batches(n_batches))]
     makers = list(pieces)
     total, count, outputs = 0.0, 0, []
     for n, chunk in enumerate(_chunks(batches, tokens_per_chunk)):
@@ -127,7 +129,7 @@ def _chunks(batches: list, tokens: int) -> list[list]:
 def row_sums(layout, batch, width_multiple: int = 0) -> torch.Tensor:
     """(rows, 2) float64, the same on every rank: each row's summed log-probability of its learned tokens under the
     layout's model, and their count: a forward of the rank's rows through its runner, whose objective keeps them
-    (plugins/objectives/dpo.ReferenceRows: the reference model's log-probabilities of preference pairs); the ranks
+    (plugins/objectives/reference.ReferenceRows: the reference model's log-probabilities of each row); the ranks
     that hold a head and count the loss (one a data-parallel replica) place theirs at their replica's rows, and a sum
     over ranks gathers them. width_multiple (the step's repack_to; 0: rows keep their shape): the rank's rows cut
     after their longest real run, as the train step cuts them (Layout.rank_inputs)."""
@@ -167,6 +169,6 @@ def held_out_nll(layout, batcher, n_batches: int, rows_objective, width_multiple
     preference objective (its runner's objective set to `rows_objective`, ReferenceRows, for the pass): what the
     aggregate stage's check of the whole model computes of the same batches."""
     with objective_set(layout, rows_objective):
-        sums = sum(row_sums(layout, batcher.eval_batch(i, with_reference=False), width_multiple).sum(0)
-                   for i in range(n_batches))
+        sums = sum(row_sums(layout, batcher.eval_batch(i, with_inputs=False), width_multiple).sum(0)
+                   for i in range(batcher.eval_batches(n_batches)))
     return float(-sums[0] / max(float(sums[1]), 1.0))

@@ -125,8 +125,18 @@ def step_line(row: dict, steps: int) -> str:
     if "rewards/accuracies" in row:  # preference pairs: how often the chosen wins, and by how much
         text += f" | reward acc {row['rewards/accuracies']:.2f} margin {row['rewards/margins']:.4f}"
     if "eval_loss" in row:
-        text += f" | eval loss {row['eval_loss']:.4f}"
+        text += f" | {eval_name(row)} {row['eval_loss']:.4f}"
     return text
+
+
+def eval_name(row: dict) -> str:
+    """What a row's eval_loss is: the held-out pairs' loss for a preference objective (rows with rewards), which the
+    aggregate's next-token eval loss must not be mistaken for; else the next-token loss itself."""
+    return "eval pair loss" if _pairs(row) else "eval loss"
+
+
+def _pairs(row: dict) -> bool:
+    return any(k.startswith(("rewards/", "eval_rewards/")) for k in row)
 
 
 class MetricsLog:
@@ -179,14 +189,15 @@ def plot_loss_curve(rows: Iterable[dict], path: Path, title: str = "") -> Option
     rows = list(rows)
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    pairs = any(map(_pairs, rows))  # a preference objective's losses are per pair, not per token
     if not train:
         return None
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot(*zip(*train), label="train loss", linewidth=1)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
+        ax.plot(*zip(*evals), "o-", label="eval pair loss" if pairs else "eval loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_ylabel("loss per pair" if pairs else "cross-entropy (nats/token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()

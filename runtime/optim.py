@@ -93,7 +93,7 @@ def check(cfg) -> list:
 
     if cfg.optimizer.name not in OPTIMIZERS:
         return [Problem("optimizer.name", cfg.optimizer.name, f"the optimizers there are: {', '.join(OPTIMIZERS)} "
-                        "(runtime/optim.py)", f"optimizer={next(iter(OPTIMIZERS))}, or add one to OPTIMIZERS")]
+                        "(runtime/optim.py)", f"optimizer.name={next(iter(OPTIMIZERS))}, or add one to OPTIMIZERS")]
     betas = cfg.optimizer.get("betas")
     if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
         return [Problem("optimizer.betas", list(betas), "Adam's betas are two decay rates, each in [0, 1)",

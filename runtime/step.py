@@ -61,14 +61,16 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
         torch.manual_seed(s.dropout_seed + step)  # dropout masks depend on the step only
     for opt in optimizers:
         set_lr(opt, lr)
-    # the loss is a mean over the whole batch's labels (preference pairs: its pairs), however it is split
-    pairs = batch.reference is not None
-    n_labels = batch.inputs.shape[0] // 2 if pairs else max(batch.n_labels, 1)
+    # the loss is a mean over the whole batch's labels (an objective of rows: over what it counts, a preference
+    # objective's pairs), however it is split
+    objective = layout.runner.objective
+    n_labels = objective.count(batch) if objective is not None else max(batch.n_labels, 1)
     probe.start_step()
     loss_scale = scaler.scale
-    inputs, labels, documents, counts = layout.rank_inputs(batch, s.repack_to, s.microbatches, rows_kept=pairs)
+    inputs, labels, documents, counts = layout.rank_inputs(batch, s.repack_to, s.microbatches,
+                                                           rows_kept=objective is not None)
     loss = layout.runner.train_step(inputs, labels, n_labels, loss_scale, documents, counts,
-                                    layout.local_batch(batch.reference))
+                                    layout.local_batch(batch.row_inputs))
     grad_norm = layout.sync_and_clip(s.grad_clip, loss_scale)
     finite = scaler.step_ok(grad_norm)
     if finite and s.skip_nonfinite and not scaler.enabled:
@@ -82,7 +84,7 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
            "tokens": batch.inputs.numel(), "step_time_s": time.perf_counter() - t0, "time": time.time(),
            "input_density": batch.input_density, "label_density": batch.label_density, **probe.metrics(),
            **scaler.metrics(), **({"skipped": not finite} if scaler.enabled or s.skip_nonfinite else {})}
-    if pairs:  # the objective's measures (rewards, log-probabilities), read back with the loss
+    if objective is not None:  # the objective's measures (rewards, log-probabilities), read back with the loss
         row["objective"] = layout.objective_metrics(n_labels)
     if layout.timeline is not None:
         row["pipeline_idle_fraction"] = layout.timeline.idle_fraction()

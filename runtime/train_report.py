@@ -38,6 +38,30 @@ def divergence(row: dict, done: int, in_a_row: int, cfg, last_good: str) -> str:
             f"train.nonfinite=skip to drop such steps")
 
 
+CHANCE = 0.5  # a preference objective's reward accuracy by chance: which completion wins is a coin's toss
+
+
+def not_learned(rows: list[dict], at_reference: Optional[float] = None) -> Optional[str]:
+    """Why a run's held-out measures say it learned nothing (None: they say it learned, or cannot say): its last
+    held-out loss no lower than its value at the reference (at_reference: a preference objective's, log 2 for DPO)
+    or, without one, than at its first evaluation; a held-out reward accuracy at chance or below. Not a failure:
+    said beside the result, so that a sweep's best point is not mistaken for a gain."""
+    evals = [r for r in rows if r.get("eval_loss") is not None]
+    if not evals:
+        return None
+    last, why = evals[-1], []
+    if at_reference is not None and last["eval_loss"] >= at_reference:
+        why.append(f"its held-out loss {last['eval_loss']:.4f} is no lower than at the reference model "
+                   f"({at_reference:.4f})")
+    elif at_reference is None and len(evals) > 1 and last["eval_loss"] >= evals[0]["eval_loss"]:
+        why.append(f"its held-out loss {last['eval_loss']:.4f} is no lower than at its first evaluation "
+                   f"({evals[0]['eval_loss']:.4f}, step {evals[0]['step']})")
+    accuracy = last.get("eval_rewards/accuracies")
+    if accuracy is not None and accuracy <= CHANCE:
+        why.append(f"its held-out reward accuracy {accuracy:.2f} is at chance ({CHANCE})")
+    return "; ".join(why) or None
+
+
 def progress(ctx, steps: int) -> Progress:
     console = Console(force_terminal=ctx.interactive or None, highlight=False)
     return Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -100,8 +124,11 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                "loss_scaler": run["scaler"].state_dict() if run["scaler"].enabled else None,
                # objective=dpo: the held-out pairs' measures, and their next-token loss (their eval loss is the pairs')
                **{f"final_{k}": v for k, v in last.items() if k.startswith(("eval_rewards/", "eval_logps/"))},
-               **({"final_eval_nll": run["final_eval_nll"]} if run.get("final_eval_nll") is not None else {})}
+               **({"final_eval_nll": run["final_eval_nll"]} if run.get("final_eval_nll") is not None else {}),
+               "not_learned": not_learned(rows, run.get("at_reference"))}
     atomic_write_json(ctx.out / "summary.json", summary)
+    if summary["not_learned"]:
+        ctx.log.warning("learned nothing: %s", summary["not_learned"])
     c = layout.coords
     shape = f"dp{c.dp_size} hp{c.hp_size} pp{c.pp_size}"
     title = f"{cfg.model.name} {plan['n_parameters']:,} params, {shape}, {precision.name}"
@@ -116,7 +143,8 @@ def write_summary(ctx, layout, plan: dict, rows: list[dict], run: dict) -> dict:
                              **{k: summary[k] for k in ("final_eval_loss", "mfu") if summary[k] is not None}})
     ctx.tracker.set_tags({"precision": precision.name, "attention_kernel": summary["attention_kernel"],  # what ran
                           "optimizer_impl": summary["optimizer_impl"], "engine": cfg.engine.name,
-                          "device": summary["device"], "layout": shape})
+                          "device": summary["device"], "layout": shape,
+                          **({"not_learned": summary["not_learned"][:4000]} if summary["not_learned"] else {})})
     for artifact in artifacts:
         if artifact:
             ctx.tracker.log_artifact(artifact)

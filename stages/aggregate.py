@@ -111,9 +111,9 @@ def aggregate(ctx: StageContext) -> None:
         trained = summary.get("final_eval_nll", summary["final_eval_loss"])
         rtol = MIXED_EVAL_RTOL.get(precision.name, get_engine(cfg.engine.name).eval_rtol)
         if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too
-            raise RuntimeError(f"the aggregated model's eval loss {loss!r} differs from the train stage's final eval "
-                               f"loss {trained!r} by more than {rtol:g} (relative; engine={cfg.engine.name}, "
-                               f"precision={precision.name})")
+            raise RuntimeError(f"the aggregated model's next-token eval loss {loss!r} differs from the train stage's "
+                               f"final eval loss (next-token) {trained!r} by more than {rtol:g} (relative; engine="
+                               f"{cfg.engine.name}, precision={precision.name})")
         return loss, trained, outputs
 
     def inference_model(weights, args: tuple, reference: list) -> dict:
@@ -182,7 +182,8 @@ def aggregate(ctx: StageContext) -> None:
     lap("manifest")
     disk_speed.record(Path(cfg.cache_dir).expanduser().resolve(), disk_speed.aggregate_kind(a.onnx),
                       tree_bytes(ctx.out), sum(seconds.values()))  # the plan's time for the next
-    ctx.log.info("aggregated step %d: eval loss %.6f (train stage: %.6f), %s; %s", manifest["step"], loss, trained,
+    ctx.log.info("aggregated step %d: eval next-token loss %.6f (train stage: %.6f), %s; %s", manifest["step"],
+                 loss, trained,
                  f"ONNX check {onnx_diff:.1e}" if onnx_record else "no ONNX model (aggregate.onnx=false)",
                  ", ".join(f"{k} {v:.1f} s" for k, v in seconds.items()))
 
@@ -194,7 +195,8 @@ def nonfinite(t: torch.Tensor) -> bool:
 def _summary(out) -> str:
     v = read_json(out / "manifest.json")["verification"]
     onnx_text = f"ONNX check {v['onnx_max_abs_diff']:.1e}" if v.get("onnx_max_abs_diff") is not None else "no ONNX"
-    return f"eval {v['eval_loss']:.4f} (= train), {onnx_text}"
+    # next-token, as the train stage's row says for SFT; for DPO that row's eval is the pairs' loss (another number)
+    return f"eval next-token loss {v['eval_loss']:.4f} (= train's), {onnx_text}"
 
 
 STAGE = Stage(

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from plugins.evaluate import generations, harness, models, validation
+from plugins.objectives.spec import rows_per_example
 from runtime.machine import peak_rss_bytes
 from stages.base import Stage, StageContext
 from storage.fsio import atomic_write_json, read_json
@@ -44,7 +45,8 @@ def evaluate(ctx: StageContext) -> None:
     data = {}
     if validation.TASK in ev.tasks:  # the run's held-out documents, as text, scored where they are kept
         data[validation.TASK] = ctx.out / "validation.jsonl"
-        validation.write_documents(ctx.inputs["tokenize"], data[validation.TASK], ev.limit)
+        validation.write_documents(ctx.inputs["tokenize"], data[validation.TASK], ev.limit,
+                                   rows_per_example(ctx.cfg))
     tasks = harness.task_configs(ev, data)
     lm = models.hf_model(hf, ev, device)
     if ev.apply_chat_template and not getattr(lm.tokenizer, "chat_template", None):
@@ -130,7 +132,8 @@ def _generations(ctx: StageContext, lm) -> Optional[dict]:
     if ev.prompts:
         prompts = generations.user_prompts(lm.tokenizer, list(ev.prompts))
     else:
-        prompts = validation.prompts(ctx.inputs["tokenize"], ev.generations) if ev.generations else []
+        prompts = validation.prompts(ctx.inputs["tokenize"], ev.generations, stride=rows_per_example(ctx.cfg)) \
+            if ev.generations else []
     if not prompts:
         return None
     table = generations.answer(lm.model, lm.tokenizer, prompts, ev.max_new_tokens)

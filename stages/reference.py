@@ -1,4 +1,5 @@
-"""reference: the reference model's log-probabilities of every preference pair, computed once (objective=dpo).
+"""reference: the reference model's log-probabilities of every preference pair, computed once, for an objective that
+takes them (plugins/objectives/reference.py; dpo's) with objective.reference=cached.
 
 A preference objective compares the policy's log-probability of each pair's chosen and rejected completion with a
 frozen reference model's (train.init_from's; with peft=lora its base, the adapters off). They do not change while
@@ -22,7 +23,7 @@ from planning.partition import without_adapters
 from plugins.data import build_batcher
 from plugins.models import get_model
 from plugins.models.registry import vocab_rows
-from plugins.objectives.dpo import REFERENCE_SPLITS, ReferenceRows
+from plugins.objectives.reference import SPLITS, ReferenceRows, cached
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
@@ -42,7 +43,7 @@ def reference(ctx: StageContext) -> None:
     batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens")
     per_batch, forwards, summary = cfg.train.batch_size // 2, 0, {}
     width = StepSettings.of(cfg).repack_to  # rows cut after their longest real run, as the train step cuts them
-    for split in REFERENCE_SPLITS:
+    for split in SPLITS:
         pairs = batcher.pair_count(split)
         values = np.full(2 * pairs, np.nan)
         for first in range(0, pairs, per_batch):
@@ -88,5 +89,5 @@ STAGE = Stage(
     resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),
     fingerprint=_fingerprint,
     summary=_summary,
-    enabled=lambda cfg: cfg.objective.name == "dpo" and cfg.objective.reference == "cached",
+    enabled=cached,
 )

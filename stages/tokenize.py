@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from plugins.data import data_fingerprint, shards
+from plugins.data.bad_records import BadRecords, stage_line
 from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
                                  estimate_seconds, finish_all, source_index, source_tokens, tokenize_tasks, wait_for,
                                  write_part)
@@ -188,12 +189,15 @@ def _report(ctx: StageContext, index: dict, seconds: float, read: int) -> None:
     if index.get("unlearned"):  # records with nothing to learn: an empty completion, or no turn marked as the
         ctx.log.warning("warning: %d record(s) with nothing to learn left out (an empty completion, or a chat the "
                         "template marks no assistant turn of)", index["unlearned"])  # assistant's by the template
+    if index.get("bad_records"):  # data.bad_records=skip: never silent
+        ctx.log.warning("%s", stage_line(BadRecords.of(index)))
 
 
 def _summary(out) -> str:
     index = read_json(out / TOKENS_DIR / shards.INDEX)
+    left_out = BadRecords.of(index).count
     return (f"{index['train']['tokens']:,} + {index['val']['tokens']:,} tokens ({index['tokenizer']}, "
-            f"vocabulary {index['vocab_size']:,})")
+            f"vocabulary {index['vocab_size']:,})" + (f", {left_out:,} bad record(s) left out" if left_out else ""))
 
 
 def _resources(cfg) -> Resources:

@@ -16,12 +16,15 @@ from omegaconf import OmegaConf
 from plugins.data import build_batcher
 from plugins.data.preview import passes_line
 from plugins.data.packing import whole_documents
+from plugins.data.corpus import TOKENIZER_DIR
+from plugins.data.tokenizer import CARRIED
 from planning.partition import adapters_are_the_difference, without_adapters
 from plugins.engines import get_engine
 from plugins.models import get_model
 from plugins.models.lora import adapters_off, is_adapter
 from plugins.models.registry import vocab_rows
-from plugins.objectives.dpo import ReferenceRows, preference_loss, reference_values
+from plugins.objectives import loss_of, objective_of
+from plugins.objectives.reference import ReferenceRows, cached, needs_reference, reference_values
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device
@@ -48,7 +51,7 @@ def train(ctx: StageContext) -> None:
     probe = MemoryProbe(device)
     spec = get_model(cfg.model.name)
     prepared = ctx.inputs["transform"] / cfg.engine.name  # what the transform stage prepared for the engine, if any
-    objective = preference_loss(cfg.objective) if cfg.objective.name == "dpo" else None
+    objective = loss_of(cfg)  # None: next-token cross-entropy
     layout = build_layout(cfg, plan, spec, device, probe=probe, timeline=cfg.parallel.pp > 1,
                           prepared=prepared, log=ctx.log, objective=objective)
     engine = get_engine(cfg.engine.name)
@@ -56,7 +59,7 @@ def train(ctx: StageContext) -> None:
         engine.report(ctx, spec, layout.engine_fallbacks, prepared)
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
-    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens", _reference(ctx, layout, device))
+    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens", _reference(ctx, layout, device))  # row inputs
     if ctx.is_rank0:  # said by the plan too where the tokenize stage ran before it
         for line in passes_line(cfg, ctx.inputs["tokenize"] / "tokens"):
             ctx.log.info("%s", line)
@@ -71,6 +74,8 @@ def train(ctx: StageContext) -> None:
         base = adapters.base_of(t.init_from)  # a continued LoRA checkpoint's base is the one it names
         meta["peft"] = {"config": OmegaConf.to_container(cfg.peft, resolve=True), "base": {"init_from": base,
                                                            "stamps_sha256": hf.stamps(hf.folder_of(base))}}
+    if needs_reference(cfg):  # a run continued from these checkpoints compares with the same reference
+        meta["reference"] = {"init_from": adapters.reference_of(cfg)}
     checkpointer = Checkpointer(ctx, layout, list(zip(layout.parts, optimizers)), scaler, meta, history,
                                 vocab_rows(cfg.model), is_adapter if cfg.peft.name == "lora" else None)
     if not t.resume:
@@ -115,7 +120,7 @@ def train(ctx: StageContext) -> None:
                 rows = window.flush()  # the only read-back from the device outside evaluation and fp16
                 diverged = first_nonfinite(rows) or (rows[-1] if stalled else None)
                 if evaluating and not diverged:  # a signal during it stops it within a batch (then saves, below)
-                    held_out: dict = {}  # a preference objective's measures of the held-out pairs
+                    held_out: dict = {}  # an objective's measures of the held-out examples (pairs' rewards)
                     loss = eval_loss(layout, batcher, t.eval_batches, lambda: preemption.stop_requested(
                         layout.world, control), measures=held_out)
                     if loss is None:
@@ -147,7 +152,7 @@ def train(ctx: StageContext) -> None:
                 raise preemption.Preempted(done, reason)
     history.close()
     checkpointer.wait()
-    # a preference objective's held-out loss is the pairs'; the aggregate's check of the whole model reads this one
+    # an objective of rows' held-out loss is its own; the aggregate's check of the whole model reads this one
     nll = held_out_nll(layout, batcher, t.eval_batches, ReferenceRows(), settings.repack_to) if objective is not None \
         else None
     timeline = gather_timeline(layout)
@@ -159,6 +164,9 @@ def train(ctx: StageContext) -> None:
     if start == t.steps:  # an earlier attempt finished training and saved its last checkpoint
         ctx.log.info("training had already reached step %d: publishing its results", t.steps)
     link_tree(checkpointer.last(t.steps), ctx.out / "checkpoint")
+    if (ctx.inputs["tokenize"] / TOKENIZER_DIR).is_dir():  # the checkpoint carries the tokenizer its data was
+        # made with: data.tokenizer=auto from it reads the same ids (plugins/data/tokenizer.py auto_tokenizer)
+        link_tree(ctx.inputs["tokenize"] / TOKENIZER_DIR, ctx.out / "checkpoint" / CARRIED)
     if (ctx.scratch / "profile").is_dir():  # every rank's traces (they share the scratch folder on one machine)
         link_tree(ctx.scratch / "profile", ctx.out / "profile")
     (ctx.out / "metrics.jsonl").write_text(history.path.read_text())
@@ -167,17 +175,17 @@ def train(ctx: StageContext) -> None:
         "growth_mb": growth_mb, "timeline": timeline, "probe": probe,
         "optimizers": optimizers, "kernels": layout.kernels, "fallbacks": layout.engine_fallbacks, "scaler": scaler,
         "documents": whole_documents(cfg.data) is not None, "baseline_eval_loss": baseline,
-        "final_eval_nll": nll})
+        "final_eval_nll": nll, "at_reference": objective_of(cfg).at_reference(cfg.objective)})
 
 
 def _reference(ctx: StageContext, policy, device):
-    """objective=dpo: the reference log-probabilities of the pairs, the reference stage's (objective.reference=cached)
-    or computed for each batch (online) by the policy with its adapters off (peft=lora: no second model) or a frozen
-    reference model beside it; None otherwise."""
+    """An objective that takes the reference model's log-probabilities: the reference stage's (cached), or computed
+    for each batch (online) by the policy with its adapters off (peft=lora: no second model) or a frozen reference
+    model beside it; None otherwise."""
     cfg = ctx.cfg
-    if cfg.objective.name != "dpo":
+    if not needs_reference(cfg):
         return None
-    if cfg.objective.reference == "cached":
+    if cached(cfg):
         return reference_values(ctx.inputs["reference"])
     width = StepSettings.of(cfg).repack_to  # rows cut after their longest real run, as the step cuts them
     if adapters_are_the_difference(cfg):
@@ -215,8 +223,11 @@ def _summary(out) -> str:
     if s["final_loss"] is None:  # train.steps=0
         baseline = f", eval {s['final_eval_loss']:.4f}" if s["final_eval_loss"] is not None else ""
         return f"no step (train.steps=0): the starting weights{baseline}"
-    return f"loss {s['final_loss']:.4f}, eval {s['final_eval_loss']:.4f}{tps} ({s.get('precision', 'fp32')}" \
-           f"{mfu_text}{memory})"
+    rewards = f", reward acc {s['final_eval_rewards/accuracies']:.2f} margin {s['final_eval_rewards/margins']:.4f}" \
+        if s.get("final_eval_rewards/accuracies") is not None else ""  # an objective of pairs' own held-out measures
+    said = f"; learned nothing: {s['not_learned']}" if s.get("not_learned") else ""
+    return f"loss {s['final_loss']:.4f}, eval {s['final_eval_loss']:.4f}{rewards}{tps} ({s.get('precision', 'fp32')}" \
+           f"{mfu_text}{memory}){said}"
 
 
 def _fingerprint(cfg) -> dict:
@@ -229,7 +240,7 @@ STAGE = Stage(
     name="train",
     run=train,
     after=("transform", "tokenize", "reference"),
-    optional=("reference",),  # objective=dpo with its reference cached
+    optional=("reference",),  # an objective that takes the reference, cached (plugins/objectives/reference.py)
     reads=("model", "parallel", "optimizer", "memory", "precision", "triton", "engine", "data", "train", "peft",
            "objective"),
     resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),

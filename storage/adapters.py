@@ -44,9 +44,26 @@ def base_of(init_from: Optional[str]) -> Optional[str]:
 
 
 def reference_of(cfg) -> Optional[str]:
-    """Where a preference objective's reference model is read from: with peft=lora the base its adapters apply to
-    (base_of), else train.init_from; None: train.seed's initialisation."""
+    """Where an objective's reference model is read from: the one the run that wrote train.init_from's checkpoint
+    had (its manifest's `reference`: a continued run optimises what it started optimising, not against the weights
+    it reached); else, with peft=lora, the base its adapters apply to (base_of), else train.init_from; None:
+    train.seed's initialisation."""
+    kept = continued_reference(cfg.train.init_from)
+    if kept is not None:
+        return kept["init_from"]
     return base_of(cfg.train.init_from) if cfg.peft.name == "lora" else cfg.train.init_from
+
+
+def continued_reference(init_from: Optional[str]) -> Optional[dict]:
+    """The reference a checkpoint's run compared with ({"init_from": ...} in its manifest), None where it names no
+    checkpoint or its run had no reference model."""
+    if not init_from or hf.folder_of(init_from):
+        return None
+    from storage.checkpoint import MANIFEST  # torch's DCP, only when a checkpoint is named
+
+    manifest = Path(init_from) / MANIFEST
+    found = read_json(manifest).get("reference") if manifest.is_file() else None
+    return found if isinstance(found, dict) and "init_from" in found else None
 
 
 def base_folder(init_from: Optional[str]) -> Path:

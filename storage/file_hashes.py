@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from storage.fsio import atomic_write_json, read_json, sha256_file, stamp
 
@@ -43,18 +43,31 @@ def remembering(path: Path) -> Iterator[None]:
                 pass
 
 
+def remembering_in(cache_dir) -> contextlib.AbstractContextManager:
+    """remembering(<cache_dir>/.verified/files.json) where the cache exists; else nothing is written (a first dry run,
+    a refused input) and every value is computed."""
+    store = Path(cache_dir).expanduser() / ".verified" / "files.json"
+    return remembering(store) if store.parent.is_dir() else contextlib.nullcontext()
+
+
 def sha256(path: Path) -> str:
     """The file's sha256, reused while its stamp is unchanged (inside `remembering`)."""
+    return remembered(path, lambda p: sha256_file(p))
+
+
+def remembered(path: Path, compute: Callable[[Path], Any], what: str = "") -> Any:
+    """compute(path), a JSON value (a hash, a corpus's smallest and largest ids), reused while the file's stamp is the
+    one it had when computed (inside `remembering`); `what` tells a file's values apart."""
     state = _store.get()
     if state is None:
-        return sha256_file(path)
-    key = str(Path(path).absolute())
+        return compute(path)
+    key = str(Path(path).absolute()) + (f"#{what}" if what else "")
     now_stamp = stamp(path)
     known = state["known"].get(key)
     if known and known[0] == now_stamp:
         return known[1]
-    digest = sha256_file(path)
+    value = compute(path)
     if time.time_ns() - now_stamp[2] > RACY_NS and stamp(path) == now_stamp:
-        state["known"][key] = [now_stamp, digest]
+        state["known"][key] = [now_stamp, value]
         state["changed"] = True
-    return digest
+    return value

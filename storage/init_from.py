@@ -63,13 +63,10 @@ def _damage(cfg, folder: Path, manifest: dict) -> str:
     """The first file that differs from the manifest's table (as the checkpoint's own verify compares them), the
     sha256 at stat speed where the cache remembers the file unchanged (storage/file_hashes.py; nothing is written
     where there is no cache yet)."""
-    import contextlib
-
     from storage import file_hashes
     from storage.fsio import verify_file_table
 
-    store = Path(cfg.cache_dir) / ".verified" / "files.json"
-    with file_hashes.remembering(store) if store.parent.is_dir() else contextlib.nullcontext():
+    with file_hashes.remembering_in(cfg.cache_dir):
         problems = verify_file_table(folder, manifest.get("files", {}), digest=file_hashes.sha256)
     return problems[0] if problems else ""
 

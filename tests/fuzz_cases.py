@@ -84,11 +84,25 @@ def keys() -> list[tuple[str, tuple[str, ...], object, dataclasses.Field]]:
         for schema_name, schema in schemas.items():
             option = _smallest(group, option_using(group, schema_name))
             before = len(out)
-            add(f"{group}.", schema, (f"{group}={option}",))
+            add(f"{group}.", schema, (f"{group}={option}", *context(group, option)))
             out[before:] = [k for k in out[before:] if k[0] not in seen and not seen.add(k[0])]
     for key in ("hydra.run.dir", "hydra.job.name"):
         out.append((key, (), str, None))
     return out
+
+
+PAIRS_FILE = "fuzz_pairs.jsonl"  # preference pairs test_fuzz.py writes in each case's folder
+
+
+def context(group: str, option: str) -> tuple[str, ...]:
+    """What an option needs beside it to run at all, so that its keys' cases are about the keys: an objective of
+    preference pairs, pairs to train on (tests/test_fuzz.py writes PAIRS_FILE)."""
+    from plugins.objectives import get_objective
+    from plugins.objectives.spec import PAIR
+
+    if group == "objective" and get_objective(option).rows == PAIR:
+        return ("data=preference", f"data.paths=[{PAIRS_FILE}]")
+    return ()
 
 
 def _smallest(group: str, option: str) -> str:

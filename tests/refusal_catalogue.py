@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -51,8 +52,9 @@ CATALOGUE = [
     (["engine.opset=18"], "engine.opset", "between 14 and 17"),
     (["parallel.dp_mode=foo"], "parallel.dp_mode", "one of replicate, shard"),
     (["parallel.pp_schedule=foo"], "parallel.pp_schedule", "one of gpipe"),
-    (["precision.init_scale=0.5"], "precision.init_scale", ">= 1.0"),
-    (["precision.growth_interval=0"], "precision.growth_interval", ">= 1"),
+    (["precision=fp16", "precision.init_scale=0.5"], "precision.init_scale", "between 1.0 and 4294967296"),
+    (["precision=fp16", "precision.init_scale=1e300"], "precision.init_scale", "between 1.0 and 4294967296"),
+    (["precision=fp16", "precision.growth_interval=0"], "precision.growth_interval", ">= 1"),
     (["cache_verify=maybe"], "cache_verify", "one of hash, full, size"),
     (["aggregate.shard_size_mb=0"], "aggregate.shard_size_mb", ">= 0.001"),
     (["aggregate.onnx_external_data_mb=4096"], "aggregate.onnx_external_data_mb", "between 0.0 and 2000"),
@@ -65,8 +67,8 @@ CATALOGUE = [
     (["parallel.microbatches=0"], "parallel.microbatches", "between 1 and"),
     (["model.n_heads=0"], "model.n_heads", "between 1 and"),
     (["cluster=slurm", "cluster.nodes=0"], "cluster.nodes", ">= 1"),
-    (["tune.pp_schedules=[1f1b,zb]"], "tune.pp_schedules", "must be a list of gpipe, 1f1b"),
-    (["tune.microbatches_per_stage=[2,0]"], "tune.microbatches_per_stage", "tune.microbatches_per_stage=[2]"),
+    (["tune=layout", "tune.pp_schedules=[1f1b,zb]"], "tune.pp_schedules", "must be a list of gpipe, 1f1b"),
+    (["tune=layout", "tune.microbatches_per_stage=[2,0]"], "tune.microbatches_per_stage", "tune.microbatches_per_stage=[2]"),
     (["tune=layout", "tune.world_size=0"], "tune.world_size", ">= 1"),
     (["tune=layout", "tune.objective=speed"], "tune.objective", "one of tokens_per_s, memory"),
     (["plan.calibrate_steps=2"], "plan.calibrate_steps", "first 3 steps of a run are warm-up"),
@@ -109,7 +111,6 @@ CATALOGUE = [
     (["cluster=slurm", "+cluster.time_min.eval=5"], "cluster.time_min.eval", "per stage"),
     # sizes bounded by what they act on
     (["model.n_layers=2147483648"], "model.n_layers", "between 1 and 4096"),
-    (["train.eval_batches=100000000"], "train.eval_batches", "times each token"),
     (["export.sample_batch=100000000000"], "export.sample_batch", "example sequences"),
     (["data=synthetic", "data.synthetic_tokens=1000000000000000"], "data.synthetic_tokens", "drawn in memory"),
     # keys that would do nothing in this config (refused: docs/reliability.md)
@@ -200,6 +201,20 @@ CATALOGUE = [
     (["data=synthetic", "data.max_bytes=1000"], "data.max_bytes", "read only when data.name=text or stdlib"),
     (["data=text", "data.paths=[{tmp}/web_text_document]"], "data.paths", "names a Megatron indexed dataset"),
     (["data=megatron", "data.paths=[{tmp}/random]"], "data.paths", "random.idx does not exist"),
+    (["data=megatron", "data.paths=[{tmp}/meg_prefixes]", "data.tokenizer=hf:{tmp}/meg_tok"], "data.paths",
+     "it holds 2: a_text_document, b_text_document"),
+    (["data=megatron", "data.paths=[{tmp}/negative_text_document]", "data.tokenizer=hf:{tmp}/meg_tok"], "data.paths",
+     "holds token id -1 (the first below 0 in document 2 of 3"),
+    (["data=megatron", "data.paths=[{tmp}/web_text_document]", "data.tokenizer=hf:{tmp}/meg_tok"], "data.tokenizer",
+     "holds token id 89, and data.tokenizer="),
+    (["data=megatron", "data.mix=[{paths:[{tmp}/small_text_document],weight:1},{paths:[{tmp}/short_val_text_document],"
+      "weight:1}]", "data.tokenizer=hf:{tmp}/meg_tok", "train.seq_len=16"], "data.mix[1].paths",
+     "the held-out split of short_val_text_document holds 5 tokens"),
+    (["data=megatron", "data.paths=[{tmp}/empty_tail_text_document]", "data.tokenizer=hf:{tmp}/meg_tok",
+      "data.packing=false"], "data.paths", "holds 0 documents with tokens"),
+    (["data=megatron", "data.paths=[{tmp}/small_text_document]", "data.tokenizer=hf:{tmp}/meg_tok",
+      "data.packing_strategy=bfd", "data.long_documents=refuse", "train.seq_len=16"], "data.long_documents",
+     "a document of 30 tokens is longer than a row"),
     (["data=text", "data.paths=[{tmp}/latin1.txt]"], "data.paths", "not UTF-8"),
     (["data=text", "data.paths=[{tmp}/empty.txt]"], "data.paths", "empty"),
     (["data=text", "data.paths=[{tmp}/no_text]"], "data.paths", "holds no"),
@@ -238,6 +253,14 @@ CATALOGUE = [
       "data.chat_template={tmp}/chatml.jinja"], "data.paths", "line 1: the record's tools (data.tools_field) are a string, not a list of JSON schemas"),
     (["data=text", "data.paths=[{tmp}/tools.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
      "data.paths", "line 1: the record has tools (data.tools_field), and the chat template never reads tools"),
+    # values that would do nothing on these records (plugins/data/no_effect.py) or at train.steps=0
+    (["data=text", "data.paths=[{tmp}/tools.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml_tools.jinja",
+      "data.tools_field=functions"], "data.tools_field", "and 32 of them hold 'tools'"),
+    (["data=text", "data.paths=[{tmp}/chats.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja",
+      "data.learn_reasoning=false"], "data.learn_reasoning", "none of the 32 record(s) read before launch"),
+    (["train.steps=0", "peft=lora"], "peft.name", "the adapters keep their initial values"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "train.steps=0"], "objective.name",
+     "the policy is its own reference"),
     (["data=text", "data.paths=[{tmp}/reasoning.jsonl]", "data.format=chat", "data.chat_template={tmp}/chatml.jinja"],
      "data.paths", "message 2 has reasoning (reasoning_content), and the chat template reads none"),
     (["data=text", "data.paths=[{tmp}/reasoning_typed.jsonl]", "data.format=chat",
@@ -260,6 +283,9 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/packed/notes.txt.gz]"], "data.paths", "reads for JSON Lines only"),
     (["data=text", "data.paths=[{tmp}/packed/gz.jsonl]"], "data.paths", "its name does not say so"),
     (["data=text", "data.paths=[{tmp}/packed/cut.jsonl.gz]"], "data.paths", "cannot be decompressed"),
+    (["data=text", "data.paths=[{tmp}/archives/plain.jsonl.gz]"], "data.paths",
+     "is not gzip-compressed, though its name says .gz: it holds plain text; rename it"),
+    (["data=text", "data.paths=[{tmp}/archives/corpus.tar.gz]"], "data.paths", "unpack it: tar -xzf corpus.tar.gz"),
     (["data=text", "data.paths=[{tmp}/pack*]"], "data.paths", "matches 1 folder(s)"),
     (["data=text", "data.mix=[{paths: [{tmp}/one.txt]}, {paths: [/nonexistent/web]}]"], "data.mix[1].paths",
      "does not exist"),
@@ -311,7 +337,7 @@ CATALOGUE = [
     (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "the scheme ftp:// is not an MLflow store"),
     (["tracking.uri={tmp}/mlruns"], "tracking.uri", "MLflow's filesystem backend"),
     # preference pairs and the objective that learns from them
-    (["data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "data.format", "objective=dpo, or"),
+    (["data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "data.format", "objective=dpo (or orpo, simpo), or"),
     (["objective=dpo"], "objective.name", "data.format=text has no pairs"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "data.packing=true"], "data.packing",
      "never packed with others"),
@@ -320,7 +346,7 @@ CATALOGUE = [
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "engine=ort"], "engine.name",
      "on the torch engine only"),
     (["objective=dpo", "objective.beta=0"], "objective.beta", "between 1e-06 and"),
-    (["objective.beta=0.5"], "objective.beta", "read only when objective.name=dpo"),
+    (["objective.beta=0.5"], "objective.beta", "is a key of objective=dpo (or orpo, simpo)"),
     (["objective=dpo", "objective.loss_type=ipo", "objective.label_smoothing=0.1"], "objective.label_smoothing",
      "read only when objective.loss_type=sigmoid"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "train.label_sparsity=false"],
@@ -332,10 +358,16 @@ CATALOGUE = [
      "line 1: the pair's rejected completion (data.rejected_field='rejected') is empty"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_mixed.jsonl]"], "data.paths",
      "line 1: the pair mixes texts and lists of messages"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_unrepeated.jsonl]"], "data.paths",
+     "as in TRL (maybe_extract_prompt), the prompt is then the beginning they share"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_no_prompt.jsonl]"], "data.paths",
      "has no field data.prompt_field='prompt' and its chosen and rejected completions share no beginning"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_chat.jsonl]"], "data.chat_template",
      "the pair is made of conversations, which are rendered with a chat template, and there is none"),
+    (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_bad.jsonl]"], "data.paths",
+     "3 bad record(s) among the 50 read before launch"),
+    (["data=text", "data.paths=[{tmp}/chats.jsonl]", "data.bad_records=skip"], "data.bad_records",
+     "read only when data.format="),
 ]
 
 
@@ -344,6 +376,7 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "random.bin").write_bytes(bytes(range(256)) * 64)
     (tmp / "web_text_document.bin").write_bytes(np.arange(1, 90, dtype=np.uint16).tobytes())  # Megatron's
     write_index(str(tmp / "web_text_document"), np.uint16, [30, 30, 29])
+    megatron_corpora(tmp)
     (tmp / "latin1.txt").write_bytes("café crème ".encode("latin-1") * 500)
     (tmp / "empty.txt").write_text("")
     (tmp / "no_text").mkdir()
@@ -358,6 +391,8 @@ def write_corpus(tmp: Path) -> Path:
         "name": "add", "parameters": {"type": "object", "properties": {}}}}]}) + "\n") * 50)
     (tmp / "chatml.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
                                       "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (tmp / "chatml_tools.jinja").write_text("{% if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n"
+                                            "{% endif %}" + (tmp / "chatml.jinja").read_text())
     (tmp / "odd.jinja").write_text("{% for m in messages %}{% if loop.last and m.role == 'assistant' %}<final>"
                                    "{% endif %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
     (tmp / "typed.jsonl").write_text('{"prompt": "Q", "completion": "A"}\n' * 2 + '{"prompt": "Q", "completion": 42}\n')
@@ -379,7 +414,13 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "pairs_empty.jsonl").write_text(json.dumps({**pair, "rejected": ""}) + "\n")
     (tmp / "pairs_mixed.jsonl").write_text(json.dumps({**pair, "chosen": [{"role": "assistant", "content": "5"}]})
                                            + "\n")
+    (tmp / "pairs_unrepeated.jsonl").write_text(json.dumps({  # UltraFeedback's form, the prompt not repeated
+        **pair, "chosen": [{"role": "assistant", "content": "5"}], "rejected": [{"role": "assistant", "content": "6"}]})
+        + "\n")
     (tmp / "pairs_no_prompt.jsonl").write_text(json.dumps({"chosen": "5", "rejected": "6"}) + "\n")
+    bad = [{"chosen": "2+3=5", "rejected": "2+3=5"}, {**pair, "chosen": 5}, {"prompt": "2+3=", "chosen": "5"}]
+    (tmp / "pairs_bad.jsonl").write_text("".join(json.dumps(bad[i // 10 - 1] if i in (10, 20, 30) else pair) + "\n"
+                                                 for i in range(50)))  # several bad records: all listed at once
     (tmp / "pairs_chat.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "2+3?"}],
                                                       "chosen": [{"role": "assistant", "content": "5"}],
                                                       "rejected": [{"role": "assistant", "content": "6"}]}) + "\n")
@@ -413,6 +454,10 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "packed" / "notes.txt.gz").write_bytes(gzip.compress(b"some text\n" * 50))
     (tmp / "packed" / "gz.jsonl").write_bytes(gzip.compress(b'{"text": "a record of text"}\n' * 50))
     (tmp / "packed" / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a record of text"}\n' * 50)[:-9])
+    (tmp / "archives").mkdir()  # a plain file named as compressed, and a compressed tar of text
+    (tmp / "archives" / "plain.jsonl.gz").write_text('{"text": "a record of text"}\n' * 50)
+    with tarfile.open(tmp / "archives" / "corpus.tar.gz", "w:gz") as archive:
+        archive.add(tmp / "one.txt", arcname="one.txt")
     (tmp / "broken_tokenizer").mkdir()
     (tmp / "broken_tokenizer" / "tokenizer.json").write_text('{"version": "1.0", "truncation": ')
     (tmp / "gpt_vocab259").mkdir()  # an imported GPT-2's config (gpt_tiny's sizes, a vocabulary hp=2 cannot split)
@@ -420,3 +465,22 @@ def write_corpus(tmp: Path) -> Path:
         "architectures": ["GPT2LMHeadModel"], "vocab_size": 259, "n_layer": 8, "n_head": 4, "n_embd": 64,
         "n_inner": 256, "n_positions": 128, "activation_function": "gelu"}))
     return tmp
+
+
+def megatron_corpora(tmp: Path) -> None:
+    """Small Megatron corpora (ids below 64, meg_tok's vocabulary): one with an id of -1, one whose last document is
+    empty, one whose held-out document is shorter than a row, and a folder of two prefixes (documents of a row,
+    so that the fix listing both is accepted)."""
+    from tokenizers import Tokenizer, models
+
+    (tmp / "meg_tok").mkdir()
+    Tokenizer(models.WordLevel(vocab={**{f"<{i}>": i for i in range(63)}, "<|endoftext|>": 63}, unk_token="<0>")).save(
+        str(tmp / "meg_tok" / "tokenizer.json"))
+    (tmp / "meg_prefixes").mkdir()
+    for name, lengths in (("small", [30, 30, 30]), ("negative", [20, 20, 20]), ("short_val", [40, 40, 5]),
+                          ("empty_tail", [30, 30, 0]), ("meg_prefixes/a", [130, 130]), ("meg_prefixes/b", [130, 130])):
+        ids = np.arange(sum(lengths), dtype=np.int32) % 63
+        ids[25] = -1 if name == "negative" else ids[25]
+        (tmp / f"{name}_text_document.bin").write_bytes(ids.astype(np.int32 if name == "negative" else np.uint16)
+                                                        .tobytes())
+        write_index(str(tmp / f"{name}_text_document"), np.int32 if name == "negative" else np.uint16, lengths)

@@ -4,9 +4,10 @@ For each layout given (override lists separated by `--`, all of this world size)
 train.label_sparsity=false (the dense head and cross-entropy) and true (the head on the labelled positions only, in
 chunks of train.loss_chunk), runs one step's forward and backward of a batch whose labels are ~70% ignored (as a
 prompt/completion batch's are), then the held-out loss, and compares the losses and every local gradient shard.
-Then the preference loss (DPO: row pairs (2k, 2k+1) a chosen and a rejected completion, a seeded reference
-log-probability per row): one step's loss, its metrics and every gradient in the layout against the same model in
-one process without any parallelism, and the held-out loss. Rank 0 prints two JSON lines per layout.
+Then every registered objective of per-row log-probabilities (DPO, SimPO, ORPO: row pairs (2k, 2k+1) a chosen and a
+rejected completion; DPO's seeded reference log-probability per row): one step's loss, its measures and every
+gradient in the layout against the same model in one process without any parallelism, and the held-out loss. Rank 0
+prints a JSON line per layout and one per objective.
 
     python -m torch.distributed.run --nproc_per_node=N tests/sparse_parity_rank.py overrides... [-- overrides...]
 """
@@ -24,13 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from plugins.data import build_batcher  # noqa: E402
 from plugins.models import get_model  # noqa: E402
-from plugins.objectives.dpo import METRICS, PreferenceLoss  # noqa: E402
 from plugins.parallel.layout import build_layout  # noqa: E402
 from planning.partition import build_plan  # noqa: E402
 from tests.conftest import make_cfg  # noqa: E402
 
 MASKED = 0.7
-BETA = 0.5
+SETTINGS = {"dpo": {"beta": 0.5}, "simpo": {"cpo_alpha": 1.0}}  # beyond the defaults: each term computed
 
 
 def masked(batch) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -75,64 +75,93 @@ def compare(overrides: list[str]) -> dict:
             "where": where, "compared": sum(r[2] for r in result)}
 
 
-def one_process(cfg, inputs, labels, reference) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
-    """The loss, the gradients and the metrics' sums of the plain model (no mesh, no sharding, one microbatch)."""
+def objectives(cfg) -> list[tuple[str, object, object]]:
+    """(name, spec, loss) of every registered objective of per-row log-probabilities."""
+    from plugins.objectives import get_objective, objective_names
+
+    specs = [(name, get_objective(name)) for name in objective_names()]
+    return [(name, spec, fresh(name, spec)) for name, spec in specs if spec.loss is not None]
+
+
+def fresh(name: str, spec):
+    """A loss of the objective, its settings its defaults but for the terms they leave out (SETTINGS)."""
+    from omegaconf import OmegaConf
+
+    return spec.loss(OmegaConf.merge(OmegaConf.structured(spec.config), SETTINGS.get(name, {})))
+
+
+def one_process(cfg, batch, loss_of, row_inputs) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
+    """The loss, the gradients and the measures' sums of the plain model (no mesh, no sharding, one microbatch)."""
     spec = get_model(cfg.model.name)
     model = spec.build(cfg.model)
     spec.init_weights(model, cfg.model, cfg.train.seed)
     model.loss_chunk, model.per_row = cfg.train.loss_chunk, True
-    objective = PreferenceLoss(BETA, "sigmoid")
-    pairs = len(inputs) // 2
-    loss = objective(model(inputs, labels=labels), reference) / pairs
+    count = loss_of.count(batch)
+    loss = loss_of(model(batch.inputs, labels=batch.labels), row_inputs) / count
     loss.backward()
-    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, objective.take()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, loss_of.take()
 
 
-def compare_dpo(overrides: list[str]) -> dict:
+def compare_objectives(overrides: list[str]) -> list[dict]:
+    """Each registered objective of rows (DPO with a seeded reference log-probability per row; SimPO, ORPO with
+    none) in one layout built once, its runner's loss swapped: one step's loss, measures and every gradient against
+    one process, then the held-out loss."""
+    from plugins.data.batcher import Batch
+    from plugins.objectives.reference import REFERENCE
+    from runtime.evaluate import objective_set
+
     cfg = make_cfg(*overrides)
     spec = get_model(cfg.model.name)
     plan = build_plan(cfg.model, cfg.parallel)
     inputs, labels, _ = masked(build_batcher(cfg).train_batch(0))
+    batch = Batch(inputs, labels, 1.0, 1.0)
     reference = -torch.rand(len(inputs), generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 100
-    want_loss, want, want_sums = one_process(cfg, inputs, labels, reference)
-
-    objective = PreferenceLoss(BETA, "sigmoid")
-    layout = build_layout(cfg, plan, spec, torch.device("cpu"), objective=objective)
-    pairs = len(inputs) // 2
-    loss = layout.runner.train_step(layout.local_batch(inputs), layout.local_batch(labels), pairs,
-                                    reference=layout.local_batch(reference))
-    layout.sync_and_clip(float("inf"))
-    sums = torch.cat([loss.detach().reshape(1).double(), objective.take().double()
-                      if layout.loss_rank else torch.zeros(len(METRICS), dtype=torch.float64)])
-    held_out = layout.runner.eval_sum(layout.local_batch(inputs), layout.local_batch(labels),
-                                      reference=layout.local_batch(reference))
-    objective.take()
-    sums = torch.cat([sums, held_out.detach().reshape(1).double()])
-    dist.all_reduce(sums)
-    worst, where, compared = 0.0, "", 0
-    scale = max(g.abs().max().item() for g in want.values())
-    for name, p in layout.params:
-        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        if name in layout.aliases:  # a tied copy: its gradient is the weight's, counted where the weight lives
-            continue
-        ratio = (got - want[name]).abs().max().item() / (1e-6 * scale)
-        compared += 1
-        if ratio > worst:
-            worst, where = ratio, name
-    result = [None] * dist.get_world_size()
-    dist.all_gather_object(result, (worst, where, compared))
-    worst, where, _ = max(result)
-    return {"objective": "dpo", "layout": overrides, "loss": sums[0].item(), "want_loss": want_loss,
-            "metrics": (sums[1:1 + len(METRICS)] / pairs).tolist(), "want_metrics": (want_sums / pairs).tolist(),
-            "held_out": sums[-1].item() / pairs, "worst": worst, "where": where,
-            "compared": sum(r[2] for r in result)}
+    found = objectives(cfg)
+    layout = build_layout(cfg, plan, spec, torch.device("cpu"), objective=found[0][2])
+    results = []
+    for name, objective_spec, loss_of in found:
+        row_inputs = reference if REFERENCE in objective_spec.row_inputs else None
+        want_loss, want, want_sums = one_process(cfg, batch, fresh(name, objective_spec), row_inputs)
+        for _, p in layout.params:
+            p.grad = None
+        with objective_set(layout, loss_of):
+            pairs = loss_of.count(batch)
+            loss = layout.runner.train_step(layout.local_batch(inputs), layout.local_batch(labels), pairs,
+                                            row_inputs=layout.local_batch(row_inputs))
+            layout.sync_and_clip(float("inf"))
+            names = loss_of.names
+            sums = torch.cat([loss.detach().reshape(1).double(), loss_of.take().double()
+                              if layout.loss_rank else torch.zeros(len(names), dtype=torch.float64)])
+            held_out = layout.runner.eval_sum(layout.local_batch(inputs), layout.local_batch(labels),
+                                              row_inputs=layout.local_batch(row_inputs))
+            loss_of.take()
+        sums = torch.cat([sums, held_out.detach().reshape(1).double()])
+        dist.all_reduce(sums)
+        worst, where, compared = 0.0, "", 0
+        scale = max(g.abs().max().item() for g in want.values())
+        for pname, p in layout.params:
+            got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            if pname in layout.aliases:  # a tied copy: its gradient is the weight's, counted where the weight lives
+                continue
+            ratio = (got - want[pname]).abs().max().item() / (1e-6 * scale)
+            compared += 1
+            if ratio > worst:
+                worst, where = ratio, pname
+        result = [None] * dist.get_world_size()
+        dist.all_gather_object(result, (worst, where, compared))
+        worst, where, _ = max(result)
+        results.append({"objective": name, "layout": overrides, "loss": sums[0].item(), "want_loss": want_loss,
+                        "metrics": (sums[1:1 + len(names)] / pairs).tolist(),
+                        "want_metrics": (want_sums / pairs).tolist(), "held_out": sums[-1].item() / pairs,
+                        "worst": worst, "where": where, "compared": sum(r[2] for r in result)})
+    return results
 
 
 def main(groups: list[list[str]]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     for overrides in groups:
-        for found in (compare(overrides), compare_dpo(overrides)):
+        for found in (compare(overrides), *compare_objectives(overrides)):
             if dist.get_rank() == 0:
                 print(json.dumps(found), flush=True)
     dist.destroy_process_group()

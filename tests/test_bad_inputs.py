@@ -13,7 +13,25 @@ from common.problem import _show
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import warnings
 from tests.conftest import ROOT, make_cfg, problems_of, run_cli
+from tests.fix_overrides import applied, first_fix, not_fixed
 from tests.refusal_catalogue import CATALOGUE, write_corpus
+
+# Cases whose fix names key=value overrides that a test cannot apply as they stand, and why. A fix with no override
+# in it (prose: "a regular text file") is not listed; every other fix's first override a test can apply is applied
+# (tests/fix_overrides.py reads them), and the same refusal must not come back.
+FIX_NOT_APPLIED = {
+    "cluster.partition=gpu": "cluster=slurm, the fix, needs SLURM's commands, which the test machine may lack",
+    "train.steps=4,8": "the first fix is a sweep (-m), checked point by point; [4,8] is for keys that take lists",
+    "train.init_from=/runs/my run (1)/step_0000100": "the fix quotes the user's own path, which does not exist here",
+    "parallel.pp_schedule=foo": "with parallel.pp=1, the fix's gpipe is refused next as doing nothing (no pipeline): "
+                                "plugins/parallel/rules.py checks that after the schema's choices",
+    "model.d_model=65536 model.n_layers=64": "each fix lessens the memory; no one of them fits a 4 TB model",
+    "data=megatron": "the fix names an example prefix (/data/corpus_text_document): the user's corpus",
+    "objective=dpo": "the fix names an example file of pairs (pairs.jsonl)",
+    "data.chosen_field=better": "data.format=preference, the fix, needs files of pairs and a preference objective",
+    "cluster=slurm +cluster.time_min.eval=5": "the fix's key replaces the one given (eval is no stage): it is not added",
+}
+ROOTS = set(make_cfg().keys())
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +44,8 @@ def test_the_catalogue_has_sixty_cases_or_more():
 
 
 @pytest.mark.parametrize("overrides,key,words", CATALOGUE, ids=[" ".join(c[0]) for c in CATALOGUE])
-def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_path):
-    overrides = [o.replace("{tmp}", str(corpus)) for o in overrides]
+def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_path, monkeypatch):
+    case, overrides = overrides, [o.replace("{tmp}", str(corpus)) for o in overrides]
     found = [p for p in problems_of(overrides, tmp_path / "runs") if p.key == key]
     assert found, f"{overrides}: nothing reported for {key}"
     p = found[0]
@@ -36,6 +54,12 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
     shown = str(ConfigError([p]))
     assert f"x {key}=" in shown and "rule:" in shown and "fix:" in shown
     assert not (tmp_path / "runs" / "cache").exists()
+    fix = first_fix(overrides, p.fix, ROOTS)
+    if fix is not None and " ".join(case) not in FIX_NOT_APPLIED:  # every fix fixes: applied, it holds
+        monkeypatch.chdir(tmp_path)  # a relative path a fix names (sqlite:///runs/mlflow.db) lands here
+        fixed = applied(overrides, fix)
+        back = not_fixed(p, fix, problems_of(fixed, tmp_path / "fixed"))
+        assert not back, f"{fixed}: the fix {p.fix!r} does not hold: " + "; ".join(map(str, back))
 
 
 @pytest.mark.parametrize("args,key", [
@@ -43,6 +67,7 @@ def test_refused_with_key_value_rule_and_fix(overrides, key, words, corpus, tmp_
     (["tracking.uri=http://127.0.0.1:9"], "tracking.uri"),
     (["optimizer.lr=nan"], "optimizer.lr"),
     (["tune=layout", "tune.world_size=0"], "tune.world_size"),  # checked before any layout is listed
+    (["tune=layout", "tune.world_size=3", "train.batch_size=8"], "tune.world_size"),  # no layout of 3 fits
     (["train.steps=４"], "train.steps"),  # a lexer error names the key
     (["-m", "data.max_bytes=16000000,10"], "data.max_bytes"),
     (["-m", "optimizer.lr=1e-3,3e-4", "data=text", "data.paths=[/abs/dir]", "dry_run=true"], "data.paths"),
@@ -119,6 +144,10 @@ def test_legal_but_unwise_settings_run_with_a_warning(tmp_path):
     notes = warnings(make_cfg("evaluate.tasks=[arith_mc]", f"data.tokenizer=hf:{tmp_path}", "model.vocab_size=64"))
     assert any("16 of the 16 answers of arith_mc's first 4 questions hold data.tokenizer's unknown token" in n
                for n in notes), notes
+
+
+def test_the_fixes_not_applied_are_catalogue_cases():
+    assert set(FIX_NOT_APPLIED) <= {" ".join(overrides) for overrides, _, _ in CATALOGUE}
 
 
 def test_docs_list_every_case():

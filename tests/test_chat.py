@@ -88,7 +88,8 @@ def test_a_bad_chat_record_is_refused_naming_its_file_and_line(tmp_path, hf_toke
 TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
 SPECIAL = {"llama3": ("<|begin_of_text|>", "<|eot_id|>"), "llama3.1": ("<|begin_of_text|>", "<|eot_id|>"),
            "qwen2.5": ("<|endoftext|>", "<|im_end|>"),
-           "mistral": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"), "gemma3": ("<bos>", "<eos>"),
+           "mistral": ("<s>", "</s>"), "mistral-nemo": ("<s>", "</s>"), "gemma": ("<bos>", "<eos>"),
+           "gemma3": ("<bos>", "<eos>"),
            "phi3": ("<s>", "<|endoftext|>"), "phi4-mini": ("<|endoftext|>", "<|endoftext|>")}
 TURNS = ["<|start_header_id|>", "<|end_header_id|>", "<|im_start|>", "<start_of_turn>", "<end_of_turn>", "<|user|>",
          "<|assistant|>", "<|system|>", "<|end|>"]
@@ -163,6 +164,40 @@ def test_masks_from_a_template_without_tags_equal_what_tags_mark(family_tokenize
         assert not any(m["content"] in said for m in chat if m["role"] != "assistant"), (family, name, said)
 
 
+def test_a_system_prompt_moved_into_the_last_user_turn_trains_an_example_per_turn_as_at_inference(family_tokenizer):
+    """Mistral-Nemo's template writes the system prompt into the last user turn, and only while that turn ends the
+    conversation: rendered whole, a chat loses it. data.chat_turns=auto (and each) makes an example per assistant
+    turn, each transformers' apply_chat_template of the conversation before the turn with its generation prompt (the
+    system prompt in the last user turn, as at inference), then the turn as the template writes it (its text and
+    </s>), which alone is learned; all (one example) is refused, naming the fix."""
+    import transformers
+
+    from common.problem import InputFault
+    from plugins.data.records import Chat, chat_ids
+    from plugins.data.tokenizer import Tokenizer
+
+    bos, eos = SPECIAL["mistral-nemo"]
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=family_tokenizer, bos_token=bos, eos_token=eos)
+    plain = (TEMPLATES / "mistral-nemo.jinja").read_text()
+    tok = Tokenizer("hf", 400, family_tokenizer.token_to_id(eos), family_tokenizer.token_to_id(eos),
+                    family_tokenizer, plain, {"bos_token": bos, "eos_token": eos})
+    for name in ("one-turn", "four-turns"):
+        chat = [SYSTEM] + CONVERSATIONS[name]
+        turns = [k for k, m in enumerate(chat) if m["role"] == "assistant"]
+        for turn_mode in ("auto", "each"):
+            made = chat_ids(tok, Chat(chat, "a record"), turns=turn_mode)
+            assert len(made) == len(turns), (name, turn_mode)
+            for (ids, trained), k in zip(made, turns):
+                prompt = hf.apply_chat_template(chat[:k], chat_template=plain, tokenize=False,
+                                                add_generation_prompt=True)
+                assert SYSTEM["content"] + "\n\n" + chat[k - 1]["content"] + "[/INST]" in prompt
+                theirs = hf(prompt + chat[k]["content"] + eos, add_special_tokens=False, return_offsets_mapping=True)
+                assert ids.tolist() == theirs["input_ids"], (name, k)
+                assert trained.tolist() == [a >= len(prompt) for a, _ in theirs["offset_mapping"]], (name, k)
+    with pytest.raises(InputFault, match="fix: data.chat_turns=each"):
+        chat_ids(tok, Chat([SYSTEM] + CONVERSATIONS["one-turn"], "a record"), turns="all")
+
+
 @pytest.mark.parametrize("family", sorted(SPECIAL))
 def test_later_turns_found_in_one_rendering_are_where_their_own_prefix_renderings_put_them(family):
     """A long chat's turns after the first are found in the one rendering where it writes them as the first
@@ -200,8 +235,9 @@ def test_a_template_whose_renderings_do_not_extend_each_other_is_refused():
 
 @pytest.mark.parametrize("cluster", ["local", "debug"])
 def test_a_bad_record_past_the_checked_ones_fails_the_stage_in_one_clean_message(tmp_path, cluster):
-    """Line 41 (the checks before launch read a file's first records): the tokenize stage fails naming the file, the
-    line and the fix, exit status 1, no Python traceback (a rank's, or the debug cluster's in-process one)."""
+    """Line 41 (the checks before launch render a file's first records; past them they read their fields alone): the
+    tokenize stage fails naming the file, the line and the fix (data.bad_records=skip among them), exit status 1, no
+    Python traceback (a rank's, or the debug cluster's in-process one)."""
     import json
 
     from plugins.data.records import CHECKED_RECORDS
@@ -209,14 +245,15 @@ def test_a_bad_record_past_the_checked_ones_fails_the_stage_in_one_clean_message
 
     rows = [[{"role": "user", "content": f"What is {a}+1?"}, {"role": "assistant", "content": f"{a + 1}."}]
             for a in range(80)]
-    rows[40][1]["content"] = 7
+    rows[40][0]["role"] = "human"  # a role the template does not name: a fault of the rendering
     assert 40 > CHECKED_RECORDS
     (tmp_path / "chats.jsonl").write_text("".join(json.dumps({"messages": r}) + "\n" for r in rows))
     done = run_cli(["data=chat", "data.paths=[chats.jsonl]", f"data.chat_template={TEMPLATES}/qwen2.5.jinja",
                     "train.steps=2", "train.eval_batches=1", "tracking=none", f"cluster={cluster}"], tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode == 1 and "Traceback" not in out, out[-4000:]
-    assert "chats.jsonl: line 41: the record's data.messages_field's message 2 has a 'content' that is a number" in out
+    assert "chats.jsonl: line 41: a message's role 'human' is neither one of" in out and \
+        "or data.bad_records=skip (each bad record left out and counted)" in out
 
 
 ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {

@@ -14,21 +14,6 @@ from tests.conftest import make_cfg
 from tests.test_records import BASE, documents
 
 
-def test_a_parquet_corpus_is_sized_by_its_rows_not_its_compressed_file(tmp_path):
-    """The held-out split train.eval_batches draws from is estimated from the corpus's bytes: Parquet's uncompressed
-    row groups (its metadata), as the same records in JSON Lines give, not its compressed size on disk."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    texts = [f"a record that repeats itself, number {i % 7}, " * 8 for i in range(400)]
-    pq.write_table(pa.table({"text": texts}), tmp_path / "r.parquet")
-    (tmp_path / "r.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    assert (tmp_path / "r.parquet").stat().st_size * 10 < sum(map(len, texts))  # compressed tenfold and more
-    for name in ("r.jsonl", "r.parquet"):
-        cfg = make_cfg(*BASE, f"data.paths=[{tmp_path}/{name}]", "train.eval_batches=2000", runs_dir=tmp_path)
-        assert [p for p in check(cfg) if p.key == "train.eval_batches"] == [], name
-
-
 def _texts(corpus) -> list[str]:
     """The records' texts (data.tokenizer=bytes, one record a document: its bytes, then <eos>)."""
     return sorted(bytes(ids[:-1]).decode() for ids, _ in documents(corpus))
@@ -175,3 +160,6 @@ def test_compressed_json_lines_are_read_as_they_decompress_as_datasets_reads_the
     (corpus / "b.jsonl.gz").write_bytes(gzip.compress(parts[1])[:-200])
     with pytest.raises(ValueError, match=r"b\.jsonl\.gz: cannot be decompressed \(EOFError"):
         tokenized(make_cfg(*BASE, f"data.paths=[{corpus}]", runs_dir=tmp_path / "again"))
+    (corpus / "b.jsonl.gz").write_bytes(parts[1])  # not compressed at all: misnamed, not damaged
+    with pytest.raises(ValueError, match=r"b\.jsonl\.gz: is not gzip-compressed, .*fix: rename it: mv .*b\.jsonl "):
+        tokenized(make_cfg(*BASE, f"data.paths=[{corpus}]", runs_dir=tmp_path / "third"))

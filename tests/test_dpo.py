@@ -139,24 +139,32 @@ def forms(tokenizer) -> dict[str, list[dict]]:
     implicit = [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]} for p in standard]
     implicit_chat = [{"chosen": p["prompt"] + p["chosen"], "rejected": p["prompt"] + p["rejected"]}
                      for p in conversational]
+    # UltraFeedback's: the prompt's text beside conversations that repeat it (TRL's maybe_extract_prompt reads the
+    # messages they share, the text left unread)
+    ultrafeedback = [{"prompt": p["prompt"][0]["content"], **c} for p, c in zip(conversational, implicit_chat)]
     return {"conversational": conversational, "standard": standard, "implicit": implicit,
-            "implicit-conversational": implicit_chat}
+            "implicit-conversational": implicit_chat, "ultrafeedback": ultrafeedback}
 
 
 def test_every_pair_form_tokenizes_as_trl_tokenizes_it(trained):
-    """ids and learned positions of chosen and rejected equal TRL's prompt_ids + chosen_ids (completion_mask)."""
+    """ids and learned positions of chosen and rejected, read as the tokenize stage reads a record (Pair), equal
+    TRL's prompt_ids + chosen_ids (completion_mask) after its maybe_extract_prompt."""
     import datasets
+    from omegaconf import OmegaConf
+    from trl import maybe_extract_prompt
+
+    from plugins.data.records import Pair
 
     trainer, _, _, folder = trained
     tok = tokenizers.load_hf(folder)
     tok.chat_template = trainer.processing_class.chat_template
+    d = OmegaConf.create({"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"})
     for form, records in forms(trainer.processing_class).items():
-        theirs = trainer._prepare_dataset(datasets.Dataset.from_list(records), trainer.processing_class,
-                                          trainer.args, form)
+        theirs = trainer._prepare_dataset(datasets.Dataset.from_list(records).map(maybe_extract_prompt),
+                                          trainer.processing_class, trainer.args, form)
         for record, want in zip(records, theirs):
-            prompt = record.get("prompt")
-            got = pair_ids(tok, prompt, record["chosen"], record["rejected"]) if prompt is not None else \
-                pair_ids(tok, *split_prompt(record["chosen"], record["rejected"]))
+            pair = Pair(record.get("prompt"), record["chosen"], record["rejected"], "a record", d)
+            got = pair_ids(tok, pair.prompt, pair.chosen, pair.rejected)
             for (ids, learned), completion in zip(got, ("chosen_ids", "rejected_ids")):
                 whole = want["prompt_ids"] + want[completion]
                 assert ids.tolist() == whole, (form, record)
@@ -183,11 +191,11 @@ def test_a_batch_of_pairs_keeps_each_pair_in_two_rows_side_by_side_on_one_rank_w
     docs = [np.arange(100 * i, 100 * i + n) for i, n in enumerate(rng.integers(3, 40, 60))]
     reference = {"train": -rng.random(60) * 50, "val": -rng.random(4) * 50}
     corpus = Corpus(docs, docs[:4], 6000, packed=False, pad=-5)
-    batcher = Batcher(corpus, 8, 24, seed=1, ranks=2, balance_ranks=True, pairs=True, reference=reference)
+    batcher = Batcher(corpus, 8, 24, seed=1, ranks=2, balance_ranks=True, pairs=True, row_inputs=reference)
     for step in range(20):
         batch = batcher.train_batch(step)
         assert (batch.drawn[0::2] % 2 == 0).all() and (batch.drawn[1::2] == batch.drawn[0::2] + 1).all()
-        assert batch.reference.tolist() == reference["train"][batch.drawn].tolist()
+        assert batch.row_inputs.tolist() == reference["train"][batch.drawn].tolist()
         for row, doc in zip(batch.inputs.tolist(), batch.drawn):
             length = min(len(docs[doc]), 24)
             assert row[:length] == docs[doc][:length].tolist() and set(row[length:]) <= {-5}
@@ -200,6 +208,27 @@ def test_a_batch_of_pairs_keeps_each_pair_in_two_rows_side_by_side_on_one_rank_w
                                                                       for s in range(20)))
 
 
+def trl_policy(folder, adapters: bool):
+    """The tiny model as TRL's trainers take it; adapters: with peft's adapters on every Linear of the blocks (rank
+    4), from our initial A (drawn from its own name; B is zero in both), as the project's peft=lora starts."""
+    import peft
+    import transformers
+
+    from plugins.models.lora import initial_A
+    from storage.hf import LLAMA_NAMES
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    if not adapters:
+        return model
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (m := re.search(r"\.layers\.(\d+)\.(.+)\.lora_A\.", name)):
+                p.copy_(initial_A(f"layers.{m.group(1)}.{LLAMA_NAMES[m.group(2)]}.lora_A", tuple(p.shape), 1234))
+    return model
+
+
 @pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
 def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp_path, adapters):
     """TRL's DPOTrainer from the tiny model (AdamW, constant lr, gradients clipped at 1, reference precomputed) and
@@ -208,16 +237,12 @@ def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp
     (runtime/evaluate.eval_loss) equal TRL's evaluation of them. LoRA: peft's adapters on every Linear of the blocks
     (rank 4) from our initial A, TRL's reference the model with its adapters disabled, ours the base's."""
     import datasets
-    import peft
     import transformers
     from trl import DPOConfig, DPOTrainer
 
-    from plugins.models.lora import initial_A
-    from storage.hf import LLAMA_NAMES
-
     from plugins.data.batcher import Batch
     from plugins.models import get_model
-    from plugins.objectives.dpo import PreferenceLoss
+    from plugins.objectives.dpo import DPOLoss
     from plugins.parallel.layout import build_layout
     from planning.partition import build_plan
     from runtime.evaluate import eval_loss
@@ -231,14 +256,7 @@ def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp
                      learning_rate=LR, lr_scheduler_type="constant", beta=BETA, precompute_ref_log_probs=True,
                      report_to=[], save_strategy="no", use_cpu=True, seed=0, logging_steps=1, disable_tqdm=True,
                      max_grad_norm=1.0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder)
-    if adapters:
-        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=[
-            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-        with torch.no_grad():  # our initial A, drawn from its own name (B is zero in both)
-            for name, p in model.named_parameters():
-                if (m := re.search(r"\.layers\.(\d+)\.(.+)\.lora_A\.", name)):
-                    p.copy_(initial_A(f"layers.{m.group(1)}.{LLAMA_NAMES[m.group(2)]}.lora_A", tuple(p.shape), 1234))
+    model = trl_policy(folder, adapters)
     trainer = DPOTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(pairs(4)),
                          processing_class=transformers.AutoTokenizer.from_pretrained(folder))
     collated = next(iter(trainer.get_train_dataloader()))
@@ -255,23 +273,25 @@ def test_three_steps_in_the_train_loop_give_trls_losses_and_rewards(trained, tmp
                    "optimizer.betas=[0.9,0.999]", "train.grad_clip=1.0", "tracking=none", "train.seed=1234",
                    *(["peft=lora", "peft.rank=4", "peft.alpha=8", f"train.init_from=hf:{folder}"] if adapters else []))
     layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), get_model("llama"), torch.device("cpu"),
-                          objective=PreferenceLoss(BETA, "sigmoid"))
+                          objective=DPOLoss(BETA, "sigmoid"))
     layout.parts[0].load_state_dict(hf.load_state(folder), strict=False)
     optimizer = build_optimizer(cfg.optimizer, layout.parts[0])
-    batch = Batch(inputs, labels, 1.0, 1.0, reference=reference)
+    batch = Batch(inputs, labels, 1.0, 1.0, row_inputs=reference)
     window, probe = MetricsWindow(layout), MemoryProbe(torch.device("cpu"))
     for step in range(3):
         window.add(train_step(layout, [optimizer], batch, step, LR, StepSettings.of(cfg), probe))
     ours = window.flush()
     assert len(theirs) == len(ours) == 3 and "| reward acc 1.00 margin " in step_line(ours[-1], 3)
+    # a pair row's eval loss is the pairs' loss, named so: never read as the aggregate's next-token loss
+    assert step_line({**ours[-1], "eval_loss": 0.5}, 3).endswith("| eval pair loss 0.5000")
     for step, (want, got) in enumerate(zip(theirs, ours)):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (got, want)
         for name in METRICS[:2] + METRICS[3:] if step == 0 else METRICS:  # step 1's rewards are all 0: ties, which
             assert got[name] == pytest.approx(want[name], rel=1e-5, abs=1e-5), name  # a last bit decides: not compared
     assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"]
     measures: dict = {}
-    assert eval_loss(layout, SimpleNamespace(eval_batch=lambda i: batch), 1, measures=measures) == \
-        pytest.approx(held_out, abs=1e-5)
+    held_out_batches = SimpleNamespace(eval_batch=lambda i: batch, eval_batches=lambda n: n)
+    assert eval_loss(layout, held_out_batches, 1, measures=measures) == pytest.approx(held_out, abs=1e-5)
     assert measures == pytest.approx({k: held_out_measures[k] for k in METRICS}, rel=1e-5, abs=1e-5)
 
 
@@ -324,6 +344,7 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
     assert online.returncode == 0 and "reference model online: the Hugging Face weights" in online.stdout, \
         online.stdout[-3000:]
     assert not re.search(r"reference\s+│ (ran|cached)", online.stdout)  # no stage
+    assert "eval next-token loss " in online.stdout  # the aggregate's: not the train stage's pair loss
     (online_metrics,) = (tmp_path / "runs" / "outputs").rglob("train/output/metrics.jsonl")
     for beta in (0.1, 0.5):
         (metrics,) = [p for p in (tmp_path / "runs" / "multirun").rglob("train/output/metrics.jsonl")
@@ -338,6 +359,21 @@ def test_a_beta_sweep_scores_its_pairs_once_with_transformers_numbers_and_starts
         assert json.loads((metrics.parent / "summary.json").read_text())["final_eval_rewards/accuracies"] == \
             last["eval_rewards/accuracies"]
         assert first["rewards/margins"] == pytest.approx(0, abs=1e-6) and first["rewards/accuracies"] == 0
+    # continued from the online run's checkpoint, DPO compares with the reference that run started from (its
+    # manifest's), not with the checkpoint's own weights (which would give a first step of margins exactly 0)
+    checkpoint = online_metrics.parent / "checkpoint"
+    assert json.loads((checkpoint / "manifest.json").read_text())["reference"] == {"init_from": f"hf:{folder}"}
+    assert (checkpoint / "tokenizer" / "tokenizer.json").is_file()  # carried: data.tokenizer=auto reads it
+    kept = [a for a in args if a not in ("-m", "objective.beta=0.1,0.5") and not a.startswith(("train.init_from",
+                                                                                                "train.steps"))]
+    again = run_cli(kept + ["objective.beta=0.1", "objective.reference=online", "train.steps=3",
+                            f"train.init_from={checkpoint}"], tmp_path)
+    assert again.returncode == 0 and "reference model online: the Hugging Face weights" in again.stdout, \
+        again.stdout[-3000:]
+    (continued,) = [p for p in (tmp_path / "runs" / "outputs").rglob("train/output/metrics.jsonl")
+                    if p != online_metrics]
+    assert json.loads(continued.read_text().splitlines()[0])["step"] == 3  # (steps 1-2 are the checkpoint's)
+    assert abs(json.loads(continued.read_text().splitlines()[0])["rewards/margins"]) > 1e-9
 
 
 def test_a_lora_policy_with_its_adapters_off_scores_as_its_base(tmp_path):
@@ -347,7 +383,8 @@ def test_a_lora_policy_with_its_adapters_off_scores_as_its_base(tmp_path):
     from plugins.data.batcher import Batch
     from plugins.models import get_model
     from plugins.models.lora import adapters_off
-    from plugins.objectives.dpo import PreferenceLoss, ReferenceRows
+    from plugins.objectives.dpo import DPOLoss
+    from plugins.objectives.reference import ReferenceRows
     from plugins.parallel.layout import build_layout
     from runtime.evaluate import objective_set, row_logps
     from tests.conftest import make_cfg
@@ -355,7 +392,7 @@ def test_a_lora_policy_with_its_adapters_off_scores_as_its_base(tmp_path):
     cfg = make_cfg("peft=lora", "train.init_from=null", "tracking=none")
     spec, cpu = get_model(cfg.model.name), torch.device("cpu")
     policy = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), spec, cpu,
-                          objective=PreferenceLoss(BETA, "sigmoid"))
+                          objective=DPOLoss(BETA, "sigmoid"))
     base = build_layout(*without_adapters(cfg), spec, cpu, objective=ReferenceRows())
     base.parts[0].load_state_dict({k: v for k, v in policy.parts[0].state_dict().items() if "lora_" not in k})
     with torch.no_grad():
@@ -372,3 +409,29 @@ def test_a_lora_policy_with_its_adapters_off_scores_as_its_base(tmp_path):
     with objective_set(policy, ReferenceRows()):
         on = row_logps(policy, batch)
     assert torch.equal(off, row_logps(base, batch)) and not torch.allclose(on, off)
+
+
+def test_val_perplexity_and_the_generations_read_the_chosen_completions_only(tmp_path):
+    """The held-out text the evaluate stage scores (val_perplexity) and prompts with (its generations) is each pair's
+    chosen document: the rejected answers are no text the model should write."""
+    import json
+
+    from plugins.data.corpus import tokenize_into
+    from plugins.evaluate import validation
+    from plugins.objectives.spec import rows_per_example
+    from tests.conftest import make_cfg
+
+    records = [{"prompt": f"{a}+{a}=", "chosen": f" {2 * a}", "rejected": f" {2 * a + 1}"} for a in range(40)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = make_cfg("objective=dpo", "data=preference", f"data.paths=[{tmp_path / 'pairs.jsonl'}]",
+                   "data.val_fraction=0.25", runs_dir=tmp_path)
+    tokenize_into(cfg, tmp_path / "out")
+    assert rows_per_example(cfg) == 2 and rows_per_example(make_cfg()) == 1
+    n = validation.write_documents(tmp_path / "out", tmp_path / "val.jsonl", None, rows_per_example(cfg))
+    texts = [json.loads(line)["text"] for line in (tmp_path / "val.jsonl").read_text().splitlines()]
+    assert n == len(texts) > 0
+    for text in texts:
+        a = int(text.split("+")[0])
+        assert text.endswith(f" {2 * a}")  # the chosen sum, never the near miss
+    answers = validation.prompts(tmp_path / "out", 100, stride=rows_per_example(cfg))
+    assert len(answers) == n

@@ -8,6 +8,7 @@ In-process, through the same boundary as `python -m orchestrator` (orchestrator/
 tests/test_bad_inputs.py runs the real command."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -20,7 +21,7 @@ from orchestrator.boundary import Refused, check_run
 from orchestrator.config.command import experiment, explain, task_overrides
 from orchestrator.config.schema import register
 from tests.conftest import CONF
-from tests.fuzz_cases import all_cases, sample, sweep_cases
+from tests.fuzz_cases import PAIRS_FILE, all_cases, sample, sweep_cases
 
 SAMPLE = 120  # cases per CI run (about 70 s on one worker: --dist loadfile keeps a file on one)
 SEED = 20261125
@@ -108,6 +109,9 @@ def _alarm(signum, frame):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_a_fuzzed_command_is_accepted_or_refused_naming_the_key(case, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the default runs_dir (runs) and any relative path land here
+    if any(o.endswith(f"[{PAIRS_FILE}]") for o in case.overrides):  # an objective of pairs: pairs to read
+        pair = {"prompt": "What is 2 + 3? ", "chosen": "5.", "rejected": "6."}
+        (tmp_path / PAIRS_FILE).write_text((json.dumps(pair) + "\n") * 400)
     code, problems = outcome(list(case.overrides), tmp_path)
     if os.environ.get("FUZZ_REPORT"):  # the figures of a walk: one line per case (appends of a line are atomic)
         with open(os.environ["FUZZ_REPORT"], "a") as f:

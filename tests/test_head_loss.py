@@ -67,9 +67,11 @@ WORLD_8 = [["parallel=dp2_hp2_pp2", "parallel.dp_mode=shard", "parallel.sequence
 def test_every_layout_gives_the_dense_losses_and_gradients(world, layouts):
     """dp both modes, hp with sequence and loss parallelism, pp 1F1B and zero-bubble V (split backward), all three:
     one step's loss, every gradient shard (to 1e-6 of the largest gradient) and the held-out loss, on a batch whose
-    labels are 70% ignored, in chunks of 16 positions (tests/sparse_parity_rank.py); and the preference loss (DPO's,
-    from the head's per-row log-probabilities) with its metrics and every gradient as one process without any
-    parallelism gives them."""
+    labels are 70% ignored, in chunks of 16 positions (tests/sparse_parity_rank.py); and every registered objective of
+    the head's per-row log-probabilities (DPO, SimPO, ORPO) with its measures and every gradient as one process
+    without any parallelism gives them."""
+    from plugins.objectives import get_objective, objective_names
+
     args = []
     for overrides in layouts:
         args += (["--"] if args else []) + [*COMMON, *overrides]
@@ -77,8 +79,10 @@ def test_every_layout_gives_the_dense_losses_and_gradients(world, layouts):
                              f"--nproc_per_node={world}", str(ROOT / "tests" / "sparse_parity_rank.py"), *args],
                             capture_output=True, text=True, timeout=600, env=cli_env())
     found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(found) == 2 * len(layouts), result.stdout[-2000:] + result.stderr[-3000:]
-    for r in (r for r in found if r.get("objective") == "dpo"):
+    rows_objectives = [n for n in objective_names() if get_objective(n).loss is not None]
+    assert len(found) == (1 + len(rows_objectives)) * len(layouts), result.stdout[-2000:] + result.stderr[-3000:]
+    assert {r["objective"] for r in found if "objective" in r} == set(rows_objectives)
+    for r in (r for r in found if "objective" in r):
         assert r["loss"] == pytest.approx(r["want_loss"], rel=1e-6) and r["held_out"] == pytest.approx(r["loss"]), r
         assert r["metrics"] == pytest.approx(r["want_metrics"], rel=1e-6, abs=1e-5), r
         assert r["worst"] <= 1.0 and r["compared"] > 0, r

@@ -218,3 +218,40 @@ def test_a_fuzzed_index_is_read_whole_or_refused_naming_its_file(corpora, tmp_pa
         ends = ix.document_ends()
         assert np.all(np.diff(ends) >= 0) and (not len(ends) or ends[-1] <= len(tokens_of(ix)))
     assert refused >= 100  # most damage is refused; the rest read a whole index
+
+
+def test_empty_documents_are_skipped_and_counted_in_the_plan_and_ids_are_read_once(corpora, tmp_path, monkeypatch):
+    """preprocess_data.py writes an empty text as a document of no sequence: rows of documents (data.packing=false)
+    read megatron-core's documents that hold tokens, the plan line counts the empty ones, and the index's document
+    counts are of those read. The ids are read once before launch (smallest and largest), then remembered by the
+    file's stamp: a second plan reads no token."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from plugins.data import get_source, megatron_checks
+    from storage import file_hashes
+
+    docs = _documents(2, 30)
+    for i in range(0, 30, 3):
+        docs[i] = []  # a third of them empty, the held-out tail's first one too
+    _build(tmp_path / "gaps_text_document", np.uint16, docs)
+    args = ["data=megatron", f"data.paths=[{tmp_path / 'gaps_text_document'}]",
+            f"data.tokenizer=hf:{corpora['tmp'] / 'tok'}", f"model.vocab_size={VOCAB}", "data.val_fraction=0.1",
+            "data.packing=false", "train.seq_len=32"]
+    cfg = make_cfg(*args, runs_dir=tmp_path / "runs")
+    (tmp_path / "runs" / "cache" / ".verified").mkdir(parents=True)
+    monkeypatch.setattr(file_hashes, "RACY_NS", 0)
+    read = []
+    real = megatron_checks.id_range
+    monkeypatch.setattr(megatron_checks, "id_range", lambda ix: read.append(ix.prefix.name) or real(ix))
+    validate(cfg)
+    validate(cfg)
+    assert read == ["gaps_text_document"]  # the second plan found them remembered
+    assert "data: 10 of the 30 documents are empty (no token" in "\n".join(get_source("megatron").describe(cfg))
+    index = tokenize_into(cfg, tmp_path / "out")
+    ds = IndexedDataset(str(tmp_path / "gaps_text_document"))
+    theirs = [np.concatenate([ds[s] for s in range(a, b)]).tolist() if b > a else []
+              for a, b in zip(ds.document_indices[:-1], ds.document_indices[1:])]
+    ours = shards.read(tmp_path / "out" / TOKENS_DIR, packed=False)
+    assert [d.tolist() for d in ours.train] == [d for d in theirs[:27] if d]
+    assert [d.tolist() for d in ours.val] == [d for d in theirs[27:] if d]
+    assert (index["train"]["documents"], index["val"]["documents"]) == (18, 2)

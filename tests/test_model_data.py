@@ -116,6 +116,51 @@ def test_batches_depend_only_on_step_and_seed():
     assert batch.input_density == 1.0 and batch.n_labels == 4 * 16
 
 
+def _draws(batcher, steps: int, kind: str) -> list:
+    """The examples `steps` batches hold: a record's or pair's number, a window's or a row of whole documents' first
+    token ids."""
+    out = []
+    for step in range(steps):
+        b = getattr(batcher, f"{kind}_batch")(step)
+        if batcher.pairs:
+            out += [int(d) // 2 for d in b.drawn[0::2] if d >= 0]
+        elif not batcher.corpus.packed and batcher.rows is None:
+            out += [int(d) for d in b.drawn if d >= 0]
+        else:
+            out += [tuple(row[:4]) for row, n in zip(b.inputs.tolist(), b.real) if n]
+    return out
+
+
+@pytest.mark.parametrize("kind", ["records", "pairs", "rows of whole documents", "windows"])
+def test_every_example_is_drawn_once_an_epoch_and_every_held_out_one_scored_once(kind):
+    """Training draws epochs: each a seeded permutation of the split's examples, so n consecutive draws hold each
+    example once, and the next epoch another order; the held-out batches hold each held-out example once, the last
+    one's rows past the split's end empty (nothing learned, no example counted)."""
+    rng = np.random.default_rng(0)
+    docs = [np.concatenate([[i % 250, i // 250], rng.integers(0, 250, size=int(rng.integers(3, 20)))]) for i in
+            range(60)]  # each document's first two ids tell it apart
+    if kind == "windows":
+        stream = np.arange(31 * 16 + 1) % 250  # a window's first ids tell it apart
+        corpus, n_train, n_val = Corpus([stream], [stream[:16 * 5 + 1]], 258, packed=True), 31, 5
+    else:
+        corpus = Corpus(docs[:42], docs[42:], 258, packed=False)
+        n_train, n_val = (21, 9) if kind == "pairs" else (42, 18)
+    batcher = Batcher(corpus, 6, 16, seed=3, pairs=kind == "pairs",
+                      whole_documents="split" if kind == "rows of whole documents" else None)
+    if kind == "rows of whole documents":
+        n_train, n_val = len(batcher.rows[0]["train"]), len(batcher.rows[0]["val"])
+    units = 3 if kind == "pairs" else 6
+    drawn = _draws(batcher, -(-2 * n_train // units), "train")
+    first, second = drawn[:n_train], drawn[n_train:2 * n_train]
+    assert len(set(first)) == len(set(second)) == n_train and set(first) == set(second) and first != second
+    assert batcher.eval_batches(100) == -(-n_val // units) and batcher.eval_batches(1) == 1
+    held = _draws(batcher, batcher.eval_batches(100), "eval")
+    assert len(held) == len(set(held)) == n_val
+    last = batcher.eval_batch(batcher.eval_batches(100) - 1)
+    assert last.examples == n_val - (batcher.eval_batches(100) - 1) * units
+    assert torch.equal(last.inputs, batcher.eval_batch(batcher.eval_batches(100) - 1).inputs)
+
+
 def test_unpacked_short_documents_are_padded_and_masked():
     cfg = make_cfg("data.packing=false", "data.val_fraction=0.5")
     docs = [(f"d{i}", b"x" * (5 + i)) for i in range(8)]
@@ -144,10 +189,10 @@ def test_the_plan_says_how_much_of_the_training_split_the_steps_draw(tmp_path):
 
     (tmp_path / "index.json").write_text(json.dumps({"train": {"documents": 40, "tokens": 4_000}}))
     assert passes_line(make_cfg("train.steps=150", "train.batch_size=8", "train.seq_len=64"), tmp_path) == [
-        "data: 150 steps of 8 rows draw 76,800 tokens at random from the training split's 4,000: about 19.2 passes "
-        "over it"]
+        "data: 150 steps of 8 rows = 19.35 epochs of the training split's 62 windows of 64 tokens (each drawn once an "
+        "epoch)"]
     assert passes_line(make_cfg("train.steps=2", "train.batch_size=8", "data.packing=false"), tmp_path) == [
-        "data: 2 steps of 8 rows draw 16 records at random from the training split's 40: 40.00% of it"]
+        "data: 2 steps of 8 rows = 0.40 epochs of the training split's 40 records (40.00% of them, none twice)"]
     assert passes_line(make_cfg(), tmp_path / "no index here") == []  # an entry without counts: nothing said
 
 
@@ -229,3 +274,34 @@ def test_a_data_source_and_an_engine_from_entry_points_are_accepted_and_used(tmp
     assert index["train"]["documents"] + index["val"]["documents"] == 10  # the source's ten poems
     prepared = tmp_path / "runs" / "cache" / "transform" / results["transform"].key / "traced" / "prepared.txt"
     assert prepared.read_text().endswith(" parameters")
+
+
+def test_a_run_that_learned_nothing_is_said_so_beside_its_result():
+    """A held-out loss no lower than at the reference (DPO: log 2) or, without one, than at the first evaluation,
+    and a held-out reward accuracy at chance, are said in the summary, the stage table and the sweep table."""
+    import math
+
+    from orchestrator.sweeps.launcher import _table
+    from plugins.objectives import get_objective
+    from runtime.train_report import not_learned
+    from tests.conftest import make_cfg
+
+    at_reference = get_objective("dpo").at_reference(make_cfg("objective=dpo").objective)
+    assert at_reference == pytest.approx(math.log(2))
+    pairs = [{"step": 10, "eval_loss": 0.70, "eval_rewards/accuracies": 0.53},
+             {"step": 20, "eval_loss": 0.7230, "eval_rewards/accuracies": 0.53}]
+    assert "no lower than at the reference model (0.6931)" in not_learned(pairs, at_reference)
+    assert not_learned([{"step": 20, "eval_loss": 0.65, "eval_rewards/accuracies": 0.5}], at_reference) == \
+        "its held-out reward accuracy 0.50 is at chance (0.5)"
+    assert not_learned([{"step": 20, "eval_loss": 0.60, "eval_rewards/accuracies": 0.8}], at_reference) is None
+    sft = [{"step": 10, "eval_loss": 2.0}, {"step": 20, "eval_loss": 2.1}]
+    assert "no lower than at its first evaluation (2.0000, step 10)" in not_learned(sft)
+    assert not_learned(sft[:1]) is None and not_learned([*sft[:1], {"step": 20, "eval_loss": 1.9}]) is None
+    assert not_learned([{"step": 5, "loss": 1.0}]) is None  # no evaluation: nothing to say
+    row = {"point": 0, "overrides": "objective.beta=0.5", "layout": "dp1 hp1 pp1", "objective": 0.53,
+           "final_loss": 0.7, "tokens_per_s": 1.0, "status": "ok", "not_learned": not_learned(pairs, at_reference)}
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(_table([row], "eval_reward_accuracy", 1.0))
+    assert "ok, learned nothing" in console.export_text()

@@ -67,7 +67,7 @@ def test_dry_run_starts_nothing(tmp_path):
 def test_failed_stage_stops_dependants_and_rerun_resumes_there(tmp_path, monkeypatch):
     import stages.train
 
-    def broken(cfg, tokens=None, reference=None):
+    def broken(cfg, tokens=None, row_inputs=None):
         raise RuntimeError("injected data failure")
 
     monkeypatch.setattr(stages.train, "build_batcher", broken)

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from common.problem import InputFault
 from plugins.data.corpus import tokenized
 from plugins.data.rules import check
 from tests.conftest import make_cfg
@@ -121,7 +122,9 @@ def test_a_file_named_twice_is_read_once(tmp_path):
      "data.completion_field ('completion')'s message 1 has a 'content' that is a number, not text: 7"),
     ({"prompt": {"text": "Q"}, "completion": "A"},
      "the field 'prompt' (data.prompt_field) holds an object, not text: {\"text\": \"Q\"}"),
-], ids=["list-and-text", "content-number", "object"])
+    ({"prompt": [{"role": "human", "content": "Q"}], "completion": [{"role": "assistant", "content": "A"}]},
+     "a message's role 'human' is neither one of"),  # the template's rendering: a bad record as the others are
+], ids=["list-and-text", "content-number", "object", "role"])
 def test_a_record_of_the_wrong_types_is_refused_before_launch_naming_its_line(tmp_path, hf_tokenizer, record, words):
     _, folder = hf_tokenizer
     good = {"prompt": "Q: 1+1?", "completion": " 2."}
@@ -130,6 +133,80 @@ def test_a_record_of_the_wrong_types_is_refused_before_launch_naming_its_line(tm
                               f"data.tokenizer=hf:{folder}"))
     assert [p.key for p in problems] == ["data.paths"], problems
     assert f"{tmp_path}/r.jsonl: line 7: " in problems[0].rule and words in problems[0].rule, problems[0].rule
+
+
+PAIR = {"prompt": "2+3=", "chosen": "5", "rejected": "6"}
+BAD_PAIRS = [  # (a bad record, the words its own line must say)
+    ({**PAIR, "rejected": "5"}, "the pair's chosen and rejected completions are the same"),
+    ({"chosen": "The answer is 5", "rejected": "The answer is 5"}, "the pair's chosen and rejected completions are "
+     "the same"),  # an implicit prompt: once said as "the chosen completion is empty"
+    ({"chosen": "5", "rejected": "5 or 6"}, "the pair's chosen completion (data.chosen_field='chosen') is the "
+     "beginning of its rejected one"),
+    ({**PAIR, "chosen": 5}, "the field 'chosen' (data.chosen_field) holds a number, not text: 5"),
+    ({"prompt": "2+3=", "chosen": "5"}, "has no field 'rejected' (its fields: prompt, chosen)"),
+    ("{not json", "is not JSON"),
+    ({**PAIR, "rejected": ""}, "the pair's rejected completion (data.rejected_field='rejected') is empty"),
+]
+
+
+def _pairs_file(path, bad_every: int = 3, n: int = 90):
+    """n lines, one in `bad_every` bad (BAD_PAIRS in turn): returns {line: the words it must be listed with}."""
+    lines, said = [], {}
+    for i in range(1, n + 1):
+        record, words = BAD_PAIRS[(i // bad_every) % len(BAD_PAIRS)] if i % bad_every == 0 else (PAIR, None)
+        lines.append(record if isinstance(record, str) else json.dumps(record))
+        if words:
+            said[i] = words
+    path.write_text("\n".join(lines) + "\n")
+    return said
+
+
+def test_bad_records_are_listed_all_at_once_or_skipped_with_their_count(tmp_path, monkeypatch):
+    """data.bad_records=refuse (the default): one refusal lists every bad record read before launch, up to 20, with
+    their count, each with its own fault; skip (the refusal's fix) passes, and the plan, the tokenize stage's index
+    and its log line name them; past the records read before launch, the stage refuses the first, offering skip."""
+    from orchestrator.dag import stage_key
+    from plugins.data.bad_records import BadRecords, stage_line
+    from plugins.data.corpus import plan_lines, tokenize_into
+    from stages.tokenize import STAGE
+
+    said = _pairs_file(tmp_path / "pairs.jsonl")
+    base = [*BASE, f"data.paths=[{tmp_path}/pairs.jsonl]", "data.format=preference", "train.seq_len=256"]
+    (refusal,) = check(make_cfg(*base))
+    assert refusal.key == "data.paths" and refusal.rule.startswith(f"{len(said)} bad record(s) among the 90 read")
+    listed = refusal.rule.split("\n")[1:]
+    assert len(listed) == 21 and listed[-1].strip() == f"... and {len(said) - 20} more", listed
+    for line, (number, words) in zip(listed[:20], said.items()):
+        assert f"pairs.jsonl: line {number}" in line and words in line, (number, line)
+    assert "is empty" not in " ".join(listed[:3])  # each its own fault: the implicit prompt's took none
+    assert refusal.fix.endswith("or data.bad_records=skip (each left out and counted, the first 20 listed in the "
+                                "plan and in the tokenize stage's log)")
+
+    skip = make_cfg(*base, "data.bad_records=skip", runs_dir=tmp_path)
+    assert check(skip) == []
+    (line,) = [x for x in plan_lines(skip, 1, 1) if "bad_records" in x]
+    assert line.startswith(f"warning: data.bad_records=skip: {len(said)} bad record(s) among the 90 read") and \
+        "pairs.jsonl: line 3: the pair's chosen and rejected completions are the same" in line
+    index = tokenize_into(skip, tmp_path / "skipped")
+    assert index["train"]["documents"] + index["val"]["documents"] == 2 * (90 - len(said))
+    left = BadRecords.of(index)
+    assert left.count == len(said) and len(left.first) == 20 and "line 3:" in left.first[0]
+    assert stage_line(left).startswith(f"warning: data.bad_records=skip: {len(said)} bad record(s) left out:")
+    assert stage_key(skip, STAGE, {})[0] != stage_key(make_cfg(*base, runs_dir=tmp_path), STAGE, {})[0]
+
+    monkeypatch.setattr("plugins.data.records.SCANNED_RECORDS", 2)  # the bad ones past what is read before launch
+    refuse = make_cfg(*base, runs_dir=tmp_path)
+    assert check(refuse) == []
+    with pytest.raises(InputFault, match=r"pairs\.jsonl: line 3: .* or data\.bad_records=skip \(each bad record"):
+        tokenize_into(refuse, tmp_path / "refused")
+
+
+def test_a_set_whose_every_record_read_is_bad_is_not_offered_the_skip(tmp_path):
+    (tmp_path / "pairs.jsonl").write_text((json.dumps({**PAIR, "rejected": "5"}) + "\n") * 3)
+    for skip in ([], ["data.bad_records=skip"]):
+        (refusal,) = check(make_cfg(*BASE, f"data.paths=[{tmp_path}/pairs.jsonl]", "data.format=preference", *skip))
+        assert refusal.rule.startswith("every one of the 3 record(s) read before launch (the first of each file) is "
+                                       "bad, so data.bad_records=skip would leave none") and "skip" not in refusal.fix
 
 
 # -- datasets folders, compared with what `datasets` itself reads ----------------------------------------------

@@ -305,11 +305,21 @@ def test_too_little_disk_for_the_checkpoints_is_refused_before_launch(tmp_path, 
     from tests.conftest import make_cfg
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 5 * 2**20, 5 * 2**20))
+    free = 5 * 2**20
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**30, 2**30 - free, free))
     with pytest.raises(ConfigError) as e:
         validate(make_cfg(runs_dir=tmp_path))
     (p,) = [p for p in e.value.problems if p.key == "cache_dir"]
-    assert "MB free" in p.rule and "train.keep_checkpoints=1" in p.fix
+    assert "MB free" in p.rule and "keep_checkpoints" not in p.fix  # one checkpoint does not fit either
+    # room for two 11 MB checkpoints and the aggregate's 8 MB, not three: keeping one is offered, and it holds
+    free = 35 * 2**20
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(runs_dir=tmp_path))
+    (p,) = [p for p in e.value.problems if p.key == "cache_dir"]
+    assert "3 on disk at once" in p.rule and "train.keep_checkpoints=1" in p.fix
+    validate(make_cfg("train.keep_checkpoints=1", runs_dir=tmp_path))
+    # keeping "all" counts the checkpoints the run writes: one, for two steps
+    validate(make_cfg("train.steps=2", "train.keep_checkpoints=1000000", runs_dir=tmp_path))
 
 
 # -- row 14: the tracking store fails during training ----------------------------------------------------------

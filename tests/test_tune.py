@@ -61,3 +61,20 @@ def test_layout_keys_beside_tune_are_refused_and_a_dry_run_plans_every_trial(tmp
     assert tune(make_cfg(*given, runs_dir=tmp_path / "runs"), tmp_path / "run", given) == 0  # planned, not failed
     assert (tmp_path / "run" / "trials" / "dp1_hp1_pp1" / "plan.json").is_file()
     assert not (tmp_path / "runs" / "cache").exists()
+    # a data preview previews the records once and exits 0: no trial is planned, none "fails: not run"
+    given = ["tune=layout", "tune.world_size=1", "tracking=none", "data.preview=1"]
+    assert tune(make_cfg(*given, runs_dir=tmp_path / "runs"), tmp_path / "preview", given) == 0
+    assert not (tmp_path / "preview").exists()
+
+
+def test_no_layout_that_fits_is_refused_before_any_trial_with_the_nearest_that_does(tmp_path):
+    from orchestrator.sweeps.tune import layout_problems
+
+    given = ["tune=layout", "tune.world_size=3", "train.batch_size=8"]  # 3 divides neither the batch nor the heads
+    (p,) = layout_problems(make_cfg(*given, runs_dir=tmp_path))
+    assert p.key == "tune.world_size" and "dp3 hp1 pp1 replicate, dp3 hp1 pp1 shard: train.batch_size" in p.rule
+    assert p.fix.startswith("tune.world_size=2, whose layouts dp2 hp1 pp1 replicate")
+    assert layout_problems(make_cfg(*given, "tune.world_size=2", runs_dir=tmp_path)) == []  # the fix holds
+    # one rank cannot run it either: the config's own problem, with its own fix
+    (p,) = layout_problems(make_cfg(*given, "data=text", "data.paths=[/nonexistent/x.txt]", runs_dir=tmp_path))
+    assert p.key == "data.paths"

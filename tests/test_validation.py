@@ -39,7 +39,7 @@ def test_every_option_composes_and_validates(group, tmp_path):
     given = {"text": ["data.paths=[README.md]"],
              "chat": [f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={tmp_path}/chatml.jinja"],
              "megatron": _megatron_corpus(tmp_path), "preference": [*_pairs(tmp_path), "objective=dpo"],
-             "dpo": [*_pairs(tmp_path), "data=preference"]}
+             **{name: [*_pairs(tmp_path), "data=preference"] for name in ("dpo", "simpo", "orpo")}}
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
         overrides = [f"{group}={option}"] + (given.get(option, []) if group in ("data", "objective") else [])
         got = [p for p in problems_of(*overrides) if not _machine_problem(p)]

@@ -48,14 +48,16 @@ def unknown_key_problem(full_key: str, schema: Optional[type], value: Any = "?",
 
 
 def _option_with_key(section: str, name: str) -> Optional[str]:
-    """`cluster=slurm` when `name` is a key of that option's schema but not of the chosen one's."""
+    """`cluster=slurm` when `name` is a key of that option's schema but not of the chosen one's (the first such
+    option, the others after it: `objective=dpo (or orpo, simpo)`)."""
     from orchestrator.config.options import option_using
     from orchestrator.config.schema import GROUP_SCHEMAS
 
-    for schema_name, schema in GROUP_SCHEMAS.get(section, {}).items():
-        if name in {f.name for f in dataclasses.fields(schema)}:
-            return f"{section}={option_using(section, schema_name)}"
-    return None
+    found = [option_using(section, schema_name) for schema_name, schema in GROUP_SCHEMAS.get(section, {}).items()
+             if name in {f.name for f in dataclasses.fields(schema)}]
+    if not found:
+        return None
+    return f"{section}={found[0]}" + (f" (or {', '.join(found[1:])})" if len(found) > 1 else "")
 
 
 _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string",

@@ -44,12 +44,14 @@ def _table(conf: Path, default_cfg, section: str, schemas: dict[str, type]) -> l
     have are shown with that option's value and marked."""
     lines = ["", f"**{section}**", "", "| key | default | meaning |", "| --- | --- | --- |"]
     common = set.intersection(*({f.name for f in dataclasses.fields(s)} for s in schemas.values()))
-    seen: set[str] = set()
+    seen: set = set()
     for schema_name, schema in schemas.items():
         for f in dataclasses.fields(schema):
-            if f.name in seen or dataclasses.is_dataclass(f.type):
+            # a key every option has: one row; one that only some have: a row per option (its meaning may differ)
+            row = f.name if f.name in common else (schema_name, f.name)
+            if row in seen or dataclasses.is_dataclass(f.type):
                 continue
-            seen.add(f.name)
+            seen.add(row)
             cfg, only = default_cfg, ""
             if f.name not in common:
                 option = option_using(section, schema_name, conf)

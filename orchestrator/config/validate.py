@@ -75,10 +75,15 @@ def objective_problems(cfg: DictConfig) -> list[Problem]:
     """sweep.objective: one of the train stage's, or a metric an evaluate task produces."""
     from orchestrator.config.schema import TRAIN_OBJECTIVES
 
-    if cfg.sweep.objective.startswith("eval_reward_") and cfg.objective.name != "dpo":
-        return [Problem("sweep.objective", cfg.sweep.objective, "the held-out pairs' reward accuracy and margin are "
-                        f"measured by a preference objective; objective={cfg.objective.name} has none",
-                        "objective=dpo, or sweep.objective=eval_loss")]
+    from plugins.objectives import get_objective, objective_names
+    from plugins.objectives.spec import sweep_objectives
+
+    offered = get_objective(cfg.objective.name).sweep_objectives
+    if cfg.sweep.objective in sweep_objectives() and cfg.sweep.objective not in offered:
+        by = [n for n in objective_names() if cfg.sweep.objective in get_objective(n).sweep_objectives]
+        return [Problem("sweep.objective", cfg.sweep.objective, f"{cfg.sweep.objective} is measured by objective="
+                        f"{' or '.join(by)}; objective={cfg.objective.name} has none",
+                        f"objective={by[0]}, or sweep.objective=eval_loss")]
     if cfg.sweep.objective in TRAIN_OBJECTIVES:
         return []
     from plugins.evaluate.harness import objective_problems as evaluate_objective
@@ -232,8 +237,10 @@ def schema_problems(cfg: DictConfig, overrides: list[str]) -> list[Problem]:
                 continue
             f = fields.get(name)
             if f is not None:
-                found = _field_problems(full, node[name], f)
-                problems.extend(found or _unread_problems(cfg, full, node[name], f))
+                # a key that would do nothing is said so first: "leave it unset" holds, where a value in range
+                # would be refused in turn as doing nothing
+                unread = _unread_problems(cfg, full, node[name], f)
+                problems.extend(unread or [_in_entry(p) for p in _field_problems(full, node[name], f)])
 
     walk(cfg, "")
     return problems
@@ -297,6 +304,19 @@ def _effective(cfg: DictConfig, key: str):
 
 def _default(f: dataclasses.Field):
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _in_entry(problem: Problem) -> Problem:
+    """A key of a list's entry (data.mix[0].weight): Hydra's overrides cannot set one entry's key, so the fix says
+    what the entry holds, for the user to restate the list whole."""
+    import re
+
+    m = re.match(r"(\S+)\[(\d+)\]\.(\w+)=(\S+)", problem.fix)
+    if m is None:
+        return problem
+    listed, i, name, value = m.groups()
+    return dataclasses.replace(problem, fix=f"{name}: {value} in entry {i} of {listed} (restate {listed} whole: an "
+                               f"override cannot set one entry's key){problem.fix[m.end():]}")
 
 
 def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:

@@ -281,7 +281,7 @@ def summary_rows(points: list[Point]) -> list[dict]:
                      "objective_stderr": objective.stderr(p.cfg.sweep.objective, _scores(p)),
                      "final_loss": s.get("final_loss"), "final_eval_loss": s.get("final_eval_loss"),
                      "tokens_per_s": s.get("tokens_per_s"), "peak_memory_mb": s.get("peak_memory_mb"),
-                     "status": _status(p), "run_dir": str(p.run_dir),
+                     "status": _status(p), "not_learned": s.get("not_learned"), "run_dir": str(p.run_dir),
                      "mlflow_run_id": p.report.parent_run_id if p.report else None})
     return objective.best_first(rows, points[0].cfg.sweep.objective, points[0].cfg) if points else rows
 
@@ -290,13 +290,14 @@ def _table(rows: list[dict], name: str, seconds: float) -> Table:
     table = Table(title=f"sweep: {len(rows)} point(s), {seconds:.1f} s, best {name} first", title_justify="left")
     for col in ("#", "overrides", "layout", name, "final loss", "tokens/s", "status"):
         table.add_column(col)
-    style = {"ok": "bold green", "cached": "green", "failed": "bold red", "rejected": "bold red"}
+    style = {"ok": "bold green", "cached": "green", "failed": "bold red", "rejected": "bold red"}  # else yellow
     for r in rows:
         table.add_row(str(r["point"]), r["overrides"], r["layout"],
                       _with_stderr(r["objective"], r.get("objective_stderr")),
                       f"{r['final_loss']:.4f}" if r["final_loss"] is not None else "-",
                       f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-",
-                      styled(r["status"], style.get(r["status"], "yellow")))
+                      styled(r["status"], style.get(r["status"], "yellow")) if not r.get("not_learned") else
+                      styled(f"{r['status']}, learned nothing", "bold yellow"))
     return table
 
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from plugins.objectives.spec import sweep_objectives
+
 # the train stage's objectives (orchestrator/config/schema.TRAIN_OBJECTIVES) -> (its summary's field, the direction
-# that improves it); any other is an evaluate score, <task>/<metric>
+# that improves it), and those the training objectives offer (their specs'); any other is an evaluate score,
+# <task>/<metric>
 OBJECTIVES = {
     "eval_loss": ("final_eval_loss", "minimize"),
     "loss": ("final_loss", "minimize"),
     "tokens_per_s": ("tokens_per_s", "maximize"),
     "peak_memory": ("peak_memory_mb", "minimize"),
-    "eval_reward_accuracy": ("final_eval_rewards/accuracies", "maximize"),  # objective=dpo: the held-out pairs'
-    "eval_reward_margin": ("final_eval_rewards/margins", "maximize"),
+    **sweep_objectives(),
 }
 
 

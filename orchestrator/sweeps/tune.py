@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from orchestrator.cache.store import Cache
 from orchestrator.config.command import kept_beside_tune, tune_problems
-from orchestrator.config.errors import ConfigError
+from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.config.schema import TuneConfig
 from orchestrator.config.validate import validate
 from plugins.parallel.schedules import SCHEDULES
@@ -43,6 +43,7 @@ class Trial:
     estimate_mb: Optional[float] = None
     run_dir: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    refused_by: list = field(default_factory=list, repr=False)  # the rules' problems (not kept in tune.json)
 
     @property
     def label(self) -> str:
@@ -61,6 +62,7 @@ class Trial:
         return [f"{k}={v}" for k, v in self.settings.items()]
 
 
+NEAREST = 6  # numbers of ranks tried, nearest first, for one whose layouts fit (each is checked like a run)
 CHUNKED = {name for name, s in SCHEDULES.items() if s.multi_chunk}  # given two model chunks per rank
 
 
@@ -109,6 +111,7 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
             if level == 0 and all(p.key == "parallel" and "exceeds" in p.rule for p in e.problems):
                 continue  # does not fit: try it with recomputation
             trial.why = "; ".join(f"{p.key}: {p.rule}" for p in e.problems)[:300]
+            trial.refused_by = e.problems
             return None
         trial.settings = settings
         trial.estimate_mb = plan_of(trial_cfg).rank.total / 2**20  # the plan validation just made
@@ -117,21 +120,67 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
     return None
 
 
+def _layouts(cfg: DictConfig, world: int) -> list[dict]:
+    return candidates(world, cfg.tune.pp_schedules, cfg.tune.microbatches_per_stage)
+
+
+def layout_problems(cfg: DictConfig) -> list[Problem]:
+    """[] where a layout of tune.world_size ranks can run (the first that can ends the search), else why not and
+    what would (the command's check, before Hydra writes anything)."""
+    trials = [Trial(s) for s in _layouts(cfg, cfg.tune.world_size)]
+    return [] if any(_check(cfg, t) is not None for t in trials) else _none_fit(cfg, trials)
+
+
+def _none_fit(cfg: DictConfig, trials: list[Trial]) -> list[Problem]:
+    """Why no layout of tune.world_size ranks can run, and the nearest number of ranks with layouts that can (a
+    tune that only refuses every trial would say so after its table, exit 1). Where one rank cannot run either, the
+    config itself is at fault: its own problems, from the one-rank run's rules."""
+    world = cfg.tune.world_size
+    one = Trial(_layouts(cfg, 1)[0])
+    if _check(cfg, one) is None:
+        return one.refused_by
+    whys: dict[str, list[str]] = {}
+    for t in trials:
+        whys.setdefault(t.why, []).append(t.label)
+    said = "; ".join(f"{', '.join(labels)}: {why}" for why, labels in whys.items())
+    n, fit = 1, [one.label]  # one rank fits (checked above): the answer where no nearer number does
+    for m in sorted(range(1, 2 * world + 1), key=lambda m: (abs(m - world), m))[1:NEAREST + 1]:
+        found = fit if m == 1 else [t.label for t in map(Trial, _layouts(cfg, m)) if _check(cfg, t) is not None]
+        if found:
+            n, fit = m, found
+            break
+    return [Problem("tune.world_size", world, f"no layout of {world} rank(s) can run this config ({said})",
+                    f"tune.world_size={n}, whose layouts {', '.join(fit)} fit; or change what the reasons above "
+                    "name")]
+
+
 def tune(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> int:
     t0 = time.perf_counter()
     problems = tune_problems(cfg, overrides)
     if problems:
         raise ConfigError(problems)
     world = cfg.tune.world_size
-    trials = [Trial(s) for s in candidates(world, cfg.tune.pp_schedules, cfg.tune.microbatches_per_stage)]
+    trials = [Trial(s) for s in _layouts(cfg, world)]
+    checked = [_check(cfg, trial) for trial in trials]  # every trial's rules before any runs
+    if all(c is None for c in checked):
+        raise ConfigError(_none_fit(cfg, trials))
+    if cfg.data.preview:  # the records are the same under every layout: shown once, as the first trial sees them
+        from orchestrator.config.resolve import resolve_auto
+        from orchestrator.run_plan import data_preview
+
+        first = next(c for c in checked if c is not None)
+        resolve_auto(first)  # data.tokenizer=auto and the like, as the trial's plan would fill them in
+        for line in data_preview(first):
+            console.print(line, soft_wrap=True)
+        console.print(f"data.preview={cfg.data.preview}: nothing was started", soft_wrap=True)
+        return 0
     console.print(f"tune: {len(trials)} layouts of {world} rank(s) for {cfg.model.name} "
                   f"({cfg.tune.steps} steps each, ranked by {cfg.tune.objective})", soft_wrap=True)
     parent = None if cfg.dry_run else _start_tune_run(cfg, run_dir)  # a dry run records nothing
     cache = Cache(Path(cfg.cache_dir).resolve())
     on_slurm = cfg.cluster.name == "slurm"
     reports = {}
-    for i, trial in enumerate(trials):
-        trial_cfg = _check(cfg, trial)
+    for i, (trial, trial_cfg) in enumerate(zip(trials, checked)):
         if trial_cfg is None:
             trial.status = "refused"
             continue
@@ -200,7 +249,7 @@ def _report(cfg, ranked: list[Trial], trials: list[Trial], run_dir: Path, overri
     console.print(table)
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {"objective": cfg.tune.objective, "world_size": cfg.tune.world_size, "steps": cfg.tune.steps,
-              "wall_s": seconds, "trials": [{**t.__dict__, "label": t.label} for t in trials],
+              "wall_s": seconds, "trials": [{**_kept(t), "label": t.label} for t in trials],
               "ranking": [t.label for t in ranked]}
     if ranked:
         record["command"] = winner_command(ranked[0], overrides)
@@ -219,6 +268,11 @@ def _report(cfg, ranked: list[Trial], trials: list[Trial], run_dir: Path, overri
         console.print(record["command"], soft_wrap=True)
     else:
         console.print("no layout ran: see the statuses above", soft_wrap=True)
+
+
+def _kept(trial: Trial) -> dict:
+    """A trial as tune.json keeps it: its rules' problems are said in its `why`."""
+    return {k: v for k, v in trial.__dict__.items() if k != "refused_by"}
 
 
 def _chart(ranked: list[Trial], path: Path, objective: str) -> Optional[Path]:

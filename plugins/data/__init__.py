@@ -3,7 +3,7 @@ from plugins.data.batcher import Batch, Batcher, build_batcher, data_fingerprint
 from plugins.data.registry import Corpus, DataSource, get_source, register_source
 from plugins.data.tokenizer import EOS, PAD
 from plugins.data import sources as _sources  # noqa: F401  (registers the built-in sources)
-from plugins.data import megatron as _megatron  # noqa: F401  (registers data=megatron)
+from plugins.data import megatron_source as _megatron  # noqa: F401  (registers data=megatron)
 
 __all__ = ["Batch", "Batcher", "build_batcher", "data_fingerprint", "Corpus", "DataSource",
            "EOS", "PAD", "get_source", "register_source"]

@@ -1,7 +1,9 @@
 """The batcher: a corpus -> global training batches.
 
 Batches are a pure function of (seed, step): every layout, every resume and every dp rank sees the same
-global batch for the same step, with no loader state to save.
+global batch for the same step, with no loader state to save. Training draws its examples in epochs, each a
+permutation seeded by (seed, epoch) (plugins/data/epochs.py): every example once an epoch. The held-out evaluation
+takes the held-out split's examples in one seeded order, each once (Batcher.eval_batches).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import torch
 from common.problem import InputFault
 from plugins.data import shards
 from plugins.data.corpus import sources_of, tokenized
+from plugins.data.epochs import drawn as epoch_order
+from plugins.data.epochs import permuted
 from plugins.data.packing import (PADDING, balances_ranks, deal, deal_pairs, packed_stream, plan_rows,
                                   whole_documents)
 from plugins.data.registry import get_source
@@ -31,7 +35,14 @@ class Batch:
     documents: Optional[torch.Tensor] = None  # (B, T) each input's document in rows of whole documents (bfd)
     real: Optional[np.ndarray] = None      # (B,) each row's real (non-padding) input tokens
     drawn: Optional[np.ndarray] = None     # (B,) each row's document in its split (rows of one document each)
-    reference: Optional[torch.Tensor] = None  # (B,) float64: each row's log-probability under the reference model
+    row_inputs: Optional[torch.Tensor] = None  # (B,) float64: each row's input the objective asked for (its
+    #                                            provider's: the reference model's log-probability of the row)
+    examples: Optional[int] = None         # the examples it holds (rows, or pairs), fewer than its rows where a
+    #                                        held-out pass ran past the split's last (empty rows); None: every row's
+
+    def example_count(self, per: int) -> int:
+        """Its examples, each `per` rows (a preference pair: 2)."""
+        return self.examples if self.examples is not None else self.inputs.shape[0] // per
 
     @property
     def n_labels(self) -> int:
@@ -46,15 +57,16 @@ class Batcher:
     of `ranks` data-parallel ranks' slices holds about the same real tokens (data.balance_ranks: one document a row,
     padded, whose lengths vary). pairs: the corpus holds preference pairs (documents 2k and 2k+1: chosen and
     rejected, plugins/data/preference.py): a batch draws batch_size/2 of them, each pair's rows next to each other
-    (rows 2r and 2r+1) and dealt to ranks whole; reference: per split, each document's log-probability under the
-    reference model, given with the rows that hold it (or a function that computes a batch's)."""
+    (rows 2r and 2r+1) and dealt to ranks whole. row_inputs: what the objective takes with each row, per split a
+    value a document (the reference stage's log-probabilities), given with the rows that hold it, or a function
+    that computes a batch's (an online reference)."""
 
     def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None,
                  whole_documents: Optional[str] = None, ranks: int = 1, balance_ranks: bool = False,
-                 pairs: bool = False, reference=None):
+                 pairs: bool = False, row_inputs=None):
         if pairs and (batch_size % 2 or weights is not None or whole_documents):
             raise ValueError("preference pairs take an even batch of rows, one corpus and rows of one document each")
-        self.pairs, self.reference = pairs, reference
+        self.pairs, self.row_inputs = pairs, row_inputs
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
         self.ranks = ranks if balance_ranks and batch_size % ranks == 0 else 1
         mixture = isinstance(corpus, list)
@@ -73,29 +85,61 @@ class Batcher:
         self.pad = corpora[0].pad
         self.rows = [{split: plan_rows(getattr(c, split), seq_len + 1, whole_documents == "split", split)
                       for split in ("train", "val")} for c in corpora] if whole_documents else None
+        for i in range(len(corpora)):
+            for split in ("train", "val"):
+                if not self.examples(i, split):  # (the tokenize stage keeps one document in each: not reached)
+                    raise InputFault(f"the {split} split of {f'source {i}' if mixture else 'the corpus'} holds no "
+                                     f"example to draw: use more data or another data.val_fraction")
 
     def train_batch(self, step: int) -> Batch:
-        return self._draw("train", (self.seed, 0, step))
+        return self._draw("train", (self.seed, 0, step), step)
 
-    def eval_batch(self, index: int, with_reference: bool = True) -> Batch:
-        """with_reference=False: without the reference log-probabilities (a pass that does not compare with the
-        reference model: the held-out next-token loss), which an online reference would compute for nothing."""
-        return self._draw("val", (self.seed, 1, index), with_reference=with_reference)
+    def eval_batch(self, index: int, with_inputs: bool = True) -> Batch:
+        """Held-out batch `index`: the held-out examples at positions index*units ... of one seeded order (rows past
+        the split's last are empty). with_inputs=False: without the objective's per-row inputs (a pass that does not
+        take them: the held-out next-token loss), which an online provider would compute for nothing."""
+        return self._draw("val", (self.seed, 1, index), index, with_inputs=with_inputs)
+
+    def eval_batches(self, limit: int) -> int:
+        """The held-out batches an evaluation of at most `limit` batches takes: as many as score each held-out
+        example once, or `limit` where that is fewer (a mixture, whose rows draw their source by weight: `limit`)."""
+        if isinstance(self.corpus, list):
+            return limit
+        return min(limit, -(-self.examples(0, "val") // self._units()))
+
+    def examples(self, source: int, split: str) -> int:
+        """The examples of a corpus's split that rows draw: its pairs, its rows of whole documents, its packed
+        stream's windows of train.seq_len tokens (each window's last token the next one's first), or its documents."""
+        corpus = self.corpus[source] if isinstance(self.corpus, list) else self.corpus
+        pool = getattr(corpus, split)
+        if self.rows is not None:
+            return len(self.rows[source][split])
+        if self.pairs:
+            return len(pool) // 2
+        if corpus.packed:
+            return max((len(pool[0]) - 1) // self.seq_len, 1)
+        return len(pool)
+
+    def _units(self) -> int:
+        """The examples a batch holds: its rows, or its pairs."""
+        return self.batch_size // 2 if self.pairs else self.batch_size
 
     def pairs_in_order(self, split: str, first: int) -> Batch:
         """Pairs first, first+1, ... of a split (the first ones again past its last, to fill the batch), as a drawn
         batch holds them: a reference pass over every pair (stages/reference.py)."""
         pairs = (first + np.arange(self.batch_size // 2)) % self.pair_count(split)
-        return self._draw(split, (self.seed, 2, first), pairs)
+        return self._draw(split, (self.seed, 2, first), pairs=pairs)
 
     def pair_count(self, split: str) -> int:
         return len(getattr(self.corpus, split)) // 2
 
-    def _draw(self, split: str, key: tuple[int, ...], pairs: Optional[np.ndarray] = None,
-              with_reference: bool = True) -> Batch:
+    def _draw(self, split: str, key: tuple[int, ...], index: int = 0, pairs: Optional[np.ndarray] = None,
+              with_inputs: bool = True) -> Batch:
         rng = np.random.default_rng(key)
         sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights) if self.weights is not None \
             else None
+        if pairs is None:
+            pairs = self._picks(split, index, sources)
         batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng, pairs)
         batch.sources = sources
         if self.ranks > 1:
@@ -104,11 +148,32 @@ class Batcher:
             batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
             batch.sources = sources[order] if sources is not None else None
             batch.drawn = batch.drawn[order] if batch.drawn is not None else None
-        if with_reference and callable(self.reference):  # computed for each batch (objective.reference=online)
-            batch.reference = self.reference(batch)
-        elif with_reference and self.reference is not None:
-            batch.reference = torch.from_numpy(np.asarray(self.reference[split][batch.drawn], dtype=np.float64))
+        if with_inputs and callable(self.row_inputs):  # computed for each batch (objective.reference=online)
+            batch.row_inputs = self.row_inputs(batch)
+        elif with_inputs and self.row_inputs is not None:
+            held = batch.drawn >= 0  # (an empty row past a held-out split's last: nothing to compare)
+            values = np.zeros(len(batch.drawn), dtype=np.float64)
+            values[held] = self.row_inputs[split][batch.drawn[held]]
+            batch.row_inputs = torch.from_numpy(values)
         return batch
+
+    def _picks(self, split: str, index: int, sources: Optional[np.ndarray]) -> np.ndarray:
+        """Each unit's example (a row's, or a pair's) in batch `index` of a split: training's in epochs of the
+        split's examples, the held-out split's in one seeded order, -1 past its last; a mixture's row at its
+        position among all rows in its own source's order (no example twice within as many rows as the source
+        holds; its source drawn by weight)."""
+        units = self._units()
+        rows = index * units + np.arange(units)
+        if sources is not None:
+            picks = np.empty(units, dtype=np.int64)
+            for s in np.unique(sources).tolist():
+                here = sources == s
+                picks[here] = epoch_order(rows[here], self.examples(s, split), self.seed, int(split == "val"))
+            return picks
+        n = self.examples(0, split)
+        if split == "train":
+            return epoch_order(rows, n, self.seed)
+        return np.where(rows < n, permuted(np.minimum(rows, n - 1), n, self.seed, 0, stream=1), -1)
 
     def _batch(self, sources, split: str, rng: np.random.Generator, pairs: Optional[np.ndarray] = None) -> Batch:
         """Rows drawn from each row's corpus's split: a window of a document (a packed stream is one), padded when
@@ -121,12 +186,18 @@ class Batcher:
         documents = np.full((self.batch_size, T + 1), PADDING, dtype=np.int64) if self.rows is not None else None
         corpora = self.corpus if isinstance(self.corpus, list) else [self.corpus]
         drawn = np.zeros(self.batch_size, dtype=np.int64)
+        examples = 0
         for r, s in enumerate(sources):
             pool, masks = getattr(corpora[s], split), getattr(corpora[s], f"{split}_mask")
+            pick = int(pairs[r // 2] if self.pairs else pairs[r])
+            if pick < 0:  # past the held-out split's last example: an empty row
+                drawn[r] = -1
+                continue
+            examples += 1 if not self.pairs or r % 2 == 0 else 0
             if self.rows is not None:
                 plan = self.rows[s][split]
                 at = 0
-                for n, p in enumerate(plan.row(int(rng.integers(len(plan))))):
+                for n, p in enumerate(plan.row(pick)):
                     i, start, length = int(plan.doc[p]), int(plan.start[p]), int(plan.length[p])
                     self._place(r, at, pool[i], masks[i] if masks is not None else None, start, length, rows, real,
                                 trained)
@@ -134,12 +205,14 @@ class Batcher:
                     at += length
                 continue
             if self.pairs:  # a pair's chosen in the even row, its rejected in the odd one after it, from their start
-                chosen = int(rng.integers(len(pool) // 2)) if pairs is None else int(pairs[r // 2])
-                i = 2 * chosen if r % 2 == 0 else drawn[r - 1] + 1
+                i = 2 * pick if r % 2 == 0 else drawn[r - 1] + 1
             else:
-                i = rng.integers(len(pool)) if len(pool) > 1 else 0
+                i = 0 if corpora[s].packed else pick
             doc, drawn[r] = pool[i], i
-            start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 and not self.pairs else 0
+            if corpora[s].packed:  # the pick-th window of the stream
+                start = pick * T
+            else:  # a document longer than a row: a window of it at random
+                start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 and not self.pairs else 0
             self._place(r, 0, doc, masks[i] if masks is not None else None, start, min(T + 1, len(doc) - start), rows,
                         real, trained)
         tokens = torch.from_numpy(rows)
@@ -150,7 +223,8 @@ class Batcher:
         labels[torch.from_numpy(~learned)] = -100
         return Batch(inputs, labels, float(real[:, :-1].mean()), float(learned.mean()),
                      documents=None if documents is None else torch.from_numpy(documents[:, :-1].copy()),
-                     real=real[:, :-1].sum(axis=1), drawn=None if self.rows is not None else drawn)
+                     real=real[:, :-1].sum(axis=1), drawn=None if self.rows is not None else drawn,
+                     examples=examples)
 
     @staticmethod
     def _place(r, at, doc, mask, start, length, rows, real, trained) -> None:
@@ -161,17 +235,17 @@ class Batcher:
             trained[r, at:at + length] = mask[start:start + length]
 
 
-def build_batcher(cfg, tokens: Optional[Path] = None, reference=None) -> Batcher:
+def build_batcher(cfg, tokens: Optional[Path] = None, row_inputs=None) -> Batcher:
     """The batcher of an experiment: the tokenize stage's shards (memory-mapped) when given, else the corpus
     tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights; preference pairs
-    (data.format=preference) drawn whole, with each split's reference log-probabilities where given."""
+    (data.format=preference) drawn whole; the objective's per-row inputs where given."""
     corpus = shards.read_all(tokens, packed_stream(cfg.data)) if tokens is not None else tokenized(cfg)
     mix = cfg.data.get("mix") or []
     if not mix:
         corpus = corpus[0] if isinstance(corpus, list) else corpus
     return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
                    [float(m.weight) for m in mix] if mix else None, whole_documents(cfg.data), cfg.parallel.dp,
-                   balances_ranks(cfg.data), cfg.data.get("format") == "preference", reference)
+                   balances_ranks(cfg.data), cfg.data.get("format") == "preference", row_inputs)
 
 
 def data_fingerprint(cfg) -> str:

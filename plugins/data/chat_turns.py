@@ -72,6 +72,8 @@ def turn_example(template: str, messages: list[dict], k: int, stops: tuple[str, 
         end = _turn_end(template, messages[:k + 1], text, start, reasoning, answer, **variables)
     elif reads_reasoning(template) == "content":
         text, end = _as_written(prompt, text, reasoning, answer, k)
+    elif moved := _after_moved_system(template, messages, k, text, reasoning, answer, **variables):
+        text, end = prompt + moved[0], start + moved[1]
     elif not text.startswith(prompt):
         raise NotExtending(f"the template's rendering of the messages before message {k + 1} (the assistant's), "
                            "with the generation prompt, is not the start of its rendering of the conversation up to "
@@ -81,6 +83,26 @@ def turn_example(template: str, messages: list[dict], k: int, stops: tuple[str, 
         raise NotExtending(f"the template's rendering holds nothing of message {k + 1}'s {lost} (the "
                            "assistant's), so there is nothing of it to learn")
     return text, (start, stop_end(text, start, end, answer, stops, reasoning))
+
+
+def _after_moved_system(template: str, messages: list[dict], k: int, text: str, reasoning: str, answer: str,
+                        **variables) -> tuple[str, int]:
+    """(the turn as the template writes it, where its closing ends in it), or () where this does not apply: for a
+    template that writes the system prompt into the conversation's last user turn only (Mistral v3's and Nemo's), the
+    conversation up to assistant message k renders without it, so the turn is what follows the history rendered
+    without system messages; the example is then the prompt as inference renders it (the system prompt in the last
+    user turn) followed by that turn."""
+    bare = [m for m in messages[:k] if m["role"] != "system"]
+    if len(bare) == k:
+        return ()
+    try:
+        head = render(template, bare, add_generation_prompt=True, **variables)[0]
+    except Exception:  # a template that needs its system message: not this case
+        return ()
+    if not text.startswith(head) or not _holds(text[len(head):], reasoning, answer):
+        return ()
+    end = _turn_end(template, messages[:k + 1], text, len(head), reasoning, answer, **variables)
+    return text[len(head):], end - len(head)
 
 
 def _holds(turn: str, reasoning: str, answer: str) -> bool:

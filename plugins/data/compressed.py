@@ -113,7 +113,46 @@ def decompress_errors() -> tuple[type, ...]:
     return OSError, EOFError, zlib.error, lzma.LZMAError, zstandard.ZstdError
 
 
+MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bz2"))  # first bytes
+
+
+def compression(head: bytes) -> str:
+    """The compression a file's first bytes show ('' for none)."""
+    return next((name for magic, name in MAGIC if head.startswith(magic)), "")
+
+
+def misnamed(path) -> str:
+    """Why a file named as compressed does not hold its name's compression ('' when it does, or cannot be read: its
+    reader says why), with the rename that fixes it: a plain file called .jsonl.gz is misnamed, not damaged."""
+    path = os.fspath(path)
+    stem, suffix = os.path.splitext(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return ""
+    said, found = PACKED.get(suffix), compression(head)
+    if said is None or found == said:
+        return ""
+    target = stem + next(k for k, v in PACKED.items() if v == found) if found else stem
+    what = f"{found}-compressed" if found else "plain text" if _text(head) else "no compression's first bytes"
+    return (f"is not {said}-compressed, though its name says {suffix}: it holds {what}; rename it: mv {path} "
+            f"{target} (and name that in data.paths)")
+
+
+def _text(head: bytes) -> bool:
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return e.start >= len(head) - 3  # a character cut at the end of the sample
+    return b"\0" not in head
+
+
 def damaged(path, e: BaseException) -> InputFault:
+    """A file that does not decompress: misnamed (renamed, it reads), else damaged or cut short."""
+    if why := misnamed(path):
+        rule, _, fix = why.partition("; ")
+        return InputFault(f"{path}: {rule}; fix: {fix}")
     return InputFault(f"{path}: cannot be decompressed ({type(e).__name__}: {e}); "
                       "fix: the file is damaged or cut short: fetch it again, or remove it from data.paths")
 

@@ -21,11 +21,14 @@ import numpy as np
 from common.problem import InputFault
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
+from plugins.data.bad_records import Bad, BadRecords, plan_line, refused, skips
 from plugins.data.packing import longest_record, packed_stream
+from plugins.data.piece_records import BadRecord
 from plugins.data.reading import Layout, in_val, layout, partition
 from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss, piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
+from plugins.data.sources import bad_records_read
 from storage.fsio import atomic_write_json
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -142,17 +145,17 @@ def _source_documents(cfg) -> Iterator[tuple[str, bytes]]:
             yield ("val" if in_val(name, cfg.data.val_fraction) else "train"), text
 
 
-def task_documents(cfg, lay: Optional[Layout], task: int,
-                   tasks: int) -> Iterator[tuple[str, tuple[bytes, ...], bool, int]]:
+def task_documents(cfg, lay: Optional[Layout], task: int, tasks: int,
+                   keep_bad: Optional[bool] = None) -> Iterator[tuple[str, tuple[bytes, ...], bool, int]]:
     """(split, texts, closes its document, bytes read) of this task's share of the corpus: a document's texts are
-    one, or a prompt and its completion."""
+    one, or a prompt and its completion (keep_bad: a bad record a Bad, as piece_documents yields it)."""
     if lay is None:
         for split, text in _source_documents(cfg):
             yield split, (text,), True, len(text)
         return
     for piece in partition(lay.pieces, tasks)[task]:
         size, first = piece.size, True
-        for split, texts, closes in piece_documents(cfg.data, piece):
+        for split, texts, closes in piece_documents(cfg.data, piece, keep_bad):
             yield split, texts, closes, size if first else 0
             first = False
         if first:  # a piece without a document (blank lines, empty records) still counts as read
@@ -161,9 +164,17 @@ def task_documents(cfg, lay: Optional[Layout], task: int,
 
 def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Path, task: int, tasks: int,
                progress: Callable[[int, int], None] = lambda read, tokens: None, attempt: str = "") -> dict:
-    """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards."""
+    """This task's documents, encoded ENCODE_BYTES at a time, appended to its part of the shards; a bad record
+    refused, or with data.bad_records=skip left out, counted and the first named in the part's summary."""
     t0 = time.perf_counter()
     masked, longest, chatting = masks_loss(cfg), longest_record(cfg), chat_options(cfg.data)
+    skipping, bad = skips(cfg.data), BadRecords()
+
+    def left_out(fault: InputFault) -> None:
+        if not skipping:
+            raise refused(fault) from None
+        bad.add(fault)
+
     joint = cfg.data.get("prompt_encoding") == "joint"
     writer = shards.PartWriter(Path(folder) / shards.part_name(task), tok.vocab_size, attempt, masked)
     batch: list[tuple[str, tuple[bytes, ...], bool]] = []
@@ -186,16 +197,20 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
         encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, (Chat, Pair))
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
-            if isinstance(texts, Pair):  # its chosen and its rejected document, one after the other
-                made, longer = texts.documents(tok, cfg.train.seq_len + 1)
-                cut += longer
-            elif isinstance(texts, Chat):
-                made = [(ids, trained) for ids, trained in chat_ids(tok, texts, masked, **chatting)
-                        if not masked or trained[:-1].any()]  # else the template marks nothing as the assistant's
-                if not made:
-                    unlearned += 1
-                    continue
-            else:
+            try:
+                if isinstance(texts, Pair):  # its chosen and its rejected document, one after the other
+                    made, longer = texts.documents(tok, cfg.train.seq_len + 1)
+                    cut += longer
+                elif isinstance(texts, Chat):
+                    made = [(ids, trained) for ids, trained in chat_ids(tok, texts, masked, **chatting)
+                            if not masked or trained[:-1].any()]  # else the template marks nothing as the assistant's
+            except BadRecord as e:  # a conversation the template cannot render
+                left_out(e)
+                continue
+            if isinstance(texts, Chat) and not made:
+                unlearned += 1
+                continue
+            if not isinstance(texts, (Pair, Chat)):
                 pieces = [next(encoded) for _ in encode_inputs(texts, joint)]
                 made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
             for ids, trained in made:
@@ -204,9 +219,11 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
         progress(read, sum(writer.tokens.values()))
         batch, held = [], 0
 
-    for split, texts, closes, size in task_documents(cfg, lay, task, tasks):
+    for split, texts, closes, size in task_documents(cfg, lay, task, tasks, keep_bad=True):
         read += size
-        if not texts:
+        if isinstance(texts, Bad):
+            left_out(texts.fault)
+        elif not texts:
             unlearned += 1
         elif any(texts) or closes:
             batch.append((split, texts, closes))
@@ -216,7 +233,8 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     flush()
     return writer.close(bytes_read=read, seconds=time.perf_counter() - t0, unlearned=unlearned,
                         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        **({"pairs_cut": cut} if cfg.data.get("format") == "preference" else {}))
+                        **({"pairs_cut": cut} if cfg.data.get("format") == "preference" else {}),
+                        **({"bad_records": bad.entry()} if skipping else {}))
 
 
 def source_tokens(cfg, folder: Path) -> dict:
@@ -234,6 +252,9 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     for src, dst in (("train", "val"), ("val", "train")):
         if not index[dst]["documents"] and index[src]["documents"] > whole:
             index = shards.move_last_document(folder, index, src, dst, whole)
+    if (left := BadRecords.of(index)).count and not index["train"]["documents"] + index["val"]["documents"]:
+        raise InputFault(f"data.paths={list(cfg.data.paths)}: every record read is bad ({left.count:,} left out by "
+                         f"data.bad_records=skip):{left.listing()}; fix: repair the records")
     if index.get("unlearned") and not index["train"]["documents"] + index["val"]["documents"]:
         raise InputFault(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
@@ -370,6 +391,11 @@ def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
             lines.append(f"{'warning: ' if share > LEFT_OUT_WARNING else ''}data.max_bytes={cfg.data.max_bytes} leaves "
                          f"out {_size(lay.left_out)} {where}of the corpus's {_size(lay.total_bytes)} ({share:.0%}); "
                          "data.max_bytes=0 reads all of it")
+    if skips(cfg.data):  # never silent: what the check before launch found is named, and the stage counts the rest
+        bad = BadRecords()
+        for sub, _ in corpora:
+            bad = bad.merge(bad_records_read(sub))
+        lines += plan_line(bad)
     return lines
 
 

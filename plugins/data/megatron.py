@@ -10,32 +10,27 @@ in one dtype, and `prefix.idx`:
   int64[D+1] the first sequence of each document, then S (a document is a run of sequences; one, unless the corpus
   was split into sentences)   (int8[S] sequence modes, multimodal corpora only: not read)
 
-The tokenize stage reads only the .idx (and the .bin's largest id, once: the cache keeps the result) and writes an
-index that points at the .bin (plugins/data/shards.py reads it by memory map); each prefix's last data.val_fraction
-of documents is held out, as Megatron's split takes the last documents for validation. The tokenizer is the one the
-corpus was made with: data.tokenizer=hf:<folder> (or train.init_from's, data.tokenizer=auto).
+This module reads and writes those files; the source is plugins/data/megatron_source.py, its checks before launch
+plugins/data/megatron_checks.py. Only the .idx is read, and the .bin's ids once (its smallest and largest, remembered
+by the file's stamp); each prefix's last data.val_fraction of documents is held out, as Megatron's split takes the
+last documents for validation, and an empty document (no token) is skipped. The tokenizer is the one the corpus
+was made with: data.tokenizer=hf:<folder> (or train.init_from's, data.tokenizer=auto).
 """
 from __future__ import annotations
 
-import hashlib
 import struct
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import Iterator, NamedTuple, Optional
 
 import numpy as np
-
-from common.problem import InputFault
-from plugins.data import tokenizer as tokenizers
-from plugins.data.registry import DataSource, register_source
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
           8: np.uint16}
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8
-CHUNK = 64 << 20  # tokens of the .bin read at a time when its largest id is looked for
-INDEX_CHUNK = 1 << 20  # sequences of the .idx checked at a time (its temporaries 8 MB, whatever the corpus)
-SAMPLED = 100     # documents whose last token the plan reads (does the corpus end its documents in <eos>?)
+CHUNK = 64 << 20  # tokens of the .bin read at a time when its ids are looked through
+INDEX_CHUNK = 1 << 20  # sequences (or documents) of the .idx read at a time (its temporaries 8 MB, whatever the corpus)
 
 
 class MegatronError(ValueError):
@@ -63,12 +58,25 @@ class Indexed(NamedTuple):
         last = int(self.documents[d + 1]) - 1
         return int(self.pointers[last]) // self.dtype.itemsize + int(self.lengths[last]) if last >= 0 else 0
 
-    def document_ends(self, count: Optional[int] = None) -> np.ndarray:
-        """Where each of the first `count` documents (all: None) ends, as document_end: an int64 a document read
-        from the index, never an array of all its sequences."""
-        last = np.asarray(self.documents[1:None if count is None else count + 1], dtype=np.int64) - 1
+    def document_ends(self, stop: Optional[int] = None, start: int = 0) -> np.ndarray:
+        """Where documents start..stop-1 (all: None) end, as document_end: an int64 a document read from the index,
+        never an array of all its sequences."""
+        last = np.asarray(self.documents[start + 1:None if stop is None else stop + 1], dtype=np.int64) - 1
         at = np.maximum(last, 0)
         return np.where(last >= 0, self.pointers[at] // self.dtype.itemsize + self.lengths[at], 0).astype(np.int64)
+
+    def document_lengths(self, start: int = 0, stop: Optional[int] = None) -> Iterator[np.ndarray]:
+        """The tokens of documents start..stop-1 (all: None), INDEX_CHUNK documents at a time (from the index alone:
+        its temporaries stay bounded whatever the corpus)."""
+        stop = self.n_documents if stop is None else stop
+        for a in range(start, stop, INDEX_CHUNK):
+            yield np.diff(self.document_ends(min(a + INDEX_CHUNK, stop), a), prepend=self.document_end(a - 1) if a
+                          else 0)
+
+    def empty_documents(self, start: int = 0, stop: Optional[int] = None) -> int:
+        """How many of documents start..stop-1 hold no token: preprocess_data.py writes an empty text as a document
+        of no sequence (it appends <eod> to a document that has tokens only). They are skipped (read_corpus)."""
+        return sum(int(np.count_nonzero(n == 0)) for n in self.document_lengths(start, stop))
 
 
 def prefix_of(path: str) -> Path:
@@ -175,110 +183,39 @@ def tokens_of(ix: Indexed) -> np.ndarray:
     return np.memmap(files_of(ix.prefix)[1], dtype=ix.dtype, mode="r", shape=(n,)) if n else np.zeros(0, ix.dtype)
 
 
-def largest_id(ix: Indexed) -> int:
-    """The .bin's largest token id, read CHUNK tokens at a time (its memory stays flat)."""
+def id_range(ix: Indexed) -> list[int]:
+    """The .bin's smallest and largest token ids ([0, -1] for no token), read CHUNK tokens at a time (its memory
+    stays flat); an unsigned dtype's smallest is not looked for (it cannot be below 0)."""
+    tokens, signed = tokens_of(ix), np.issubdtype(ix.dtype, np.signedinteger)
+    lo, hi = 0, -1
+    for i in range(0, len(tokens), CHUNK):
+        chunk = tokens[i:i + CHUNK]
+        hi = max(hi, int(chunk.max()))
+        lo = min(lo, int(chunk.min())) if signed else lo
+    return [lo, hi]
+
+
+def document_of(ix: Indexed, token: int) -> int:
+    """The document that holds the .bin's token at this offset: two binary searches of the memory-mapped index
+    (the last sequence that starts at or before it; a sequence or document of none shares its start with the next)."""
+    sequence = int(np.searchsorted(ix.pointers, token * ix.dtype.itemsize, side="right")) - 1
+    return int(np.searchsorted(ix.documents, sequence, side="right")) - 1
+
+
+def first_below(ix: Indexed, least: int) -> int:
+    """The offset of the .bin's first token below `least` (-1: none), read CHUNK tokens at a time."""
     tokens = tokens_of(ix)
-    return max((int(tokens[i:i + CHUNK].max()) for i in range(0, len(tokens), CHUNK)), default=-1)
+    for i in range(0, len(tokens), CHUNK):
+        below = np.flatnonzero(tokens[i:i + CHUNK] < least)
+        if len(below):
+            return i + int(below[0])
+    return -1
 
 
 def held_out(ix: Indexed, val_fraction: float) -> int:
     """The first held-out document: the last val_fraction of them, at least one, never all."""
     n = ix.n_documents
     return n - min(max(round(n * val_fraction), 1), n - 1) if n > 1 else n
-
-
-# -- the source -----------------------------------------------------------------------------------------------------
-
-def _indexes(cfg) -> list[Indexed]:
-    return [read_index(p) for p in cfg.paths]
-
-
-def _all_paths(cfg) -> list[str]:
-    """The prefixes read: data.paths, or every data.mix source's."""
-    return [p for entry in cfg.mix for p in entry.paths] if cfg.get("mix") else list(cfg.paths)
-
-
-def _fingerprint(cfg) -> str:
-    """The files as they are (names, sizes, modification times): a corpus written again is read again."""
-    stamps = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for p in _all_paths(cfg)
-              for f in files_of(prefix_of(p)) if f.is_file()]
-    return "megatron-v1:" + hashlib.sha256(repr(stamps).encode()).hexdigest()
-
-
-def _looks_like_a_weight(path: str) -> bool:
-    try:
-        float(path)
-    except ValueError:
-        return False
-    return not Path(f"{path}.idx").exists()
-
-
-def _check(cfg) -> list[tuple]:
-    d = cfg.data
-    if any(_looks_like_a_weight(p) for p in d.paths):  # Megatron's --data-path 0.3 web 0.7 code
-        pairs = list(zip(d.paths[::2], d.paths[1::2]))
-        entries = ",".join(f"{{paths:[{p}],weight:{w}}}" for w, p in pairs)
-        return [("data.paths", list(d.paths), "a blend as Megatron spells it (weight, prefix, ...) is data.mix here: "
-                 "each source its prefixes and its weight", f"data.paths=[] 'data.mix=[{entries}]'")]
-    if not d.paths:
-        return [("data.paths", [], "data=megatron reads the prefixes of Megatron indexed datasets (prefix.bin and "
-                 "prefix.idx)", "data.paths=[/data/corpus_text_document]")]
-    problems = []
-    for path in d.paths:
-        try:
-            ix = read_index(path)
-        except MegatronError as e:
-            problems.append(("data.paths", list(d.paths), f"{e}", "the prefix of a corpus megatron-core wrote "
-                             "(tools/preprocess_data.py's --output-prefix, with its _text_document suffix)"))
-            continue
-        if ix.n_documents < 2:
-            problems.append(("data.paths", list(d.paths), f"{ix.prefix} holds {ix.n_documents} document(s): one "
-                             "is held out for evaluation, so at least two are needed", "a larger corpus"))
-    if problems:
-        return problems
-    if tokenizers.hf_folder(d.tokenizer) is None:
-        return [("data.tokenizer", d.tokenizer, "a Megatron corpus is token ids already: the tokenizer they were made "
-                 "with gives <eos>, the vocabulary and the preview", "data.tokenizer=hf:<the tokenizer folder "
-                 "preprocess_data.py used> (or train.init_from=hf:<the model's folder>, whose own it then is)")]
-    return []
-
-
-def _describe(cfg) -> list[str]:
-    ixs = [read_index(p) for p in _all_paths(cfg.data)]
-    docs, tokens = sum(ix.n_documents for ix in ixs), sum(ix.n_tokens for ix in ixs)
-    size = sum(ix.n_tokens * ix.dtype.itemsize for ix in ixs)
-    lines = [f"data: {len(ixs)} Megatron indexed dataset(s), {docs:,} documents, {tokens:,} tokens "
-             f"({size / 2**30:,.2f} GB of {', '.join(sorted({ix.dtype.name for ix in ixs}))}), read where they are: "
-             "tokenize reads the indexes and the largest id, no text"]
-    eos = tokenizers.make(cfg.data).eos
-    for ix in ixs:
-        ends, tokens = ix.document_ends(SAMPLED), tokens_of(ix)
-        if len(ends) and not any(int(tokens[e - 1]) == eos for e in ends if e):
-            lines.append(f"data: the first documents of {ix.prefix} do not end in <eos> (id {eos}): made without "
-                         "preprocess_data.py's --append-eod, they run into each other in a packed row, as Megatron "
-                         "trains them")
-    return lines
-
-
-def _indexed(cfg, tok: tokenizers.Tokenizer) -> dict:
-    """The index.json that points at the corpora (shards.read's "megatron" entry): each prefix, its dtype and its
-    split, in documents and tokens; refused where an id is past the tokenizer's vocabulary."""
-    entries, totals = [], {s: {"tokens": 0, "documents": 0} for s in ("train", "val")}
-    for ix in _indexes(cfg.data):
-        top = largest_id(ix)
-        if top >= tok.vocab_size:
-            raise InputFault(f"data.paths: {ix.prefix}.bin holds token id {top:,}, and data.tokenizer="
-                             f"{cfg.data.tokenizer} has {tok.vocab_size:,} tokens: it was made with another "
-                             "tokenizer; fix: data.tokenizer=hf:<the folder preprocess_data.py used>")
-        cut = held_out(ix, cfg.data.val_fraction)
-        at = ix.document_end(cut - 1) if cut else 0
-        entries.append({"prefix": str(ix.prefix.resolve()), "dtype": ix.dtype.name, "documents": ix.n_documents,
-                        "held_out_from": cut, "tokens": ix.n_tokens})
-        totals["train"]["tokens"] += at
-        totals["train"]["documents"] += cut
-        totals["val"]["tokens"] += ix.n_tokens - at
-        totals["val"]["documents"] += ix.n_documents - cut
-    return {"megatron": entries, **totals}
 
 
 def read_corpus(entry: dict, packed: bool) -> dict:
@@ -291,15 +228,5 @@ def read_corpus(entry: dict, packed: bool) -> dict:
     if packed:
         return {"train": (tokens[:at], None), "val": (tokens[at:], None)}
     ends = ix.document_ends()
-    return {"train": (tokens[:at], ends[:cut]), "val": (tokens[at:], ends[cut:] - at)}
-
-
-def _first_ids(cfg, n: int) -> list[tuple[str, np.ndarray]]:
-    ix = read_index(_all_paths(cfg)[0])
-    tokens, ends = tokens_of(ix), np.concatenate([[0], ix.document_ends(n)])
-    return [(f"{ix.prefix}.bin, document {i + 1} of {ix.n_documents:,}", np.asarray(tokens[ends[i]:ends[i + 1]]))
-            for i in range(min(n, ix.n_documents))]
-
-
-register_source("megatron", DataSource(_fingerprint, check=_check, indexed=_indexed, describe=_describe,
-                                       first_ids=_first_ids))
+    kept = np.diff(ends, prepend=0) > 0  # an empty document is skipped (the plan counts them): no row of padding
+    return {"train": (tokens[:at], ends[:cut][kept[:cut]]), "val": (tokens[at:], ends[cut:][kept[cut:]] - at)}

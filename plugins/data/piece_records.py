@@ -5,6 +5,7 @@ Python spelling."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -72,22 +73,33 @@ class Where:
         return f"{self.path}: row {self.row}"
 
 
-def records(piece: Piece, fields: dict[str, str], val_fraction: float,
-            optional: Optional[dict[str, str]] = None) -> Iterator[tuple[str, dict, Where]]:
+class BadRecord(InputFault):
+    """A fault of one record's own (a line that is not JSON, a field missing or of the wrong type, a pair with
+    nothing to compare, a conversation the template cannot render), not of a setting: data.bad_records decides
+    whether it is refused or left out (plugins/data/bad_records.py)."""
+
+
+def records(piece: Piece, fields: dict[str, str], val_fraction: float, optional: Optional[dict[str, str]] = None,
+            keep_bad: bool = False) -> Iterator[tuple[str, dict, Where]]:
     """(split, {key: the value of its field}, where it is) of each record of a JSON Lines or Parquet piece; fields
     maps the data keys that name fields (text_field, prompt_field, ...) to the names. The split comes from the
-    record's name (file and line, or file and row). A record without one of the fields is refused, naming file and
-    line; one without an `optional` field (data.tools_field) has None there."""
+    record's name (file and line, or file and row). A record without one of the fields (or a line that is not JSON)
+    is refused, naming file and line (keep_bad: its BadRecord is yielded in its place, and reading goes on); one
+    without an `optional` field (data.tools_field) has None there."""
     optional = optional or {}
     if piece.kind == "jsonl":
-        for line_start, record in _json_records(piece):
-            missing = next((k for k, f in fields.items() if f not in record), None)
+        for line_start, record in _json_records(piece, keep_bad):
+            where = Where(piece.path, line_start)
+            missing = None if isinstance(record, BadRecord) else \
+                next((k for k, f in fields.items() if f not in record), None)
             if missing is not None:
-                raise InputFault(f"{Where(piece.path, line_start)} {no_field(fields[missing], record)}: "
-                                 f"data.{missing}= the field that holds it")
-            yield (_split(f"{piece.name}@{line_start}", val_fraction),
+                record = BadRecord(f"{where} {no_field(fields[missing], record)}; fix: data.{missing}= the field "
+                                   "that holds it, or repair the record")
+                if not keep_bad:
+                    raise record
+            yield (_split(f"{piece.name}@{line_start}", val_fraction), record if isinstance(record, BadRecord) else
                    {**{k: record.get(f) for k, f in optional.items()}, **{k: record[f] for k, f in fields.items()}},
-                   Where(piece.path, line_start))
+                   where)
     elif piece.kind != "text":
         present = set() if not optional else set(arrow_fields(Path(piece.path)) if piece.kind == "arrow" else
                                                   _parquet_fields(piece.path))
@@ -216,25 +228,48 @@ def _lines(piece: Piece) -> Iterator[tuple[int, bytes]]:
         at += len(line) + 1
 
 
-def _json_records(piece: Piece) -> Iterator[tuple[int, dict]]:
+def _json_records(piece: Piece, keep_bad: bool = False) -> Iterator[tuple[int, dict]]:
+    """(offset, record) of each line of a JSON Lines piece; a line that is not a JSON object is refused (keep_bad:
+    yielded as its BadRecord)."""
     for line_start, line in _lines(piece):
         if not line.strip():
             continue
         try:
             record = json_object(line)
         except ValueError as e:
-            raise InputFault(f"{piece.path}: line {line_number(piece.path, line_start)} {e}") from None
+            record = BadRecord(f"{piece.path}: line {line_number(piece.path, line_start)} {e}; fix: repair the line "
+                               "(one JSON object per line), or remove it")
+            if not keep_bad:
+                raise record from None
         yield line_start, record
 
 
+_counted: dict = {}  # (path, its stamp) -> (an offset, the line that starts there): the last line_number's count
+
+
 def line_number(path: str, offset: int) -> int:
-    """The line that starts at byte `offset` (counted only when a message needs it)."""
-    count, done = 1, 0
+    """The line that starts at byte `offset` (counted only when a message needs it). Counting goes on from the last
+    offset counted in the same file where it is not past `offset` (bad records are named in file order, data.
+    bad_records=skip names each one of them: without it a file of many would be counted again from its start for
+    each)."""
+    try:
+        stat = os.stat(path)
+        stamp = (str(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        stamp = None
+    done, count = _counted.get(stamp, (0, 1))
+    if done > offset or packed(path):  # (a compressed file cannot seek: counted from its start)
+        done, count = 0, 1
     with (open_decompressed(path) if packed(path) else open(path, "rb")) as f:
+        if done:
+            f.seek(done)
         while done < offset:
             block = f.read(min(1 << 24, offset - done))
             if not block:
                 break
             count += block.count(b"\n")
             done += len(block)
+    if stamp is not None:
+        _counted.clear()  # one file's count kept: the one being read
+        _counted[stamp] = (done, count)
     return count

@@ -14,7 +14,10 @@ from rich.text import Text
 
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
+from plugins.data.bad_records import skips
 from plugins.data.corpus import corpus_layouts
+from plugins.data.packing import whole_documents
+from plugins.data.piece_records import BadRecord
 from plugins.data.preference import pair_ids
 from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
@@ -78,7 +81,12 @@ def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarra
             if isinstance(texts, Pair):  # its two documents, as the tokenize stage writes them
                 made = pair_ids(tok, texts.prompt, texts.chosen, texts.rejected)
             elif isinstance(texts, Chat):
-                made = chat_ids(tok, texts, masked, **chatting)
+                try:
+                    made = chat_ids(tok, texts, masked, **chatting)
+                except BadRecord:
+                    if skips(d):  # left out as the tokenize stage leaves it out (the plan counts it)
+                        continue
+                    raise
             else:
                 pieces = tok.encode(list(encode_inputs(texts, joint)))
                 made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
@@ -135,21 +143,27 @@ def _decode(tok, ids) -> str:
 
 
 def passes_line(cfg, tokens: Path) -> list[str]:
-    """How much of the training split the steps draw, from the tokenize stage's counts (its index.json in `tokens`):
-    rows are drawn at random, so this is each token's expected number of visits (16 passes over a small chat set
-    overfits, and nothing else says so). A data.mix draws each source by weight: not said here, nor where an index
-    holds no counts (an entry written before they were kept)."""
+    """How much of the training split the steps draw, in epochs of its examples (each drawn once an epoch:
+    plugins/data/epochs.py), from the tokenize stage's counts (its index.json in `tokens`): 16 epochs of a small chat
+    set overfits, and nothing else says so. A data.mix draws each row's source by weight: not said here, nor where
+    an index holds no counts (an entry written before they were kept)."""
     path = Path(tokens) / shards.INDEX
     index = read_json(path) if not cfg.data.get("mix") and path.is_file() else {}
     if not isinstance(index.get("train"), dict) or not index["train"].get("tokens") or not cfg.train.steps:
         return []  # train.steps=0 draws nothing (the train stage says what it does instead)
     t, train = cfg.train, index["train"]
+    about = ""
     if cfg.data.get("format") == "preference":  # a pair is two rows
         drawn, pool, unit = t.steps * t.batch_size // 2, train["documents"] // 2, "pairs"
-    elif cfg.data.packing:  # windows (or rows of whole documents) of train.seq_len tokens
-        drawn, pool, unit = t.steps * t.batch_size * t.seq_len, train["tokens"], "tokens"
+    elif whole_documents(cfg.data):  # rows of whole documents: as many as their tokens fill, at least
+        drawn, pool, about = t.steps * t.batch_size, -(-train["tokens"] // (t.seq_len + 1)), "about "
+        unit = "rows of whole records"
+    elif cfg.data.packing:  # windows of the stream, each one's last token the next one's first
+        drawn, pool, unit = t.steps * t.batch_size, max((train["tokens"] - 1) // t.seq_len, 1), \
+            f"windows of {t.seq_len:,} tokens"
     else:  # one record a row
         drawn, pool, unit = t.steps * t.batch_size, train["documents"], "records"
-    share = f"about {drawn / pool:,.1f} passes over it" if drawn >= pool else f"{drawn / pool:.2%} of it"
-    return [f"data: {t.steps:,} steps of {t.batch_size:,} rows draw {drawn:,} {unit} at random from the training "
-            f"split's {pool:,}: {share}"]
+    epochs = drawn / max(pool, 1)
+    share = "each drawn once an epoch" if epochs >= 1 else f"{epochs:.2%} of them, none twice"
+    return [f"data: {t.steps:,} steps of {t.batch_size:,} rows = {about}{epochs:,.2f} epochs of the training "
+            f"split's {about}{pool:,} {unit} ({share})"]

@@ -16,7 +16,8 @@ from plugins.data.chat import (STANDARD_ROLES, NotExtending, completion_span, en
 from plugins.data.chat_turns import Example, examples
 from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
-from plugins.data.piece_records import documents, kind_of, preview, record_fields, records, text_value
+from plugins.data.bad_records import Bad, BadRecords, skips
+from plugins.data.piece_records import BadRecord, documents, kind_of, preview, record_fields, records, text_value
 from plugins.data.preference import check_pair, pair_ids, split_prompt
 
 
@@ -29,34 +30,62 @@ def masks_loss_of(d) -> bool:
     return d.format == "preference" or (d.format in ("prompt_completion", "chat") and d.loss_on == "completion")
 
 
-def piece_documents(d, piece) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
+def piece_documents(d, piece, keep_bad: Optional[bool] = None) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
     """(split, its texts, closes its document) of a piece: one text, a record's prompt and completion
     (data.format=prompt_completion; a record whose completion is empty has no texts: nothing in it would be learned,
     it is counted and left out), or a chat record's messages (Chat; a prompt and completion that are lists of
     messages, TRL's conversational form: Conversation; one whose every answer is empty is left out as an empty
-    completion is: it would teach the stop token alone)."""
+    completion is: it would teach the stop token alone). A record at fault itself (BadRecord, InputFault) is refused,
+    or with keep_bad (default: data.bad_records=skip) yielded as a Bad in its place, and reading goes on."""
+    keep_bad, d = skips(d) if keep_bad is None else keep_bad, _plain(d)
     if d.format == "text":
         for split, text, closes, where in documents(piece, d.text_field, d.val_fraction):
             yield split, (Record if piece.kind != "text" or piece.opens else Continued)((text,), where), closes
         return
     optional = {"tools_field": d.tools_field} if d.format == "chat" else \
         {"prompt_field": d.prompt_field} if d.format == "preference" else None
-    for split, record, where in records(piece, record_fields(d), d.val_fraction, optional):
-        if d.format == "preference":  # its two documents: a pair is one record, in one split
-            yield split, Pair(record["prompt_field"], record["chosen_field"], record["rejected_field"], where, d), True
-            continue
-        if d.format == "chat":
-            chat = Chat(record["messages_field"], where, record.get("tools_field"))
-            yield split, chat if answers(chat, d) else Unanswered(chat), True
-            continue
-        prompt, completion = record["prompt_field"], record["completion_field"]
-        if isinstance(prompt, list) or isinstance(completion, list):
-            chat = Conversation(prompt, completion, where, d)
-            yield split, chat if answers(chat, d) else Unanswered(chat), True
-            continue
-        learned = text_value(completion, where, "completion_field", d.completion_field)
-        yield split, Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) \
-            if learned else (), True
+    for split, record, where in records(piece, record_fields(d), d.val_fraction, optional, keep_bad):
+        try:
+            if isinstance(record, BadRecord):
+                raise record
+            document = _document(d, record, where)
+        except InputFault as e:  # (a piece that cannot be read is raised by `records` itself: not one record's)
+            if not keep_bad:
+                raise
+            document = Bad(e)
+        yield split, document, True
+
+
+class _Keys(dict):
+    """A data config as a plain dict, its keys read as attributes too: it is read for every record, and OmegaConf's
+    reading of a key costs more than the record's own (most of the check before launch's time on chats)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _plain(d):
+    from omegaconf import DictConfig, OmegaConf
+
+    return _Keys(OmegaConf.to_container(d, resolve=True)) if isinstance(d, DictConfig) else d
+
+
+def _document(d, record: dict, where):
+    """A record's document (Pair, Chat, Unanswered, Record, or () for an empty completion); InputFault naming it."""
+    if d.format == "preference":  # its two documents: a pair is one record, in one split
+        return Pair(record["prompt_field"], record["chosen_field"], record["rejected_field"], where, d)
+    if d.format == "chat":
+        chat = Chat(record["messages_field"], where, record.get("tools_field"))
+        return chat if answers(chat, d) else Unanswered(chat)
+    prompt, completion = record["prompt_field"], record["completion_field"]
+    if isinstance(prompt, list) or isinstance(completion, list):
+        chat = Conversation(prompt, completion, where, d)
+        return chat if answers(chat, d) else Unanswered(chat)
+    learned = text_value(completion, where, "completion_field", d.completion_field)
+    return Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) if learned else ()
 
 
 def answers(chat: "Chat", d) -> bool:
@@ -187,7 +216,9 @@ class Conversation(Chat):
 class Pair(Record):
     """A preference pair (data.format=preference): its prompt, chosen and rejected completion, all texts or all lists
     of messages (TRL's standard and conversational forms; a record without a prompt has an implicit one, the
-    beginning chosen and rejected share: plugins/data/preference.split_prompt). Its texts (what a BPE learns from)
+    beginning chosen and rejected share: plugins/data/preference.split_prompt; so has one whose prompt is of another
+    form than its completions, as TRL's maybe_extract_prompt reads UltraFeedback's text prompt beside conversations
+    that repeat it). Its texts (what a BPE learns from)
     are the prompt's and the completions' bytes. A pair with an empty completion, or whose completions are the same
     (its loss is log 2 whatever the model), is refused naming the record."""
 
@@ -200,26 +231,43 @@ class Pair(Record):
             (chosen, _), (rejected, _) = given
         else:
             (prompt, _), (chosen, _), (rejected, _) = given
-        if len({isinstance(v, list) for v, _ in given}) > 1:
+        implicit = prompt is None or isinstance(prompt, list) != isinstance(chosen, list)  # TRL's maybe_extract_prompt
+        if len({isinstance(v, list) for v, _ in (given[-2:] if implicit else given)}) > 1:
             raise InputFault(f"{where}: the pair mixes texts and lists of messages ("
                              + ", ".join(f"data.{k} is {'messages' if isinstance(v, list) else 'text'}"
                                          for v, k in given) + f"); fix: records whose fields are all {form}")
-        for value, k in given:
+        for value, k in given[-2:] if implicit else given:
             if isinstance(value, list) and (why := messages_problem(value, f"data.{k} ({d[k]!r})")):
                 raise InputFault(f"{where}: {why}; fix: records whose fields are all {form}")
-        if prompt is None:
-            prompt, chosen, rejected = split_prompt(chosen, rejected)
-            if not prompt:
-                raise InputFault(f"{where}: the record has no field data.prompt_field={d.prompt_field!r} and its "
-                                 "chosen and rejected completions share no beginning to be its prompt (TRL's "
-                                 "implicit prompt); fix: data.prompt_field= the field that holds the prompt")
-        for value, k in ((chosen, "chosen_field"), (rejected, "rejected_field")):
-            if not value:
+        for value, k in ((chosen, "chosen_field"), (rejected, "rejected_field")):  # each fault its own: before
+            if not value:  # the implicit prompt takes what they share
                 raise InputFault(f"{where}: the pair's {k.split('_')[0]} completion (data.{k}={d[k]!r}) is empty: "
                                  "there is nothing to compare; fix: leave the pair out, or repair it")
         if chosen == rejected:
             raise InputFault(f"{where}: the pair's chosen and rejected completions are the same: it teaches nothing "
                              "(its loss is log 2 whatever the model); fix: leave the pair out, or repair it")
+        if implicit:  # no prompt, or one of another form than the completions' (UltraFeedback's): what they share
+            other = prompt is not None
+            prompt, chosen, rejected = split_prompt(chosen, rejected)
+            if not prompt and other:
+                raise InputFault(f"{where}: the record's data.prompt_field ({d.prompt_field!r}) is "
+                                 f"{'messages' if isinstance(chosen, str) else 'text'} and its chosen and rejected "
+                                 f"completions are {'texts' if isinstance(chosen, str) else 'lists of messages'}: "
+                                 "as in TRL (maybe_extract_prompt), the prompt is then the beginning they share "
+                                 "(UltraFeedback's form repeats it as their first message), and they share none; "
+                                 f"fix: records whose fields are all {form}, or completions that begin with the "
+                                 "prompt")
+            if not prompt:
+                raise InputFault(f"{where}: the record has no field data.prompt_field={d.prompt_field!r} and its "
+                                 "chosen and rejected completions share no beginning to be its prompt (TRL's "
+                                 "implicit prompt); fix: data.prompt_field= the field that holds the prompt")
+            for value, (k, was) in zip((chosen, rejected), (("chosen", "rejected"), ("rejected", "chosen"))):
+                if not value:
+                    raise InputFault(f"{where}: the pair's {k} completion (data.{k}_field={d[k + '_field']!r}) is "
+                                     f"the beginning of its {was} one, and the implicit prompt (the beginning they "
+                                     "share, as TRL's extract_prompt takes it) takes all of it: nothing of it is "
+                                     "left to compare; fix: data.prompt_field= the field that holds the prompt, or "
+                                     "repair the pair")
         parts = [prompt, chosen, rejected]
         pair = super().__new__(cls, (v.encode("utf-8") if isinstance(v, str) else
                                      "".join(m["content"] for m in v).encode("utf-8") for v in parts), where)
@@ -238,9 +286,10 @@ class Pair(Record):
     def documents(self, tok: tokenizers.Tokenizer, row: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
         """(its chosen and its rejected document: each ids and which are learned; 1 when they are longer than a row
         of `row` tokens, cut there, else 0), as the tokenize stage writes them; InputFault naming the record for a
-        conversation the template cannot render, or a completion that starts past the row."""
+        conversation the template cannot render (BadRecord: the record's own), or a completion that starts past the
+        row (a setting's)."""
         if self.conversational and (why := self.render_problem(tok.chat_template)):
-            raise InputFault(why)
+            raise BadRecord(why)
         made = pair_ids(tok, self.prompt, self.chosen, self.rejected)
         return made, check_pair(self, made, row)
 
@@ -251,7 +300,7 @@ def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True, turns: 
     rendered template's, then <eos> unless the template writes it; which are the assistant's, a Conversation's
     completion's): an appended <eos> too when the example ends with the assistant's turn (it learns to stop there)."""
     if why := render_problem(chat, tok.chat_template):
-        raise InputFault(why)
+        raise BadRecord(why)
     made = []
     for text, spans, whole, ends_with_answer in chat_spans(tok.chat_template, chat, masked, tok.stops, turns,
                                                            learn_reasoning, **(tok.special or {})):
@@ -319,14 +368,14 @@ def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str,
             variables = {**variables, "tools": chat.tools}
         return examples(template, messages, turns, stops, learn_reasoning, **variables)
     except NotExtending as e:
-        raise InputFault(f"{chat.where}: {e}; fix: " + ("data.chat_turns=each (an example per assistant turn, each "
-                                                        "as at inference), " if turns == "all" else "")
-                         + "data.chat_template= a template whose renderings of a conversation's beginning are the "
-                         "start of the whole (or with {% generation %} tags around the assistant's turns), or "
-                         "data.loss_on=all") from None
+        raise BadRecord(f"{chat.where}: {e}; fix: " + ("data.chat_turns=each (an example per assistant turn, each "
+                                                       "as at inference), " if turns == "all" else "")
+                        + "data.chat_template= a template whose renderings of a conversation's beginning are the "
+                        "start of the whole (or with {% generation %} tags around the assistant's turns), or "
+                        "data.loss_on=all") from None
     except Exception as e:  # jinja2's TemplateError, raise_exception's message, a sandbox's refusal
-        raise InputFault(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
-                         f"fix: data.chat_template= a template for these messages") from None
+        raise BadRecord(f"{chat.where}: the chat template cannot render a record: {type(e).__name__}: {e}; "
+                        f"fix: data.chat_template= a template for these messages") from None
 
 
 def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: int, widest: int) -> str:
@@ -345,50 +394,79 @@ def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: 
 
 
 CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them
+SCANNED_RECORDS = 4096  # of each file's first piece read before launch for their own faults: fields, types, pairs
+                        # (cheap); the first CHECKED_RECORDS of the good ones rendered and measured too
 
 
 def first_records_problem(d, piece, template: Optional[str], variables: dict, row: Optional[tuple[int, int]] = None,
-                          pairs: Optional[tuple] = None) -> tuple[Optional[tuple[str, str]], int, bool]:
-    """((key, why) or None, documents with something to learn, whether the piece was read to its end) of the first
-    CHECKED_RECORDS records of a file's first piece, read as the tokenize stage reads them: the fields' types, the
-    messages, their roles, the template's rendering; a problem too when none of them has a token to learn, or (row:
-    the tokens a row holds and the most bytes a token covers, where a longer record is refused) when one is longer
-    than a row whatever the tokenizer makes of it; pairs: (the tokenizer, a row's tokens) where preference pairs are
-    tokenized now, a completion that starts past the row refused."""
-    learned = seen = 0
+                          pairs: Optional[tuple] = None,
+                          bad: Optional[BadRecords] = None) -> tuple[Optional[tuple[str, str]], int, bool]:
+    """((key, why) or None, documents with something to learn, whether the piece was read to its end) of a file's
+    first piece, read as the tokenize stage reads it: its first SCANNED_RECORDS records' fields and types, and of
+    the first CHECKED_RECORDS good ones the messages, their roles, the template's rendering (_record_check). A bad
+    record (its own fault, plugins/data/bad_records.py) goes to `bad`, every one, to be listed together; a setting's
+    fault is the problem returned, as is a piece none of whose records has a token to learn."""
+    bad = BadRecords() if bad is None else bad
+    learned = seen = read = 0
     try:
-        for _, texts, _ in itertools.islice(piece_documents(d, piece), CHECKED_RECORDS):
-            seen += 1
-            if row and (why := _longer_than_a_row(texts, template, variables, *row)):
-                return ("data.long_documents", why), learned, False
-            if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
-                return ("data.paths", why), learned, False
-            if isinstance(texts, Pair) and texts.conversational and not template:
-                return ("data.chat_template", f"{texts.where}: the pair is made of conversations, which are rendered "
-                                              "with a chat template, and there is none"), learned, False
-            if isinstance(texts, Pair) and texts.conversational and (why := texts.render_problem(template)):
-                return ("data.paths", why), learned, False
-            if isinstance(texts, Pair) and pairs is not None:
-                try:  # (its rendering is checked above: what is left is the row)
-                    texts.documents(*pairs)
-                except InputFault as e:
-                    return ("train.seq_len", str(e)), learned, False
-            if not isinstance(texts, Chat):
-                learned += bool(texts and texts[-1])
+        for _, texts, _ in itertools.islice(piece_documents(d, piece, keep_bad=True), SCANNED_RECORDS):
+            read += 1
+            if isinstance(texts, Bad):
+                bad.add(texts.fault)
                 continue
-            if not template:
-                return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with "
-                                              "a chat template, and there is none"), learned, False
-            if why := render_problem(texts, template):
-                return ("data.paths", why), learned, False
-            made = chat_spans(template, texts, masks_loss_of(d), (), **chat_options(d), **variables)
-            learned += any(b > a for example in made for a, b in example.spans)
+            if seen >= CHECKED_RECORDS:
+                continue
+            seen += 1
+            try:
+                found, learns = _record_check(d, texts, template, variables, row, pairs)
+            except BadRecord as e:
+                bad.add(e)
+                continue
+            if found:
+                return found, learned, False
+            learned += learns
     except ValueError as e:
         return ("data.paths", str(e)), learned, False
     except Exception as e:  # OSError, pyarrow's ArrowInvalid: a corrupt or truncated file
         return ("data.paths", f"{piece.path}: cannot be read ({type(e).__name__}: {e})"), learned, False
+    finally:
+        bad.read += read
     if seen and not learned and masks_loss_of(d):
         return ("data.loss_on", f"{piece.path}: none of its first {seen} record(s) has a token to learn ("
                                 + ("no assistant message with text" if d.format == "chat" else "every completion "
                                    "empty") + ")"), 0, False
-    return None, learned, seen < CHECKED_RECORDS
+    return None, learned, seen < CHECKED_RECORDS and read < SCANNED_RECORDS
+
+
+def _record_check(d, texts, template: Optional[str], variables: dict, row: Optional[tuple[int, int]],
+                  pairs: Optional[tuple]) -> tuple[Optional[tuple[str, str]], bool]:
+    """(a setting's fault, (key, why), or None; whether the record has a token to learn) of one record read before
+    launch: longer than a row whatever the tokenizer makes of it (row: the tokens a row holds and the most bytes a
+    token covers, where a longer record is refused), no chat template for a conversation, a pair's completion past
+    the row (pairs: the tokenizer and a row's tokens, where pairs are tokenized now); BadRecord for its own fault
+    (roles, tool calls, reasoning, a rendering that fails)."""
+    if row and (why := _longer_than_a_row(texts, template, variables, *row)):
+        return ("data.long_documents", why), False
+    if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
+        raise BadRecord(why)
+    if isinstance(texts, Pair) and texts.conversational and not template:
+        return ("data.chat_template", f"{texts.where}: the pair is made of conversations, which are rendered with a "
+                                      "chat template, and there is none"), False
+    if isinstance(texts, Pair) and texts.conversational and (why := texts.render_problem(template)):
+        raise BadRecord(why)
+    if isinstance(texts, Pair) and pairs is not None:
+        try:  # (its rendering is checked above: what is left is the row)
+            texts.documents(*pairs)
+        except BadRecord:
+            raise
+        except InputFault as e:
+            return ("train.seq_len", str(e)), False
+    if not isinstance(texts, Chat):
+        return None, bool(texts and texts[-1])
+    if not template:
+        return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with a chat "
+                                      "template, and there is none"), False
+    if why := render_problem(texts, template):
+        raise BadRecord(why)
+    made = chat_spans(template, texts, masks_loss_of(d), (), **chat_options(d), **variables)
+    return None, any(b > a for example in made for a, b in example.spans)

@@ -12,6 +12,7 @@ from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import NotExtending, compiled, has_generation_tags, templates_of
 from plugins.data.chat_turns import examples
 from plugins.data.corpus import corpus_layouts, sources_of
+from plugins.data.longer_rows import longer_rows
 from plugins.data.packing import whole_documents
 from plugins.data.registry import get_source, source_names
 from storage.fsio import why_not_a_file
@@ -23,7 +24,7 @@ def check(cfg) -> list[Problem]:
         return [Problem("data.name", d.name, "the data source must be registered (plugins/data, or a package's "
                         "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
     source = get_source(d.name)
-    problems = _tokenizer_problems(cfg, source) + _eval_problems(cfg, source)
+    problems = _tokenizer_problems(cfg, source)
     if d.format != "text" and d.name != "text":
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text; data={d.name} has none",
@@ -49,32 +50,6 @@ def check(cfg) -> list[Problem]:
         problems.append(Problem("data.paths", list(d.paths), f"data.paths is read by data=text only; data={d.name} "
                                 "ignores it", "data=text to train on these files, or leave data.paths empty"))
     return problems
-
-
-EVAL_READS = 10  # an evaluation draws random windows of the held-out split: past this many reads of each token on
-#                average it measures nothing more, and only takes longer
-
-
-def _eval_problems(cfg, source) -> list[Problem]:
-    """train.eval_batches against the held-out split it draws from (a bound from the corpus's size: a token is at
-    least a byte)."""
-    d, t = cfg.data, cfg.train
-    if source.tokens is not None:
-        held_out = d.synthetic_tokens * d.val_fraction if d.name == "synthetic" else None
-    else:
-        try:
-            held_out = d.val_fraction * sum(lay.read_bytes for _, lay in corpus_layouts(cfg) if lay is not None)
-        except (OSError, ValueError):  # the source's own check says what is wrong with its files
-            held_out = None
-    per_batch = t.batch_size * t.seq_len
-    if not held_out or t.eval_batches * per_batch <= EVAL_READS * held_out:
-        return []
-    fits = max(int(EVAL_READS * held_out // per_batch), 1)
-    return [Problem("train.eval_batches", t.eval_batches, f"an evaluation of {t.eval_batches:,} batches reads "
-                    f"{t.eval_batches * per_batch:,} tokens from a held-out split of about {held_out:,.0f} at most "
-                    f"(data.val_fraction={d.val_fraction}): over {EVAL_READS} times each token",
-                    (f"train.eval_batches={fits}, or a larger data.val_fraction" if fits < t.eval_batches else
-                     "a larger data.val_fraction, more records, or train.eval_every=0 (no evaluation)"))]
 
 
 def _long_text_problems(cfg) -> list[Problem]:
@@ -108,8 +83,8 @@ def _long_text_problems(cfg) -> list[Problem]:
                     f"document, and {len(long):,} of them are longer than a row (train.seq_len+1={row:,} tokens) "
                     f"whatever their text: {path} holds {size:,} bytes, {least:,} tokens at least with "
                     f"data.tokenizer={d.tokenizer}", "data.long_documents=split (pieces that overlap by one token), "
-                    f"data.packing_strategy=wrapped (windows of the text, pretraining's way), or train.seq_len="
-                    f"{least - 1} or more")]
+                    f"data.packing_strategy=wrapped (windows of the text, pretraining's way), or "
+                    + longer_rows(cfg, least - 1))]
 
 
 def _tokenizer_problems(cfg, source) -> list[Problem]:

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from plugins.data import bad_records
 from plugins.data.megatron import read_corpus, read_index, write_index_of_ends
 from plugins.data.registry import Corpus
 from storage.fsio import atomic_write_json, read_json
@@ -86,6 +87,7 @@ def write_index(folder: Path, parts: list[str], vocab_size: int, eos: int, pad: 
              "unlearned": sum(s.get("unlearned", 0) for s in summaries), **extra}  # records with nothing to learn
     if any("pairs_cut" in s for s in summaries):  # preference pairs longer than a row (cut at its end)
         index["pairs_cut"] = sum(s.get("pairs_cut", 0) for s in summaries)
+    index.update(bad_records.summed(summaries))  # data.bad_records=skip: how many were left out, the first named
     index.update(_totals(summaries))
     atomic_write_json(folder / INDEX, index)
     return index
@@ -137,6 +139,7 @@ def write_mix_index(folder: Path, sources: list[str], indexes: list[dict], **ext
     """The index of a mixture: its sources' folders (each a corpus with an index of its own), in data.mix's order."""
     first = indexes[0]
     index = {k: first[k] for k in ("dtype", "vocab_size", "eos", "pad", "tokenizer")} | {"mix": sources, **extra}
+    index.update(bad_records.summed(indexes))
     index.update(_totals(indexes))
     atomic_write_json(Path(folder) / INDEX, index)
     return index

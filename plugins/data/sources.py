@@ -22,9 +22,14 @@ from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
 from plugins.data.megatron import is_indexed, prefix_of
 from plugins.data.packing import longest_record, packed_stream
-from plugins.data.compressed import PACKED, decompress_errors, open_decompressed, packed, suffix_of
+from plugins.data.compressed import (PACKED, compression, decompress_errors, misnamed, open_decompressed, packed,
+                                     suffix_of)
+from plugins.data.unpack_advice import archive_advice, is_tar, unpack_advice
 from plugins.data.piece_records import json_object, no_field, record_fields
 from plugins.data.reading import ARROW, JSON_LINES, RECORDS, arrow_fields, layout, stream_closed
+from plugins.data.no_effect import no_effect_problems
+from plugins.data.bad_records import BadRecords
+from plugins.data.bad_records import refusal as bad_records_refusal
 from plugins.data.records import first_records_problem
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
@@ -42,17 +47,19 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: set[str] = frozenset()) -
     return found
 
 
-def _field_missing(path: Path, field: str) -> str:
+def _field_missing(path: Path, field: str, by_record: bool = False) -> str:
     """Why a records file cannot give `field` of its records ('' when it can), from its head: the first
     SNIFF_BYTES of a JSON Lines file (the tokenize stage reads every line, naming file and line before publishing
-    anything), a Parquet file's schema."""
+    anything), a Parquet file's schema. by_record (data.format= a record format): a line that is not JSON, or lacks
+    the field while others have it, is a bad record of its own, listed with the others (_read_first_records); the
+    file's fault is then a field that none of its head's records has (a wrong data.*_field)."""
     try:
         if suffix_of(path) in JSON_LINES:
             try:
                 with (open_decompressed(path) if packed(path) else open(path, "rb")) as f:
                     head = f.read(SNIFF_BYTES)
             except decompress_errors() as e:
-                return f"cannot be decompressed ({type(e).__name__}: {e}): it is damaged or cut short"
+                return misnamed(path) or f"cannot be decompressed ({type(e).__name__}: {e}): it is damaged or cut short"
             if not packed(path) and (how := compression(head)):
                 return (f"is {how}-compressed and its name does not say so; name it {path.name}"
                         f"{next(k for k, v in PACKED.items() if v == how)}, which is read as it decompresses")
@@ -60,16 +67,23 @@ def _field_missing(path: Path, field: str) -> str:
                 return ("is a JSON array, not JSON Lines (one object per line), which the tokenize stage streams; "
                         f"write it as JSON Lines, e.g. jq -c '.[]' {path} > {path.with_suffix('.jsonl')}")
             lines = head.split(b"\n")
+            lacking = ""
             for number, line in enumerate(lines[:-1] if len(head) == SNIFF_BYTES else lines, 1):
                 if not line.strip():
                     continue
                 try:
                     record = json_object(line)
                 except ValueError as e:
+                    if by_record:
+                        continue
                     return f"line {number} {e}"
                 if field not in record:
-                    return f"line {number} {no_field(field, record)}"
-            return ""
+                    lacking = lacking or f"line {number} {no_field(field, record)}"
+                    if not by_record:
+                        return lacking
+                elif by_record:
+                    return ""
+            return lacking
         if path.suffix in ARROW:
             if not stream_closed(path):
                 return ("ends without the Arrow stream's end-of-stream marker: a write that did not finish (the "
@@ -190,8 +204,6 @@ def unique_files(files: list[tuple[str, Path]]) -> Files:
     return kept
 
 
-MAGIC = ((b"\x1f\x8b", "gzip"), (b"\x28\xb5\x2f\xfd", "zstd"), (b"\xfd7zXZ\x00", "xz"), (b"BZh", "bz2"))  # first bytes
-DECOMPRESS = {"gzip": "gunzip -k", "zstd": "zstd -d", "xz": "unxz -k", "bz2": "bunzip2 -k"}
 SNIFF_BYTES = 1 << 20  # how much of each file is checked for binary content and UTF-8 before launch
 
 
@@ -247,11 +259,12 @@ def _check_text(cfg) -> list[tuple]:
     files = unique_files(files)
     problems += _unread_keys(d, files, datasets_folder or any((p.parent / "state.json").is_file() for _, p in files))
     bad, field_key = [], None
-    fields = record_fields(d)
+    fields, by_record = record_fields(d), d.format != "text"
     for name, path in files:
         why = why_not_a_file(path)
         if not why and suffix_of(path) in RECORDS:
-            field_key, why = next(((k, w) for k, f in fields.items() if (w := _field_missing(path, f))), (None, ""))
+            field_key, why = next(((k, w) for k, f in fields.items() if (w := _field_missing(path, f, by_record))),
+                                  (None, ""))
         elif not why:
             why = _not_text(path) or (f"text, not records: data.format={d.format} reads JSON Lines or Parquet "
                                       "records" if d.format != "text" else "")
@@ -286,18 +299,28 @@ def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> lis
 def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     """The first records of each records file (its first piece: SNIFF_BYTES of JSON Lines, a Parquet row group, a
     run of Arrow batches) read as the tokenize stage reads them: a mistake in their types, messages or template is
-    refused now, naming the file and record, not after the stages before tokenize ran."""
-    d = cfg.data
+    refused now, naming the file and record, not after the stages before tokenize ran; every bad record among them
+    in one refusal (plugins/data/bad_records.py)."""
+    return _read_first_records(files, cfg)[0]
+
+
+def bad_records_read(cfg) -> BadRecords:
+    """The bad records among those the check before launch reads (for the plan, under data.bad_records=skip)."""
+    return _read_first_records(_text_files(cfg.data), cfg)[1]
+
+
+def _read_first_records(files: list[tuple[str, Path]], cfg) -> tuple[list[tuple], BadRecords]:
+    d, bad = cfg.data, BadRecords()
     chosen = [(name, path) for name, path in files if suffix_of(path) in RECORDS]
     if not chosen:
-        return []
+        return [], bad
     try:
         template = tokenizers.chat_template(d)
         variables = tokenizers.template_variables(d)
     except (OSError, ValueError, KeyError):  # said by the data rules (data.chat_template[_name], data.tokenizer)
-        return []
+        return [], bad
     if template is None and d.format == "chat":
-        return []  # said by the data rules (a chat needs a template)
+        return [], bad  # said by the data rules (a chat needs a template)
     longest = longest_record(cfg)
     widest = tokenizers.widest_token(d) if longest else None
     row = (longest, widest) if widest else None
@@ -309,25 +332,31 @@ def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
             pairs = tokenizers.make(d), cfg.train.seq_len + 1
         except (OSError, ValueError):  # said by the data rules (data.tokenizer)
             pass
-    documents, whole = 0, True
+    documents, whole, firsts = 0, True, []
     for name, path in chosen:
         lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)
-        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables, row, pairs) \
+        firsts += lay.pieces[:1]
+        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables, row, pairs, bad) \
             if lay.pieces else (None, 0, True)
         if found:
             key, why = found
             rule, _, fix = why.partition("; fix: ")
-            return [(key, OmegaConf.select(cfg, key) if key != "data.paths" else list(d.paths), rule,
-                     fix or ("repair the record, or remove the file from data.paths" if key == "data.paths" else
-                             "data.chat_template= a template for these records" if key == "data.chat_template" else
-                             "records with something to learn, or data.loss_on=all"))]
+            setting = (key, OmegaConf.select(cfg, key) if key != "data.paths" else list(d.paths), rule,
+                       fix or ("repair the record, or remove the file from data.paths" if key == "data.paths" else
+                               "data.chat_template= a template for these records" if key == "data.chat_template" else
+                               "records with something to learn, or data.loss_on=all"))
+            return [setting, *bad_records_refusal(bad, d)], bad
         documents += learned
         whole = whole and complete and not lay.left_out and len(lay.pieces) <= 1
+    if refused := bad_records_refusal(bad, d):
+        return refused, bad
+    if idle := no_effect_problems(d, firsts):
+        return idle, bad
     if whole and documents < 2 and all(suffix_of(path) in RECORDS for _, path in files):
         return [("data.paths", list(d.paths), f"the records hold {documents} document(s) with something to learn in "
                  "all: one is held out for evaluation (data.val_fraction) and one at least is trained on",
-                 "more records (two at least)")]
-    return []
+                 "more records (two at least)")], bad
+    return [], bad
 
 
 def _not_text(path: Path) -> str:
@@ -340,8 +369,9 @@ def _not_text(path: Path) -> str:
     if not head:
         return "empty"
     if how := compression(head):
-        return (f"{how}-compressed, which the tokenize stage reads for JSON Lines only (x.jsonl.gz); decompress it "
-                f"beside: {DECOMPRESS[how]} {path.name}")
+        return unpack_advice(path.name, head, how)
+    if is_tar(head):
+        return archive_advice(path.name)
     if b"\0" in head[:8192]:
         return "binary (NUL bytes)"
     try:
@@ -350,11 +380,6 @@ def _not_text(path: Path) -> str:
         if e.start < len(head) - 3:  # not merely a character cut at the end of the sample
             return f"not UTF-8 (byte {e.start}: 0x{head[e.start]:02x})"
     return ""
-
-
-def compression(head: bytes) -> str:
-    """The compression a file's first bytes show ('' for none)."""
-    return next((name for magic, name in MAGIC if head.startswith(magic)), "")
 
 
 def _is_glob(entry: str) -> bool:

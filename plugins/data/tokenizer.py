@@ -150,11 +150,18 @@ def hf_folder(spec: str) -> Optional[Path]:
 AUTO = "auto"  # data.tokenizer's default: the model's own
 
 
+CARRIED = "tokenizer"  # the folder of a train stage's checkpoint/ that holds the tokenizer its data was made with
+
+
 def auto_tokenizer(init_from: str) -> str:
-    """data.tokenizer=auto: the tokenizer train.init_from=hf:<folder> ships (its tokenizer.json: the ids its
-    embeddings were trained on), else bytes."""
-    folder = hf_folder(init_from) if isinstance(init_from, str) else None
-    return f"{HF_PREFIX}{folder}" if folder is not None and (folder / "tokenizer.json").is_file() else "bytes"
+    """data.tokenizer=auto: the tokenizer train.init_from ships (the ids its embeddings were trained on): a Hugging
+    Face folder's tokenizer.json, or the one a checkpoint of this project carries (its chat template with it, so a
+    DPO after an SFT renders as the SFT did); else bytes."""
+    if not isinstance(init_from, str) or not init_from:
+        return "bytes"
+    folder = hf_folder(init_from)
+    folder = Path(init_from).expanduser() / CARRIED if folder is None else folder
+    return f"{HF_PREFIX}{folder}" if (folder / "tokenizer.json").is_file() else "bytes"
 
 
 def load_hf(folder: Path) -> Tokenizer:

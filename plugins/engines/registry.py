@@ -45,5 +45,5 @@ def check(cfg) -> list[Problem]:
     if cfg.engine.name not in engine_names():
         return [Problem("engine.name", cfg.engine.name, "no engine of that name is registered (built in, or added by "
                         "an installed package's `orchestrator.engines` entry point)",
-                        f"engine=<one of {', '.join(engine_names())}>, e.g. engine=torch")]
+                        f"engine.name= one of {', '.join(engine_names())}, e.g. engine.name=torch")]
     return get_engine(cfg.engine.name).check(cfg)

@@ -26,18 +26,21 @@ from storage.fsio import atomic_write_bytes
 TASK = "val_perplexity"
 
 
-def _validation(tokenize_out: Path) -> Iterator[tuple[np.ndarray, Optional[np.ndarray]]]:
-    """Each validation document's tokens, with which of them the model learns (None: the corpus says not)."""
+def _validation(tokenize_out: Path, stride: int = 1) -> Iterator[tuple[np.ndarray, Optional[np.ndarray]]]:
+    """Each validation document's tokens, with which of them the model learns (None: the corpus says not). stride:
+    the documents an example holds, its first scored (a preference pair's chosen: its rejected is no text the model
+    should write)."""
     for corpus in read_all(Path(tokenize_out) / TOKENS_DIR, packed=False):
-        for i in range(len(corpus.val)):
+        for i in range(0, len(corpus.val), stride):
             yield np.asarray(corpus.val[i]), None if corpus.val_mask is None else np.asarray(corpus.val_mask[i])
 
 
-def write_documents(tokenize_out: Path, path: Path, limit: Optional[int]) -> int:
-    """The validation documents as JSON Lines ({"text": ...}), the first `limit` (None: all); their number."""
+def write_documents(tokenize_out: Path, path: Path, limit: Optional[int], stride: int = 1) -> int:
+    """The validation documents as JSON Lines ({"text": ...}), the first `limit` (None: all), an example's first
+    where it holds `stride`; their number."""
     saved = load_saved(Path(tokenize_out) / TOKENIZER_DIR)
     tok, lines = saved.with_offsets(), []
-    for ids, _ in _validation(tokenize_out):
+    for ids, _ in _validation(tokenize_out, stride):
         ids = ids[:-1] if len(ids) and ids[-1] == saved.eos else ids  # lm-eval's rolling windows put their own
         text = tok.decode([int(i) for i in ids], skip_special_tokens=False)
         if text.strip():
@@ -50,12 +53,12 @@ def write_documents(tokenize_out: Path, path: Path, limit: Optional[int]) -> int
     return len(lines)
 
 
-def prompts(tokenize_out: Path, n: int, opening: int = 32) -> list[tuple[list[int], list[int]]]:
+def prompts(tokenize_out: Path, n: int, opening: int = 32, stride: int = 1) -> list[tuple[list[int], list[int]]]:
     """The first n validation records' prompts, with the answers the records give: in a chat or prompt-completion
     corpus a record's ids up to its first learned token and the learned ids from there to the next unlearned one;
     in a text corpus a document's first `opening` tokens (at most half of it) and the next `opening`."""
     out = []
-    for ids, learned in _validation(tokenize_out):
+    for ids, learned in _validation(tokenize_out, stride):
         if len(out) >= n:
             break
         if learned is None:

@@ -18,6 +18,11 @@ def check(cfg) -> list[Problem]:
     p = cfg.peft
     if p.name != "lora":
         return []
+    if cfg.train.steps == 0:  # LoRA's B starts at zero: untrained adapters add nothing to the base they sit on
+        return [Problem("peft.name", p.name, "train.steps=0 takes no step, so the adapters keep their initial "
+                        "values (B = 0) and add nothing: the \"baseline\" would be train.init_from's base with zero "
+                        "adapters beside it", "peft=none (train.steps=0 then scores the base as it is), or "
+                        "train.steps=300 to train the adapters")]
     from plugins.models.registry import build_on_meta, get_model
 
     model = build_on_meta(get_model(cfg.model.name), cfg.model)

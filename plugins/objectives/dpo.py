@@ -1,115 +1,94 @@
 """Direct preference optimisation: a pair's loss from its chosen and rejected completions' summed log-probabilities
 under the policy and under a frozen reference model (Rafailov et al. 2023), as TRL's DPOTrainer computes it.
 
-Rows come in pairs, the chosen completion's row then the rejected one's (rows 2k and 2k+1), so that any split of a
-batch into ranks and microbatches by whole even slices keeps a pair together. With Δ = (π_c − ref_c) − (π_r − ref_r):
+With Δ = (π_c − ref_c) − (π_r − ref_r):
   sigmoid  −(1 − ε)·log σ(βΔ) − ε·log σ(−βΔ)   (DPO; ε = label_smoothing: conservative DPO, 0 by default)
   hinge    max(0, 1 − βΔ)                      (SLiC)
   ipo      ((π_c − ref_c)/n_c − (π_r − ref_r)/n_r − 1/(2β))²   (n: the completion's tokens, TRL's normalisation)
 The rewards are β times each completion's log-ratio; a pair is accurate when its chosen reward is strictly the
-larger (TRL's `>`).
+larger (TRL's `>`). The reference's log-probabilities come from the "reference" provider (plugins/objectives/
+reference.py: cached by the reference stage, or online).
 """
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
-import numpy as np
-import torch
-import torch.nn.functional as F
+from common.keys import key
+from plugins.objectives.pairs import METRICS, SWEEP_OBJECTIVES, PairLoss, PairTerms, per_token
+from plugins.objectives.reference import REFERENCE, reference_key
+from plugins.objectives.spec import NAME_HELP, PAIR, ObjectiveConfig, ObjectiveSpec, register_objective
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge")
-# what a step logs, as TRL names it: each a mean over the step's pairs
-METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
-           "logps/rejected")
+__all__ = ["DPOConfig", "DPOLoss", "LOSS_TYPES", "METRICS", "pair_losses"]
 
 
-def pair_losses(rows: torch.Tensor, reference: torch.Tensor, beta: float, loss_type: str,
-                label_smoothing: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """rows (2P, 2): each row's summed log-probability under the policy (differentiable) and its count of completion
-    tokens, chosen then rejected for each pair; reference (2P,): the reference model's summed log-probabilities of
-    the same rows. Returns the pairs' summed loss (the caller divides by the global count of pairs) and the sums of
-    METRICS over these pairs (2P → (len(METRICS),), detached: summed over ranks, then divided by the pairs)."""
-    logps, tokens = rows[:, 0].float(), rows[:, 1].float()
-    ratios = logps - reference.to(logps.dtype)
-    chosen, rejected = ratios[0::2], ratios[1::2]
-    delta = chosen - rejected
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * delta) - label_smoothing * F.logsigmoid(-beta * delta)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    elif loss_type == "ipo":
-        per_token = ratios / tokens.clamp(min=1)
-        losses = (per_token[0::2] - per_token[1::2] - 1 / (2 * beta)) ** 2
-    else:
-        raise ValueError(f"objective.loss_type={loss_type!r}: one of {', '.join(LOSS_TYPES)}")
-    with torch.no_grad():
-        chosen_rewards, rejected_rewards = beta * chosen, beta * rejected
-        metrics = torch.stack([chosen_rewards.sum(), rejected_rewards.sum(),
-                               (chosen_rewards > rejected_rewards).float().sum(),
-                               (chosen_rewards - rejected_rewards).sum(), logps[0::2].sum(), logps[1::2].sum()])
-    return losses.sum(), metrics
+@dataclass
+class DPOConfig(ObjectiveConfig):
+    name: str = key("dpo", NAME_HELP)
+    beta: float = key(0.1, "how far the policy may move from the reference (rewards are beta times a completion's "
+                           "log-ratio; IPO's margin is 1/(2 beta))", min=1e-6, max=1e6)
+    loss_type: str = key("sigmoid", "sigmoid (DPO: -log sigmoid(beta x the pair's log-ratio margin)), ipo (IPO: the "
+                                    "per-token margin's squared distance to 1/(2 beta)) or hinge (SLiC: max(0, 1 - "
+                                    "beta x margin))", choices=LOSS_TYPES)
+    label_smoothing: float = key(0.0, "conservative DPO (cDPO): the share of pairs assumed mislabelled, "
+                                      "-(1-e) log sigmoid(beta m) - e log sigmoid(-beta m)", min=0.0, max=0.5,
+                                 read_when=("objective.loss_type", ("sigmoid",)))
+    reference: str = reference_key()
 
 
-def preference_loss(objective) -> "PreferenceLoss":
-    """The objective config section's loss (objective=dpo)."""
-    return PreferenceLoss(objective.beta, objective.loss_type, objective.label_smoothing)
-
-
-class PreferenceLoss:
-    """The runners' loss for preference pairs (plugins/parallel/pipeline.py): each microbatch's rows from the head
-    (per_row) against their reference log-probabilities, its pairs' summed loss; the METRICS' sums of the step's
-    microbatches kept until the step takes them (`take`). A pipeline schedule also calls its loss once on made-up
-    outputs when it infers its stages' shapes (torch.distributed.pipelining, the first step): its runner keeps the
-    sums of the step's microbatches only (keep_last)."""
-
-    names = METRICS
-
+class DPOLoss(PairLoss):
     def __init__(self, beta: float, loss_type: str, label_smoothing: float = 0.0):
+        super().__init__()
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"objective.loss_type={loss_type!r}: one of {', '.join(LOSS_TYPES)}")
         self.beta, self.loss_type, self.label_smoothing = beta, loss_type, label_smoothing
-        self.calls: list[torch.Tensor] = []  # each call's METRICS' sums since the last take
 
-    def __call__(self, rows: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        loss, sums = pair_losses(rows, reference, self.beta, self.loss_type, self.label_smoothing)
-        self.calls.append(sums)
-        return loss
+    def terms(self, logps, tokens, reference) -> PairTerms:
+        import torch
+        import torch.nn.functional as F
 
-    def keep_last(self, calls: int) -> None:
-        del self.calls[:-calls]
-
-    def take(self) -> torch.Tensor:
-        """The METRICS' sums since the last take (zeros when this rank computed none)."""
-        calls, self.calls = self.calls, []
-        return torch.stack(calls).sum(0) if calls else torch.zeros(len(METRICS))
-
-
-class ReferenceRows:
-    """The reference pass's objective: no loss (zero), each row's summed log-probability and its learned tokens kept,
-    in the order the runner computes its microbatches (stages/reference.py; the train step's online reference). A
-    pipeline's first-step shape inference does not happen in a forward-only pass."""
-
-    names = ()
-
-    def __init__(self):
-        self.rows: list[torch.Tensor] = []
-
-    def __call__(self, rows: torch.Tensor, reference=None) -> torch.Tensor:
-        self.rows.append(rows.detach().double().cpu())
-        return rows[:, 0].sum() * 0
-
-    def keep_last(self, calls: int) -> None:
-        del self.rows[:-calls]
-
-    def take(self) -> torch.Tensor:
-        """(rows, 2): the rows' log-probabilities and learned tokens since the last take (none where this rank holds
-        no head)."""
-        rows, self.rows = self.rows, []
-        return torch.cat(rows) if rows else torch.zeros((0, 2), dtype=torch.float64)
+        ratios = logps - reference.to(logps.dtype)
+        chosen, rejected = ratios[0::2], ratios[1::2]
+        beta, smoothing = self.beta, self.label_smoothing
+        if self.loss_type == "sigmoid":
+            delta = chosen - rejected
+            losses = -(1 - smoothing) * F.logsigmoid(beta * delta) - smoothing * F.logsigmoid(-beta * delta)
+        elif self.loss_type == "hinge":
+            losses = torch.relu(1 - beta * (chosen - rejected))
+        else:  # ipo: TRL's per-token normalisation of each log-ratio
+            normalised = per_token(ratios, tokens)
+            losses = (normalised[0::2] - normalised[1::2] - 1 / (2 * beta)) ** 2
+        return PairTerms(losses, beta * chosen, beta * rejected, logps[0::2], logps[1::2])
 
 
-REFERENCE_SPLITS = ("train", "val")
+def pair_losses(rows, reference, beta: float, loss_type: str, label_smoothing: float = 0.0):
+    """rows (2P, 2): each row's summed log-probability under the policy and its count of completion tokens, chosen
+    then rejected for each pair; reference (2P,): the reference model's of the same rows. Returns the pairs' summed
+    loss (the caller divides by the global count of pairs) and the sums of METRICS over them."""
+    loss = DPOLoss(beta, loss_type, label_smoothing)
+    return loss(rows, reference), loss.take()
 
 
-def reference_values(folder: Path) -> dict[str, np.ndarray]:
-    """The reference stage's output as the batcher takes it: each split's log-probabilities, one a document
-    ({split}.npy, float64, memory-mapped)."""
-    return {split: np.load(Path(folder) / f"{split}.npy", mmap_mode="r") for split in REFERENCE_SPLITS}
+def _at_reference(o) -> float:
+    """The loss of a pair whose log-ratios are both 0 (the policy is its reference): sigmoid's log 2 (with or without
+    smoothing), hinge's 1, IPO's (1/(2 beta))^2."""
+    import math
+
+    return {"sigmoid": math.log(2), "hinge": 1.0, "ipo": (1 / (2 * o.beta)) ** 2}[o.loss_type]
+
+
+def _describe(o) -> str:
+    smoothing = f", label smoothing {o.label_smoothing:g}" if o.loss_type == "sigmoid" and o.label_smoothing else ""
+    return f"dpo ({o.loss_type}, beta {o.beta:g}{smoothing}) on preference pairs"
+
+
+register_objective("dpo", ObjectiveSpec(
+    config=DPOConfig,
+    summary="direct preference optimisation against a reference model (TRL's DPOTrainer)",
+    loss=lambda o: DPOLoss(o.beta, o.loss_type, o.label_smoothing),
+    rows=PAIR,
+    row_inputs=(REFERENCE,),
+    describe=_describe,
+    sweep_objectives=SWEEP_OBJECTIVES,
+    at_reference=_at_reference,
+))

@@ -1,36 +1,33 @@
-"""The objective's rules: a preference objective trains on preference pairs and they on it, a batch holds whole
-pairs on every rank and microbatch, and what it cannot run with yet is refused before launch."""
+"""The checks every objective's config goes through, asked of its spec (plugins/objectives/spec.py): its rows and
+the records (pairs for an objective on pairs, and pairs for nothing else), what rows of pairs need of the layout, what
+its per-row inputs need, then its own rules."""
 from __future__ import annotations
 
 from common.problem import Problem
+from plugins.objectives.pairs import pair_rules
+from plugins.objectives.reference import needs_reference
+from plugins.objectives.spec import PAIR, get_objective, objective_names
 
 
 def check(cfg) -> list[Problem]:
-    o, d, p, t = cfg.objective, cfg.data, cfg.parallel, cfg.train
+    o, d = cfg.objective, cfg.data
+    spec = get_objective(o.name)
     pairs = d.get("format") == "preference"
-    if o.name == "sft" and pairs:
-        return [Problem("data.format", d.format, "preference pairs (a chosen and a rejected completion) are learned "
-                        "by comparing them: objective=sft would learn both completions as answers",
-                        "objective=dpo, or data.format=prompt_completion with the chosen completions")]
-    if o.name != "dpo":
-        return []
-    if not pairs:
-        return [Problem("objective.name", o.name, f"objective=dpo compares each pair's chosen and rejected "
+    on_pairs = [n for n in objective_names() if get_objective(n).rows == PAIR]
+    if pairs and spec.rows != PAIR:
+        return [Problem("data.format", d.format, f"preference pairs (a chosen and a rejected completion) are learned "
+                        f"by comparing them: objective={o.name} would learn both completions as answers",
+                        f"objective={on_pairs[0]} (or {', '.join(on_pairs[1:])}), or data.format=prompt_completion "
+                        "with the chosen completions")]
+    if spec.rows == PAIR and not pairs:
+        return [Problem("objective.name", o.name, f"objective={o.name} compares each pair's chosen and rejected "
                         f"completion; data.format={d.format} has no pairs", "data=preference "
                         "'data.paths=[pairs.jsonl]' (records of prompt, chosen, rejected), or objective=sft")]
-    problems = []
-    if d.packing:
-        problems.append(Problem("data.packing", d.packing, "a preference pair is two rows of one document each "
-                                "(chosen and rejected side by side, on one rank), never packed with others",
-                                "data.packing=false (data=preference sets it)"))
-    split = p.dp * p.microbatches
-    if t.batch_size % (2 * split):
-        problems.append(Problem("train.batch_size", t.batch_size, f"a batch of pairs is split into parallel.dp="
-                                f"{p.dp} ranks x parallel.microbatches={p.microbatches} microbatches, each holding "
-                                f"whole pairs (two rows each): it must be divisible by {2 * split}",
-                                f"train.batch_size={max(1, t.batch_size // (2 * split)) * 2 * split}"))
-    if cfg.engine.name != "torch":
-        problems.append(Problem("engine.name", cfg.engine.name, "the preference objective and its reference pass "
-                                "are built and checked against TRL on the torch engine only; "
-                                f"engine={cfg.engine.name} is not yet", "engine=torch"))
-    return problems
+    problems = pair_rules(cfg) if spec.rows == PAIR else []
+    if needs_reference(cfg) and cfg.train.steps == 0:  # the policy is its reference: nothing can be measured
+        problems.append(Problem("objective.name", o.name, "train.steps=0 takes no step, so the policy is its own "
+                                "reference: the reference pass would run for nothing and every pair's loss would be "
+                                "its value at the reference (log 2 for dpo) whatever the weights, which measures "
+                                "nothing of them", "train.steps=300 to train on the pairs; a baseline of the starting "
+                                "weights (evaluate.tasks) is objective=sft with data=text"))
+    return problems + list(spec.rules(cfg))

@@ -138,7 +138,7 @@ def build_layout(cfg, plan: dict, spec, device: torch.device, probe=None, timeli
                  prepared=None, log=None, objective=None) -> Layout:
     """prepared: what the transform stage prepared for the engine (None: no engine); log: where compilation reports
     (None: the `triton` section is not applied). The train stage passes both; a reference layout neither.
-    objective: the loss of preference pairs (plugins/objectives/dpo.PreferenceLoss; None: next-token
+    objective: an objective's loss of per-row log-probabilities (plugins/objectives/spec.py; None: next-token
     cross-entropy): the head then gives each row's log-probability (per_row), which it takes."""
     p = cfg.parallel
     mesh, coords = build_mesh(p, device)

@@ -46,21 +46,21 @@ class MicrobatchRunner:
         self.counts_loss, self.loss_parallel, self.probe = counts_loss, loss_parallel, probe
         self.grad_scale, self.sparse, self.objective = grad_scale, sparse, objective
 
-    def _loss_sum(self, x, y, d, count: Optional[int] = None, reference=None) -> torch.Tensor:
-        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn, count, self.objective, reference)
+    def _loss_sum(self, x, y, d, count: Optional[int] = None, row_inputs=None) -> torch.Tensor:
+        return _loss_sum(self.module, x, y, d, self.sparse, self.loss_fn, count, self.objective, row_inputs)
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
-                   counts: Optional[list[int]] = None, reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   counts: Optional[list[int]] = None, row_inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """counts: each microbatch's labels that count, read on the host before the batch went to the device (the
-        sparse head then never waits for the GPU); None: the head asks the device. reference: with an objective,
-        each row's reference log-probability (n_labels is then the global batch's count of what it averages)."""
+        sparse head then never waits for the GPU); None: the head asks the device. row_inputs: with an objective,
+        each row's input it asked for (n_labels is then the global batch's count of what it averages)."""
         total = torch.zeros((), device=inputs.device)
         ys = labels.chunk(self.microbatches)
         if counts is None or len(counts) != len(ys):  # counted for another split: let the head ask the device
             counts = [None] * len(ys)
         chunks = list(zip(inputs.chunk(self.microbatches), ys, _chunks(documents, self.microbatches), counts,
-                          _chunks(reference, self.microbatches)))
+                          _chunks(row_inputs, self.microbatches)))
         backward_scale = self.grad_scale * loss_scale
         for i, (x, y, d, count, r) in enumerate(chunks):
             set_gradient_sync([self.module], i == len(chunks) - 1)
@@ -75,9 +75,9 @@ class MicrobatchRunner:
 
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor, documents: Optional[torch.Tensor] = None,
-                 reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 row_inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
         with loss_context(self.loss_parallel):
-            total = _value(self._loss_sum(inputs, labels, documents, reference=reference))
+            total = _value(self._loss_sum(inputs, labels, documents, row_inputs=row_inputs))
         return total if self.counts_loss else torch.zeros_like(total)
 
     def _sample(self, phase: str) -> None:
@@ -118,14 +118,15 @@ class PipelineRunner:
     def _loss(self, output, target):
         """The schedule's loss of a microbatch: the last stage's output is already the summed loss when sparse
         (the labels travelled as a keyword input, split into microbatches like the documents); with an objective it
-        is the rows' log-probabilities, and the target their reference's."""
+        is the rows' log-probabilities, and the target their inputs (zeros where it asked for none: a schedule wants
+        a target)."""
         if self.objective is not None:
             return self.objective(output, target) * self.scale
         return (output if self.sparse else self.loss_fn(output, target)) * self.scale
 
     def train_step(self, inputs: torch.Tensor, labels: torch.Tensor, n_labels: int,
                    loss_scale: float = 1.0, documents: Optional[torch.Tensor] = None,
-                   counts: Optional[list[int]] = None, reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   counts: Optional[list[int]] = None, row_inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward and backward of every microbatch, as the schedule orders them (memory is sampled
         around the whole schedule: its phases interleave). documents go to every stage (the schedule splits
         keyword inputs into microbatches like the inputs and hands each stage its own)."""
@@ -136,7 +137,11 @@ class PipelineRunner:
             self.timeline.start_step()
         losses: list = []
         args = (inputs,) if self.has_first else ()
-        target = reference if self.objective is not None else labels
+        if self.objective is not None:
+            target = row_inputs if row_inputs is not None else torch.zeros(inputs.shape[0], dtype=torch.float64,
+                                                                         device=inputs.device)
+        else:
+            target = labels
         kwargs = {"target": target, "losses": losses} if self.has_last else {}
         if documents is not None:
             kwargs["documents"] = documents
@@ -156,7 +161,7 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_sum(self, inputs: torch.Tensor, labels: torch.Tensor, documents: Optional[torch.Tensor] = None,
-                 reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 row_inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Forward only, microbatch by microbatch through the stages in order, activations passed
         point-to-point (torch 2.13's schedule.eval() fails for the V schedule: "can't steal_bwd_input
         if this stage doesn't have backward"). Evaluation is rare: simplicity beats overlap here."""
@@ -167,7 +172,7 @@ class PipelineRunner:
         ys = labels.chunk(self.microbatches) if self.has_last else [None] * self.microbatches
         total = torch.zeros((), device=inputs.device)
         last = len(self.stage_ranks) - 1
-        for x, y, d, r in zip(xs, ys, _chunks(documents, self.microbatches), _chunks(reference, self.microbatches)):
+        for x, y, d, r in zip(xs, ys, _chunks(documents, self.microbatches), _chunks(row_inputs, self.microbatches)):
             h = x
             for s, owner in enumerate(self.stage_ranks):
                 if owner != me:
@@ -177,7 +182,7 @@ class PipelineRunner:
                 with loss_context(self.loss_parallel):
                     if s == last:
                         total += _value(_loss_sum(self.modules[s], h, y, d, self.sparse, self.loss_fn,
-                                                  objective=self.objective, reference=r))
+                                                  objective=self.objective, row_inputs=r))
                     else:
                         h = _forward(self.modules[s], h, d)
                 if s < last and self.stage_ranks[s + 1] != me:
@@ -197,12 +202,12 @@ def _forward(module: nn.Module, h: torch.Tensor, documents: Optional[torch.Tenso
 
 def _loss_sum(module: nn.Module, x: torch.Tensor, y: torch.Tensor, documents: Optional[torch.Tensor], sparse: bool,
               loss_fn: Callable, count: Optional[int] = None, objective=None,
-              reference: Optional[torch.Tensor] = None) -> torch.Tensor:
+              row_inputs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The summed loss of the part that holds the head: computed by the part itself when sparse (label sparsity;
     count: its labels that count, where the host knows it), else loss_fn on its logits; with an objective, the
-    objective's of the rows' log-probabilities the part gives against their reference."""
+    objective's of the rows' log-probabilities the part gives, with their inputs."""
     if objective is not None:
-        return objective(_forward(module, x, documents, labels=y), reference)
+        return objective(_forward(module, x, documents, labels=y), row_inputs)
     if sparse:
         return _forward(module, x, documents, labels=y, **({} if count is None else {"label_count": count}))
     return loss_fn(_forward(module, x, documents), y)

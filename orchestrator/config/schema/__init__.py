@@ -25,7 +25,7 @@ from orchestrator.config.schema.keys import (BPE, CHAT, CHAT_OR_PROMPT, COMPILED
                                              MAX_SEED, MAX_STEPS, MAX_THREADS, MAX_TOKENS, MAX_VOCAB, MAX_WAIT_S,
                                              MAX_WIDTH, PP_SCHEDULES, PROMPT_COMPLETION, Filled, key)
 from orchestrator.config.schema.model import LlamaConfig, ModelConfig, PeftConfig
-from orchestrator.config.schema.objective import ObjectiveConfig
+from orchestrator.config.schema.objective import ObjectiveConfig, objective_schemas
 from orchestrator.config.schema.sweeps import TRAIN_OBJECTIVES, SweepConfig, TuneConfig
 from orchestrator.config.schema.training import (AdamWConfig, AggregateConfig, EngineConfig, ExportConfig,
                                                  MemoryConfig, OptimizerConfig, OrtEngineConfig, ParallelConfig,
@@ -82,7 +82,7 @@ GROUP_SCHEMAS = {
     "tracking": {"tracking_schema": TrackingConfig},
     "tune": {"tune_schema": TuneConfig},
     "peft": {"peft_schema": PeftConfig},
-    "objective": {"objective_schema": ObjectiveConfig},
+    "objective": objective_schemas(),
 }
 
 

@@ -62,6 +62,14 @@ class DataConfig:
                               "alone, their common beginning the prompt: TRL's three forms); records from JSON "
                               "Lines or Parquet; what the model learns: data.loss_on",
                       choices=("text", "prompt_completion", "chat", "preference"))
+    bad_records: str = key("refuse", "records (data.format=prompt_completion, chat or preference): a record at fault "
+                                     "itself (a line that is not JSON, a field missing or of the wrong type, "
+                                     "messages that are not messages, a pair with nothing to compare, a "
+                                     "conversation the template cannot render) is refused (the check before launch "
+                                     "lists every one among the records it reads, the first 20 and their count) or "
+                                     "skipped: left out and counted, the first listed in the plan (those read "
+                                     "before launch) and in the tokenize stage's log and index",
+                           choices=("refuse", "skip"), read_when=CHAT_OR_PROMPT)
     text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text",
                           read_when=("data.format", ("text",)))
     prompt_field: str = key("prompt", "data.format=prompt_completion or preference: the field that holds a record's "

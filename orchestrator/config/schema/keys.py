@@ -2,21 +2,9 @@
 the read_when conditions several sections share."""
 from __future__ import annotations
 
-from dataclasses import field
-from typing import Any, Optional
-
+from common.keys import key  # noqa: F401  (declared on the ground floor, where components declare theirs)
+from orchestrator.config.schema.objective import without_row_loss
 from plugins.parallel.schedules import SCHEDULES
-
-
-def key(default: Any, help: str, *, choices: tuple = (), content: bool = True,
-        min: Optional[float] = None, max: Optional[float] = None, read_when: Optional[tuple] = None):
-    """A config field with its documentation and rules (mutable defaults are copied per instance). read_when:
-    (another key, the values it must have) for this key to be read at all; set otherwise, it is refused as a key
-    that would do nothing (docs/reliability.md)."""
-    meta = {"help": help, "choices": choices, "content": content, "min": min, "max": max, "read_when": read_when}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 PP_SCHEDULES = tuple(SCHEDULES)
@@ -54,6 +42,6 @@ LAYOUT_TUNING = ("tune.name", ("layout",))
 COMPLETION_ONLY = ("data.loss_on", ("completion",))
 
 LORA = ("peft.name", ("lora",))
-DPO = ("objective.name", ("dpo",))
-SFT = ("objective.name", ("sft",))
+# the objectives whose loss is the head's next-token loss (sft): what keys of that loss are read for
+TOKEN_LOSS = ("objective.name", without_row_loss())
 

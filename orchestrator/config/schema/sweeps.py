@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import List
 
 from orchestrator.config.schema.keys import key, PP_SCHEDULES, LAYOUT_TUNING
+from plugins.objectives.spec import sweep_objectives
 
 
 @dataclass
@@ -30,7 +31,7 @@ class TuneConfig:
 
 
 TRAIN_OBJECTIVES = ("eval_loss", "loss", "tokens_per_s", "peak_memory",  # sweep.objective from the train stage
-                    "eval_reward_accuracy", "eval_reward_margin")  # objective=dpo: the held-out pairs' (maximised)
+                    *sweep_objectives())  # and what the objectives offer (the held-out pairs' rewards, maximised)
 
 
 @dataclass
@@ -42,7 +43,7 @@ class SweepConfig:
                                "each value validated alone", content=False, min=1, max=10**7)
     objective: str = key("eval_loss", "what a point returns to Hydra's sweeper (Optuna, Nevergrad, Ax optimise it) and "
                                       "what ranks the sweep's summary: eval_loss, loss (final train loss), tokens_per_s, "
-                                      "peak_memory (MB, the worst rank's), eval_reward_accuracy or eval_reward_margin "
-                                      "(objective=dpo: the held-out pairs'), or <task>/<metric>: a score of the "
+                                      "peak_memory (MB, the worst rank's), what the objective offers (eval_reward_accuracy or "
+                                      "eval_reward_margin: the held-out pairs' of dpo, simpo, orpo), or <task>/<metric>: a score of the "
                                       "evaluate stage (e.g. arith_mc/acc, a task in evaluate.tasks; its direction the "
                                       "task's)", content=False)

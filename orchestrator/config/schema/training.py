@@ -8,7 +8,7 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from orchestrator.config.schema.keys import (key, PP_SCHEDULES, MAX_STEPS, MAX_SEED, MAX_LAYERS, MAX_TOKENS,
-                                             MAX_RANKS, MAX_THREADS, FP16, COMPILED, SFT)
+                                             MAX_RANKS, MAX_THREADS, FP16, COMPILED, TOKEN_LOSS)
 
 
 @dataclass
@@ -67,7 +67,9 @@ class PrecisionConfig:
                             "dynamic loss scaling)", choices=("auto", "fp32", "bf16", "fp16"))
     tf32: bool = key(False, "on a GPU, let fp32 matmuls and convolutions use TF32 tensor cores (about 2.7x on an H100; "
                             "10-bit mantissa products)")
-    init_scale: float = key(65536.0, "fp16: the first loss scale (halved on every overflow)", min=1.0,
+    # at most 2**32 (Megatron-LM's first scale): a larger one overflows, and each halving costs a skipped step (from
+    # 1e300, a thousand of them: a short run trains nothing and fails after its stages ran)
+    init_scale: float = key(65536.0, "fp16: the first loss scale (halved on every overflow)", min=1.0, max=2**32,
                             read_when=FP16)
     growth_interval: int = key(2000, "fp16: finite steps after which the loss scale doubles", min=1,
                                read_when=FP16)
@@ -161,7 +163,7 @@ class TrainConfig:
                                      "chunked NLL): the same loss and gradients to fp32 rounding, without the logits "
                                      "of masked prompt tokens and padding; false: the dense head over every position "
                                      "(objective=dpo always takes the sparse head's per-row log-probabilities)",
-                                read_when=SFT)
+                                read_when=TOKEN_LOSS)
     loss_chunk: int = key(1024, "positions the sparse head projects onto the vocabulary at once (its full-width "
                                 "logits exist for this many positions only, in the forward and the backward)",
                           min=1, max=MAX_TOKENS, read_when=("train.label_sparsity", (True,)))
