@@ -46,7 +46,8 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     the stages it needs only (a layout trial stops after train). kind: the MLflow parent run's orchestrator.kind.
     heading: a rule printed above the plan (a sweep's point: its plan stays under it with points side by side)."""
     planned_run = plan_run(cfg, run_dir, overrides, until, kind, heading,
-                           lambda *args: _calibrate(*args, sweep_run_id))
+                           lambda *args: _calibrate(*args, sweep_run_id),
+                           lambda *args: _tokenize_first(*args, sweep_run_id))
     if isinstance(planned_run, Report):
         return planned_run
     return _run(planned_run, overrides, sweep_run_id, follow_jobs, kind)
@@ -122,6 +123,15 @@ def _run(run: RunPlan, overrides: list[str], sweep_run_id: Optional[str], follow
         console.print(f"MLflow: mlflow ui --backend-store-uri {absolute_uri(cfg.tracking.uri)}  ({recorded})",
                       soft_wrap=True)
     return report
+
+
+def _tokenize_first(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str]) -> Report:
+    """The tokenize stage alone (in a folder of the run's), so that train.epochs can count its examples."""
+    console.rule(Text("train.epochs: the corpus is tokenized first, to count its examples"))
+    done = orchestrate(cfg.copy(), run_dir / "tokenize_first", overrides, sweep_run_id, until="tokenize",
+                       kind="tokenize")
+    console.rule(Text("the run"))
+    return done
 
 
 def _calibrate(cfg: DictConfig, run_dir: Path, overrides: list[str], cache: Cache, sweep_run_id: Optional[str]

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Union
 from omegaconf import DictConfig, OmegaConf
 from rich.text import Text
 
-from orchestrator import calibration, interrupt
+from orchestrator import calibration, epochs, interrupt
 from orchestrator.cache.store import Cache
 from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, write_spec
@@ -60,12 +60,32 @@ class RunPlan:
     t0: float  # when planning began (the run's total time counts from here)
 
 
+def _count_epochs(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], plan: list, cache: Cache,
+                  tokenize_first) -> tuple[list, list[str], Optional[Report]]:
+    """train.epochs counted into train.steps from the tokenized split (orchestrator/epochs.py), the tokenize stage run
+    first where it is not cached; then the counted steps validated and the run planned again (train's key is the
+    steps'). -> (the plan, its line, the tokenize run's Report where it failed)."""
+    tokenize = next(ps for ps in plan if ps.name == "tokenize")
+    if not tokenize.cached:
+        if cfg.dry_run or cfg.data.preview or cfg.cluster.name == "slurm" or tokenize_first is None:
+            return plan, [epochs.not_counted(cfg)], None
+        tokenized = tokenize_first(cfg, run_dir, overrides)
+        if tokenized.exit_code:
+            return plan, [], tokenized
+        tokenize = next(ps for ps in make_plan(cfg, all_stages(until), cache) if ps.name == "tokenize")
+    line = epochs.resolve(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
+    validate(cfg, overrides)  # the counted steps against every rule (cadences, warm-up, the disk their saves take)
+    return make_plan(cfg, all_stages(until), cache), [line], None
+
+
 def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], kind: str,
-             heading: Optional[str], calibrate: Callable[[DictConfig, Path, list[str], Cache], Report]
+             heading: Optional[str], calibrate: Callable[[DictConfig, Path, list[str], Cache], Report],
+             tokenize_first: Optional[Callable[[DictConfig, Path, list[str]], Report]] = None
              ) -> Union[RunPlan, Report]:
     """Validate and plan the run (see orchestrate for the arguments): its RunPlan, or the Report of a run that ends
     at its plan (a dry run, a data preview, a calibration that failed). calibrate: times the run's first steps for
-    its plan (orchestrator/calibration.py), when they were never timed here."""
+    its plan (orchestrator/calibration.py), when they were never timed here. tokenize_first: runs the tokenize stage
+    alone, where train.epochs needs its counts (orchestrator/epochs.py)."""
     t0 = time.perf_counter()
     with PLANNING:  # one point of a sweep at a time (see PLANNING)
         if interrupt.requested():  # a signal came while this point waited for another's plan: it does not start
@@ -87,6 +107,11 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         with refusing("overrides", " ".join(overrides), "planning the stages (orchestrator/dag.py)"):
             plan = make_plan(cfg, all_stages(until), cache)  # it reads the inputs again: they may have changed since
         _check_cache_writable(cfg, plan, cache)
+        counted: list[str] = []
+        if epochs.wanted(cfg) and any(ps.name == "train" for ps in plan):
+            plan, counted, stopped = _count_epochs(cfg, run_dir, overrides, until, plan, cache, tokenize_first)
+            if stopped is not None:
+                return stopped
         to_run = [ps.name for ps in plan if not ps.cached]
         if calibration.wanted(cfg, to_run, cache.root, until):
             timed = calibrate(cfg, run_dir, overrides, cache)
@@ -117,7 +142,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         commands = {name: executor.command(launches[name]) for name in to_run}
         _write_plan(run_dir, plan, where, commands)
         console.print(plan_table(plan, where))
-        said = [*choices, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]
+        said = [*choices, *counted, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]
         for line in [*_new_store(cfg, fresh), *(said if kind != "calibration" else [])]:  # the run's plan says them
             console.print(line, soft_wrap=True)
         if cfg.data.preview:

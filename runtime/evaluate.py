@@ -14,9 +14,9 @@ def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]]
               measures: Optional[dict] = None) -> Optional[float]:
     """Mean next-token loss over the held-out batches, at most n_batches (an objective of rows: its mean loss over
     what it counts, a preference objective's pairs), computed in the layout (every rank calls it: the sums are
-    reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece. stop: asked before each batch (by every rank, a
-    collective when several run); when it says why, the evaluation is abandoned and None returned, so that a signal
-    is acted on within a batch, not after the whole evaluation. measures: filled with the objective's own means
+    reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece. stop: asked before
+    each batch (by every rank, a collective when several run); when it says why, the evaluation is abandoned and
+    None returned, so that a signal is acted on within a batch, not after the whole evaluation. measures: filled with the objective's own means
     (held-out rewards and accuracies), where it has them."""
     layout.train(False)
     total, count = torch.zeros((), dtype=torch.float64), 0

@@ -107,7 +107,7 @@ def aggregate(ctx: StageContext) -> None:
                                            build_batcher(cfg, ctx.inputs["tokenize"] / "tokens"),
                                            cfg.train.eval_batches, precision.autocast,
                                            *piece_budgets(cfg.model.d_model, vocab_rows(cfg.model)), beside=beside)
-        summary = read_json(ctx.inputs["train"] / "summary.json")  # objective=dpo: the pairs' next-token loss
+        summary = read_json(ctx.inputs["train"] / "summary.json")  # an objective of rows: its examples' next-token loss
         trained = summary.get("final_eval_nll", summary["final_eval_loss"])
         rtol = MIXED_EVAL_RTOL.get(precision.name, get_engine(cfg.engine.name).eval_rtol)
         if not abs(loss - trained) <= rtol * max(1.0, abs(trained)):  # nan fails too

@@ -40,7 +40,8 @@ def test_default_experiment_prints_plan_and_stage_table(default_run):
     _, result = default_run
     out = result.stdout
     assert "plan" in out and "stages (" in out
-    assert "[train] data: 12 steps of 8 rows draw 6,144 tokens at random from the training split's" in out
+    assert re.search(r"\[train\] data: 12 steps of 8 rows = 0\.\d\d epochs of the training split's [\d,]+ windows "
+                     r"of 64 tokens \(\d+\.\d\d% of them, none twice\)", out), out
     for stage in STAGES:
         assert stage in out
     assert out.count(" ran ") >= 5 and "eval" in out
@@ -91,6 +92,31 @@ def test_rerun_reports_everything_cached(default_run):
     assert sorted(kids) == sorted(STAGES)
     assert {k.data.tags["orchestrator.status"] for k in kids.values()} == {"cached"}
     assert all(k.data.tags["orchestrator.source_run_id"] for k in kids.values())
+
+
+def test_train_epochs_counts_the_steps_from_the_tokenized_split(default_run):
+    """train.epochs: with the corpus tokenized (the default run's), the steps are counted from its windows before the
+    run is planned; epochs that come to the default run's 12 steps are that run, every stage cached. Where the
+    corpus is not tokenized yet, a dry run says the steps are not counted."""
+    import math
+
+    from plugins.data.shards import INDEX
+
+    workdir, _ = default_run
+    (index,) = (workdir / "runs" / "cache" / "tokenize").glob(f"*/tokens/{INDEX}")
+    windows = (json.loads(index.read_text())["train"]["tokens"] - 1) // 64
+    epochs = (12 * 8 - 0.5) / windows  # ceil(epochs x windows / 8) = 12
+    quick = [a for a in QUICK if not a.startswith("train.steps=")]
+    result = run_cli([*quick, f"train.epochs={epochs!r}"], workdir)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"train.epochs={epochs:g}: 12 steps of 8 examples = {96 / windows:,.2f} epochs of the training split's " \
+           f"{windows:,} examples (train.steps=12)" in result.stdout, result.stdout
+    assert "every stage is cached" in result.stdout and math.ceil(epochs * windows / 8) == 12
+    fresh = run_cli([*quick, "train.epochs=2", "data=synthetic", "dry_run=true"], workdir)
+    assert fresh.returncode == 0 and "train.epochs=2: the steps are counted once the corpus is tokenized" in \
+        fresh.stdout, fresh.stdout[-3000:]
+    refused = run_cli([*QUICK, "train.epochs=2", "dry_run=true"], workdir)  # train.steps=12 would do nothing
+    assert refused.returncode == 2 and "train.steps is read only when train.epochs=0" in refused.stderr
 
 
 def test_dry_run_prints_plan_and_commands(default_run):

@@ -105,7 +105,7 @@ class Batcher:
         example once, or `limit` where that is fewer (a mixture, whose rows draw their source by weight: `limit`)."""
         if isinstance(self.corpus, list):
             return limit
-        return min(limit, -(-self.examples(0, "val") // self._units()))
+        return min(limit, -(-self.examples(0, "val") // self.units()))
 
     def examples(self, source: int, split: str) -> int:
         """The examples of a corpus's split that rows draw: its pairs, its rows of whole documents, its packed
@@ -120,7 +120,7 @@ class Batcher:
             return max((len(pool[0]) - 1) // self.seq_len, 1)
         return len(pool)
 
-    def _units(self) -> int:
+    def units(self) -> int:
         """The examples a batch holds: its rows, or its pairs."""
         return self.batch_size // 2 if self.pairs else self.batch_size
 
@@ -162,7 +162,7 @@ class Batcher:
         split's examples, the held-out split's in one seeded order, -1 past its last; a mixture's row at its
         position among all rows in its own source's order (no example twice within as many rows as the source
         holds; its source drawn by weight)."""
-        units = self._units()
+        units = self.units()
         rows = index * units + np.arange(units)
         if sources is not None:
             picks = np.empty(units, dtype=np.int64)

@@ -37,6 +37,10 @@ def check(cfg) -> list[Problem]:
     if d.format in ("chat", "prompt_completion"):
         problems += _chat_problems(d)
     if d.get("mix"):
+        if cfg.train.get("epochs"):
+            problems.append(Problem("train.epochs", cfg.train.epochs, "a data.mix draws each row's source by weight, "
+                                    "so the run has no epochs of one split's examples to count steps from",
+                                    "train.steps= the steps to train, or one corpus"))
         return problems + _mix_problems(cfg, source)
     if source.check is not None:
         problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]

@@ -58,8 +58,9 @@ class DataConfig:
     format: str = key("text", "what a record is: text (one field, every token trained), prompt_completion (a "
                               "prompt and its completion), chat (a list of {role, content} messages, rendered "
                               "with the chat template) or preference (a prompt with a chosen and a rejected "
-                              "completion, for objective=dpo: texts, lists of messages, or chosen and rejected "
-                              "alone, their common beginning the prompt: TRL's three forms); records from JSON "
+                              "completion, for an objective of pairs (dpo, simpo, orpo): texts, lists of "
+                              "messages, or chosen and rejected alone, their common beginning the prompt: TRL's "
+                              "three forms); records from JSON "
                               "Lines or Parquet; what the model learns: data.loss_on",
                       choices=("text", "prompt_completion", "chat", "preference"))
     bad_records: str = key("refuse", "records (data.format=prompt_completion, chat or preference): a record at fault "

@@ -130,7 +130,13 @@ class OrtEngineConfig(EngineConfig):
 @dataclass
 class TrainConfig:
     steps: int = key(300, "optimizer steps (0: none; train.init_from=hf:<folder>'s weights saved, aggregated and "
-                          "scored as they are, a baseline for evaluate.tasks)", min=0, max=MAX_STEPS)
+                          "scored as they are, a baseline for evaluate.tasks)", min=0, max=MAX_STEPS,
+                     read_when=("train.epochs", (0,)))
+    epochs: float = key(0.0, "instead of train.steps: passes over the training split's examples (records, pairs, "
+                             "rows of whole documents, or windows of a packed stream), each drawn once an epoch; "
+                             "the steps are counted from the tokenized split before the run is planned (the "
+                             "tokenize stage runs first where its output is not cached) and said by the plan "
+                             "(0: train.steps counts)", min=0.0, max=1e6)
     batch_size: int = key(16, "global batch: sequences per optimizer step", min=1, max=MAX_TOKENS)
     seq_len: int = key(128, "tokens per sequence", min=1, max=MAX_TOKENS)
     seed: int = key(1234, "seed of initialisation, data order and dropout", min=0, max=MAX_SEED)
@@ -162,7 +168,7 @@ class TrainConfig:
                                      "enters the loss (gathered before the head; ONNX Runtime's label sparsity, TRL's "
                                      "chunked NLL): the same loss and gradients to fp32 rounding, without the logits "
                                      "of masked prompt tokens and padding; false: the dense head over every position "
-                                     "(objective=dpo always takes the sparse head's per-row log-probabilities)",
+                                     "(an objective of pairs always takes the sparse head's per-row log-probabilities)",
                                 read_when=TOKEN_LOSS)
     loss_chunk: int = key(1024, "positions the sparse head projects onto the vocabulary at once (its full-width "
                                 "logits exist for this many positions only, in the forward and the backward)",
