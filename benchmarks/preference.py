@@ -93,7 +93,8 @@ def setup(model: str, variant: str, rows: int, seq: int):
     from planning.partition import without_adapters
     from plugins.data.batcher import Batch
     from plugins.models import get_model
-    from plugins.objectives.dpo import PreferenceLoss, ReferenceRows
+    from plugins.objectives.dpo import DPOLoss
+    from plugins.objectives.reference import ReferenceRows
     from plugins.parallel.layout import build_layout
     from runtime.evaluate import row_logps
     from runtime.optim import build_optimizer
@@ -102,7 +103,7 @@ def setup(model: str, variant: str, rows: int, seq: int):
     cfg = compose_config(f"model={model}", f"train.batch_size={rows}", f"train.seq_len={seq}", "model.dropout=0",
                          "objective=dpo", "data=preference", "data.paths=[unused.jsonl]")
     spec = get_model(cfg.model.name)
-    policy = build_layout(*without_adapters(cfg), spec, torch.device("cpu"), objective=PreferenceLoss(0.1, "sigmoid"))
+    policy = build_layout(*without_adapters(cfg), spec, torch.device("cpu"), objective=DPOLoss(0.1, "sigmoid"))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, cfg.model.vocab_size, (rows, seq + 1), generator=g)
     labels = tokens[:, 1:].clone()
@@ -131,7 +132,7 @@ def steps_of(state, first: int, n: int) -> list[float]:
     probe, times = MemoryProbe(torch.device("cpu")), []
     for step in range(first, first + n):
         t0 = time.perf_counter()
-        batch.reference = reference()
+        batch.row_inputs = reference()
         train_step(layout, optimizers, batch, step, 1e-5, settings, probe)
         times.append(time.perf_counter() - t0)
     return times

@@ -3,8 +3,8 @@
 An epoch draws every training example once (plugins/data/epochs.py), so train.epochs=E is ceil(E x examples /
 examples a batch) steps: the examples of the tokenized split, counted as the batcher draws them (its pairs, its
 records, its rows of whole documents, its packed stream's windows). They are known once the corpus is tokenized: where
-the tokenize stage's output is cached they are read from it; otherwise the tokenize stage runs first (a dry run and a
-SLURM submission say that the steps are not counted yet). The count then becomes train.steps, and train.epochs 0:
+the tokenize stage's output is cached they are read from it; otherwise the tokenize stage runs first (on SLURM its
+job, followed to its end; a dry run says that the steps are not counted yet). The count then becomes train.steps, and train.epochs 0:
 the run, its cache keys, its schedule and its plan are those of that many steps, and the plan says both.
 """
 from __future__ import annotations
@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 
 from omegaconf import DictConfig
+
+from common.problem import Problem
 
 
 def wanted(cfg: DictConfig) -> bool:
@@ -37,3 +39,12 @@ def not_counted(cfg: DictConfig) -> str:
     """The plan's line where the steps cannot be counted before the run (a dry run, a SLURM submission)."""
     return (f"train.epochs={float(cfg.train.epochs):g}: the steps are counted once the corpus is tokenized (the tokenize "
             f"stage is not cached): this plan's times are for train.steps={cfg.train.steps}")
+
+
+def needs_wait(cfg: DictConfig) -> Problem:
+    """cluster.wait=false with train.epochs and the corpus not tokenized: the jobs after tokenize would be submitted
+    before anything counted their steps."""
+    return Problem("train.epochs", cfg.train.epochs, "train.epochs counts the steps from the tokenized corpus, which "
+                   "the tokenize job writes; with cluster.wait=false the train job would be submitted before it "
+                   "ran, with no steps counted", "cluster.wait=true (the tokenize job is followed to its end, then "
+                   "the rest submitted), or train.steps= the steps to train")

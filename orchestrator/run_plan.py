@@ -67,8 +67,12 @@ def _count_epochs(cfg: DictConfig, run_dir: Path, overrides: list[str], until: O
     steps'). -> (the plan, its line, the tokenize run's Report where it failed)."""
     tokenize = next(ps for ps in plan if ps.name == "tokenize")
     if not tokenize.cached:
-        if cfg.dry_run or cfg.data.preview or cfg.cluster.name == "slurm" or tokenize_first is None:
+        if cfg.dry_run or cfg.data.preview or tokenize_first is None:
             return plan, [epochs.not_counted(cfg)], None
+        if not cfg.cluster.get("wait", True):  # the rest would be submitted with steps that nothing counted
+            from orchestrator.config.errors import ConfigError
+
+            raise ConfigError([epochs.needs_wait(cfg)])
         tokenized = tokenize_first(cfg, run_dir, overrides)
         if tokenized.exit_code:
             return plan, [], tokenized

@@ -124,8 +124,8 @@ def objective_line(cfg) -> list[str]:
     return [f"{loss}; the reference stage scores every pair of both splits once with the reference model ({model}), "
             f"as {world_size(cfg.parallel)} rank(s) of at most {_size(rank)} each (its weights "
             f"{_size(weights)} and a forward's activations: no "
-            f"gradients or optimizer state); a sweep over objective.{'/'.join(k for k in o if k != 'name')}, the "
-            "learning rate or LoRA's rank reuses it"]
+            f"gradients or optimizer state); a sweep over objective."
+            f"{'/'.join(k for k in o if k not in ('name', 'reference'))}, the learning rate or LoRA's rank reuses it"]
 
 
 def compute_line(cfg) -> str:

@@ -165,7 +165,7 @@ def objective_set(layout, objective) -> Iterator[None]:
 
 
 def held_out_nll(layout, batcher, n_batches: int, rows_objective, width_multiple: int = 0) -> float:
-    """The next-token loss of the first n_batches held-out batches' learned tokens, for a layout built for a
+    """The next-token loss of the held-out batches' learned tokens (at most n_batches), for a layout built for a
     preference objective (its runner's objective set to `rows_objective`, ReferenceRows, for the pass): what the
     aggregate stage's check of the whole model computes of the same batches."""
     with objective_set(layout, rows_objective):

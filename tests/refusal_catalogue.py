@@ -350,6 +350,8 @@ CATALOGUE = [
      "on the torch engine only"),
     (["objective=dpo", "objective.beta=0"], "objective.beta", "between 1e-06 and"),
     (["objective.beta=0.5"], "objective.beta", "is a key of objective=dpo (or orpo, simpo)"),
+    (["objective.name=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "objective.name",
+     "objective=dpo (the option"),
     (["objective=dpo", "objective.loss_type=ipo", "objective.label_smoothing=0.1"], "objective.label_smoothing",
      "read only when objective.loss_type=sigmoid"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "train.label_sparsity=false"],

@@ -116,3 +116,32 @@ def test_three_steps_give_trls_losses_and_measures(trained, tmp_path, name, adap
         for m in compared:
             assert got[m] == pytest.approx(want[m], rel=1e-5, abs=1e-5), (step, m)
     assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"]  # it learned to prefer the chosen
+
+
+def test_an_empty_pair_counts_for_nothing_in_every_pair_objective():
+    """A held-out batch's rows past the split's last are empty pairs (no token): every objective of pairs gives the
+    same loss and measures with them as without, finite values and gradients (ORPO's odds of an empty row's mean
+    log-probability 0 would be log(1 - e^0) = -inf)."""
+    from omegaconf import OmegaConf
+
+    from plugins.data.batcher import Batch
+    from plugins.objectives import get_objective, objective_names
+    from plugins.objectives.reference import REFERENCE
+
+    rows = torch.tensor([[-5.0, 3], [-9, 4], [-4, 2], [-7, 3]])
+    with_empty = torch.cat([rows, torch.zeros(2, 2)]).requires_grad_()
+    reference = torch.tensor([-4.5, -9.5, -4.0, -6.0, 0.0, 0.0], dtype=torch.float64)
+    labels = torch.tensor([[1, 2, 3, IGNORED]] * 4 + [[IGNORED] * 4] * 2)
+    for name in objective_names():
+        spec = get_objective(name)
+        if spec.loss is None:
+            continue
+        loss = spec.loss(OmegaConf.merge(OmegaConf.structured(spec.config), SETTINGS.get(name, {})))
+        inputs = reference if REFERENCE in spec.row_inputs else None
+        assert loss.count(Batch(labels, labels, 1.0, 1.0, examples=2)) == 2
+        alone = loss(rows, None if inputs is None else inputs[:4])
+        measures = loss.take()
+        both = loss(with_empty, inputs)
+        assert both.item() == pytest.approx(alone.item()) and torch.allclose(loss.take(), measures), name
+        both.backward()
+        assert torch.isfinite(with_empty.grad).all() and (with_empty.grad[4:] == 0).all(), name

@@ -90,7 +90,7 @@ def _trial_cfg(cfg: DictConfig, settings: dict) -> DictConfig:
     for key, value in settings.items():
         section, name = key.split(".")
         trial[section][name] = value
-    trial.train.steps = cfg.tune.steps
+    trial.train.steps, trial.train.epochs = cfg.tune.steps, 0  # a trial is timed over tune.steps, epochs or not
     trial.train.eval_every = 0
     trial.train.checkpoint_every = 0
     trial.tune = OmegaConf.structured(TuneConfig)  # a trial is a plain run: tune's own keys do not apply to it

@@ -2,7 +2,8 @@
 under the policy and under a frozen reference model (Rafailov et al. 2023), as TRL's DPOTrainer computes it.
 
 With Δ = (π_c − ref_c) − (π_r − ref_r):
-  sigmoid  −(1 − ε)·log σ(βΔ) − ε·log σ(−βΔ)   (DPO; ε = label_smoothing: conservative DPO, 0 by default)
+  sigmoid  −(1 − ε)·log σ(βΔ) − ε·log σ(−βΔ)   (DPO; ε = label_smoothing: conservative DPO, 0 by default: TRL
+                                               1.16's sigmoid loss has no smoothing, its earlier ones this one)
   hinge    max(0, 1 − βΔ)                      (SLiC)
   ipo      ((π_c − ref_c)/n_c − (π_r − ref_r)/n_r − 1/(2β))²   (n: the completion's tokens, TRL's normalisation)
 The rewards are β times each completion's log-ratio; a pair is accurate when its chosen reward is strictly the
@@ -84,7 +85,6 @@ def _describe(o) -> str:
 
 register_objective("dpo", ObjectiveSpec(
     config=DPOConfig,
-    summary="direct preference optimisation against a reference model (TRL's DPOTrainer)",
     loss=lambda o: DPOLoss(o.beta, o.loss_type, o.label_smoothing),
     rows=PAIR,
     row_inputs=(REFERENCE,),

@@ -49,7 +49,6 @@ class ORPOLoss(PairLoss):
 
 register_objective("orpo", ObjectiveSpec(
     config=ORPOConfig,
-    summary="ORPO: the chosen completions' NLL plus an odds-ratio term, no reference (TRL's ORPOTrainer)",
     loss=lambda o: ORPOLoss(o.beta),
     rows=PAIR,
     describe=lambda o: f"orpo (beta {o.beta:g}) on preference pairs: chosen NLL + odds ratio, no reference",

@@ -65,13 +65,19 @@ class PairLoss:
         import torch
 
         logps, tokens = rows[:, 0].float(), rows[:, 1].float()
+        # an empty pair (a held-out batch's rows past the split's last) counts for nothing; its rows are given a
+        # finite stand-in first (a mean log-probability of -1 a token), as an empty row's 0 is log(1 - e^0) = -inf
+        # to ORPO's odds, whose NaN no mask removes, in a value or in a gradient
+        held = tokens[0::2] > 0
+        empty = ~held.repeat_interleave(2)  # both rows of an empty pair
+        logps, tokens = torch.where(empty, -1.0, logps), torch.where(empty, 1.0, tokens)
         t = self.terms(logps, tokens, row_inputs)
-        held = (tokens[0::2] > 0).to(t.losses.dtype)  # an empty pair (past a held-out split's last) counts not
+        zero = torch.zeros((), dtype=t.losses.dtype, device=t.losses.device)
         with torch.no_grad():
-            self.calls.append(torch.stack([(v * held).sum() for v in (
+            self.calls.append(torch.stack([torch.where(held, v.to(zero.dtype), zero).sum() for v in (
                 t.chosen_rewards, t.rejected_rewards, (t.chosen_rewards > t.rejected_rewards).float(),
                 t.chosen_rewards - t.rejected_rewards, t.chosen_logps, t.rejected_logps, *t.extra)]))
-        return (t.losses * held).sum()
+        return torch.where(held, t.losses, zero).sum()
 
     def keep_last(self, calls: int) -> None:
         del self.calls[:-calls]

@@ -12,6 +12,11 @@ from plugins.objectives.spec import PAIR, get_objective, objective_names
 def check(cfg) -> list[Problem]:
     o, d = cfg.objective, cfg.data
     spec = get_objective(o.name)
+    chosen = _option_of(o)
+    if chosen is not None and chosen != o.name:  # objective.name=dpo over objective=sft's keys
+        return [Problem("objective.name", o.name, f"objective.name renames the objective, but its keys are still "
+                        f"objective={chosen}'s: objective={o.name}'s own keys and defaults come with its option",
+                        f"objective={o.name} (the option, not objective.name=)")]
     pairs = d.get("format") == "preference"
     on_pairs = [n for n in objective_names() if get_objective(n).rows == PAIR]
     if pairs and spec.rows != PAIR:
@@ -31,3 +36,11 @@ def check(cfg) -> list[Problem]:
                                 "nothing of them", "train.steps=300 to train on the pairs; a baseline of the starting "
                                 "weights (evaluate.tasks) is objective=sft with data=text"))
     return problems + list(spec.rules(cfg))
+
+
+def _option_of(o):
+    """The objective whose config the section was composed from (None where it is not a structured one)."""
+    from omegaconf import OmegaConf
+
+    kind = OmegaConf.get_type(o) if OmegaConf.is_config(o) else None
+    return next((n for n in objective_names() if get_objective(n).config is kind), None)

@@ -16,7 +16,6 @@ class SFTConfig(ObjectiveConfig):
 
 register_objective("sft", ObjectiveSpec(
     config=SFTConfig,
-    summary="next-token cross-entropy on the learned tokens (pretraining, fine-tuning)",
     rows=SINGLE,
     describe=lambda o: "sft (next-token cross-entropy of the learned tokens)",
 ))

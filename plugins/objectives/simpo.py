@@ -42,13 +42,13 @@ class SimPOLoss(PairLoss):
         margin = self.beta * (chosen - rejected) - self.gamma
         losses = -(1 - self.label_smoothing) * F.logsigmoid(margin) - self.label_smoothing * F.logsigmoid(-margin)
         nll = self.token_mean(-logps[0::2])  # each pair's share of the chosen tokens' mean NLL
+        logged = nll.detach() if self.alpha else nll.detach() * 0  # TRL logs nll_loss 0 where it computes none
         return PairTerms(losses + self.alpha * nll, self.beta * chosen, self.beta * rejected, chosen, rejected,
-                         (nll.detach(),))
+                         (logged,))
 
 
 register_objective("simpo", ObjectiveSpec(
     config=SimPOConfig,
-    summary="SimPO: length-normalised preference optimisation with a target margin, no reference (TRL's CPOTrainer)",
     loss=lambda o: SimPOLoss(o.beta, o.simpo_gamma, o.label_smoothing, o.cpo_alpha),
     rows=PAIR,
     describe=lambda o: f"simpo (beta {o.beta:g}, gamma {o.simpo_gamma:g}" +

@@ -1,14 +1,14 @@
 """An objective is a component: one file in plugins/objectives/ registers an ObjectiveSpec that says everything the rest
 of the code asks of it (TorchTitan's TrainSpec.loss_fn, NeMo-RL's LossFunction declaring its input and batch keys).
-The step, the runners, the batcher, the train and reference stages, the plan, validation, metrics and sweeps ask the
-spec of `objective.name`; none of them names an objective. A third-party package adds one through the
+The step and the held-out evaluation ask its loss, the train and reference stages, the evaluate stage, the plan,
+validation and the sweeps ask the spec of `objective.name`; none of them names an objective. A third-party package adds one through the
 `orchestrator.objectives` entry-point group, and its config option (`conf/objective/<name>.yaml`, `defaults:
 [<name>_schema]`) takes the spec's config dataclass as its schema.
 
 The loss of an objective with a `loss` (a "rows" objective) is an object the runners call on each microbatch:
   loss(rows, row_inputs) -> the summed loss of the microbatch's examples (rows (R, 2): each row's summed
-      log-probability of its learned tokens and their count, from the label-sparse head; row_inputs (R, k) or (R,):
-      the per-row inputs it declared, in `row_inputs`' order; None when it declared none)
+      log-probability of its learned tokens and their count, from the label-sparse head; row_inputs (R,): the
+      per-row input it declared, the reference's; None, or zeros in a pipeline's schedule, when it declared none)
   loss.count(batch) -> what the step's loss is a mean over (asked once per global batch, before the rows are run:
       it may keep the batch's totals it normalises by, as TRL's token-mean NLL terms need)
   loss.names, loss.take(), loss.keep_last(calls): the sums of its measures since the last take (divided by count and
@@ -40,7 +40,6 @@ class ObjectiveConfig:
 @dataclass(frozen=True)
 class ObjectiveSpec:
     config: type                                # its config dataclass (an ObjectiveConfig): the <name>_schema option
-    summary: str                                # one line: what it minimises (docs, `objective` errors)
     loss: Optional[Callable[[Any], Any]] = None  # cfg.objective -> the runners' loss of per-row log-probabilities;
     #                                             None: next-token cross-entropy of the learned tokens (the head's)
     rows: str = SINGLE                          # SINGLE: any record format but pairs; PAIR: data.format=preference
