@@ -364,6 +364,22 @@ def test_every_record_trains_as_meant_or_is_refused_before_launch(bytes_hf, case
                           + (corpus.val_mask or [None] * len(corpus.val))))
         theirs = sorted((ids, mask) for ids, mask in wanted)
         assert ours == theirs, case
+        _drawn_once(corpus, cfg, fmt == "preference")
+
+
+def _drawn_once(corpus, cfg, pairs: bool) -> None:
+    """An epoch of training batches draws each training example once (a pair as one), and the held-out batches hold
+    each held-out example once (plugins/data/epochs.py)."""
+    from plugins.data.batcher import Batcher
+
+    batcher = Batcher(corpus, 2 if pairs else 1, cfg.train.seq_len, 0, pairs=pairs)
+    per = 2 if pairs else 1
+    for split, batch_of, count in (("train", batcher.train_batch, batcher.examples(0, "train")),
+                                   ("val", batcher.eval_batch, batcher.eval_batches(10**6))):
+        n = batcher.examples(0, split)
+        steps = n if split == "train" else count
+        drawn = [int(d) // per for s in range(steps) for d in batch_of(s).drawn[::per] if d >= 0]
+        assert sorted(drawn) == list(range(n)), (split, drawn)
 
 
 # -- Megatron corpora: ids and documents of every kind, as plugins/data/megatron.write_index writes them ---------------
