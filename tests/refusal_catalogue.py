@@ -219,7 +219,7 @@ CATALOGUE = [
     (["data=text", "data.paths=[{tmp}/empty.txt]"], "data.paths", "empty"),
     (["data=text", "data.paths=[{tmp}/no_text]"], "data.paths", "holds no"),
     (["data=text", "data.paths=[{tmp}/short.txt]"], "data.paths", "needs train.seq_len+1"),
-    (["data.paths=[{tmp}/one.txt]"], "data.paths", "read by data=text only"),
+    (["data.paths=[{tmp}/one.txt]"], "data.paths", "read only when data.name=text or megatron"),
     (["data.max_bytes=10"], "data.max_bytes", "left out by data.max_bytes"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.text_field=body"], "data.text_field", "has no field 'body'"),
     (["data=text", "data.paths=[{tmp}/records.jsonl]", "data.format=prompt_completion"], "data.prompt_field",

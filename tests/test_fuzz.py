@@ -118,6 +118,7 @@ def test_a_fuzzed_command_is_accepted_or_refused_naming_the_key(case, tmp_path, 
             f.write(f"{code}\t{problems[0].key if code == 2 else ''}\t{case.id}\n")
     _accepted_or_refused_naming(case, code, problems)
     assert code == 0 or not (tmp_path / "runs" / "cache").exists(), "a cache entry was written before the refusal"
+    _the_fix_holds(case, code, problems, tmp_path)
 
 
 @pytest.mark.parametrize("case", SWEEPS, ids=[c.id for c in SWEEPS])
@@ -125,6 +126,22 @@ def test_a_fuzzed_sweep_is_checked_whole_or_refused_naming_the_key(case, tmp_pat
     monkeypatch.chdir(tmp_path)
     _accepted_or_refused_naming(case, *sweep_outcome(list(case.overrides)))
     assert not (tmp_path / "runs").exists(), "the check wrote before the first point"
+
+
+def _the_fix_holds(case, code: int, problems: list, tmp_path) -> None:
+    """Every fix fixes: the first key=value the refusal about the fuzzed key offers (tests/fix_overrides.py), applied
+    to the case, and the same refusal does not come back (as the catalogue's are, tests/test_bad_inputs.py)."""
+    from tests.fix_overrides import applied, first_fix, not_fixed
+    from tests.test_bad_inputs import ROOTS
+
+    about = next((p for p in problems if _related(p, case.keys)), None) if code == 2 else None
+    fix = first_fix(list(case.overrides), about.fix, ROOTS) if about is not None else None
+    if fix is None:
+        return
+    fixed = applied(list(case.overrides), fix)
+    again, found = outcome(fixed, tmp_path / "fixed")
+    back = not_fixed(about, fix, found) if again == 2 else []
+    assert not back, f"{fixed}: the fix {about.fix!r} does not hold: " + "; ".join(map(str, back))
 
 
 def _accepted_or_refused_naming(case, code: int, problems: list) -> None:

@@ -327,8 +327,11 @@ def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
         return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={_default(f)}")]
     nested = [v for v in items if isinstance(v, (list, tuple, dict, ListConfig, DictConfig))] if is_list else []
     if nested and f.name != "mix":
+        flat = [w for v in items for w in (v if isinstance(v, (list, tuple, ListConfig)) else [v])
+                if not isinstance(w, (list, tuple, dict, ListConfig, DictConfig))]
+        shown = f"[{','.join(map(str, flat))}]" if flat else "[a,b]"
         return [Problem(full, value, f"the items of {full} are single values, not lists or mappings "
-                        f"({meta['help']})", f"{full}=[a,b] (one level of brackets)")]
+                        f"({meta['help']})", f"{full}={shown} (one level of brackets)")]
     choices = meta.get("choices")
     if choices and any(v not in choices for v in items):
         return [Problem(full, value, f"{full} must be {'a list of' if is_list else 'one of'} "

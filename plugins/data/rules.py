@@ -50,9 +50,6 @@ def check(cfg) -> list[Problem]:
         problems.append(Problem("data.text_field", d.text_field, f"data.text_field names the field of JSON Lines or "
                                 f"Parquet records, which data=text reads; data={d.name} has no fields and would "
                                 "ignore it", "data=text with data.paths, or leave data.text_field unset"))
-    if d.paths and d.name not in ("text", "megatron"):
-        problems.append(Problem("data.paths", list(d.paths), f"data.paths is read by data=text only; data={d.name} "
-                                "ignores it", "data=text to train on these files, or leave data.paths empty"))
     return problems
 
 

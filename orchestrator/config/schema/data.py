@@ -50,7 +50,8 @@ class DataConfig:
                               read_when=("data.packing", (False,)))
     paths: List[str] = key([], "text: files, folders (searched for *.txt, *.md, *.py, *.rst, *.jsonl, *.parquet) or "
                                "glob patterns of UTF-8 text; JSON Lines and Parquet files hold one document per "
-                               "record. megatron: the prefixes of Megatron indexed datasets (prefix.bin, prefix.idx)")
+                               "record. megatron: the prefixes of Megatron indexed datasets (prefix.bin, prefix.idx)",
+                       read_when=("data.name", ("text", "megatron")))
     split: str = key("train", "a Hugging Face datasets folder in data.paths (DatasetDict.save_to_disk's, or a Hub "
                               "snapshot: a dataset card beside data/{split}-*.parquet): the split read, as "
                               "load_from_disk / load_dataset name them (the held-out part is still "
