@@ -126,7 +126,8 @@ def test_dry_run_prints_plan_and_commands(default_run):
     assert "dry run: nothing was started" in result.stdout
     assert "train: " in result.stdout and "orchestrator.worker" in result.stdout
     assert "export: " not in result.stdout  # cached: nothing to run
-    assert "data: 12 steps of 8 rows draw 6,144 tokens at random" in result.stdout  # the cached tokenize's counts
+    # the cached tokenize's counts: the steps in epochs of its windows
+    assert "data: 12 steps of 8 rows = 0." in result.stdout and " windows of 64 tokens" in result.stdout
 
 
 def _wait_for(predicate, timeout: float, what: str):
