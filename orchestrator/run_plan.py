@@ -30,7 +30,8 @@ from planning import stage_time
 from planning.plan import compute_line, memory_line, objective_line, peft_line
 from planning.plan_time import continued_from, expected_times, planned_lines, time_line
 from planning.stage_time import Expected
-from plugins.data.corpus import TOKENS_DIR, plan_lines
+from plugins.data.corpus import TOKENS_DIR
+from plugins.data.tokenize_cost import plan_lines
 from plugins.data.preview import passes_line
 from plugins.data.preview import PLAN_CHARS, preview
 from runtime.threads import usable_cores

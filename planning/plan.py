@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 
 from common.problem import Problem
 from planning.estimate import STAGE_RUNTIME, Estimate, StageCost, available_bytes, host_bytes, estimate, stage_costs
-from plugins.data.corpus import corpus_layouts, memory_problem, tokenize_tasks
+from plugins.data.corpus import corpus_layouts
+from plugins.data.tokenize_cost import memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
 from runtime.threads import usable_cores
 

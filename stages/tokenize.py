@@ -23,11 +23,11 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeR
 from plugins.data import data_fingerprint, shards
 from plugins.data.bad_records import BadRecords, stage_line
 from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, corpus_folder, corpus_layouts,
-                                 estimate_seconds, finish_all, source_index, source_tokens, tokenize_tasks, wait_for,
-                                 write_part)
+                                 finish_all, source_index, source_tokens, wait_for, write_part)
 from plugins.data.packing import longest_record
 from plugins.data.reading import partition
 from plugins.data.registry import get_source
+from plugins.data.tokenize_cost import estimate_seconds, tokenize_tasks
 from plugins.data.tokenizer import load_saved
 from runtime.threads import usable_cores
 from storage.fsio import atomic_write_json, read_json, remove_tree
@@ -201,7 +201,7 @@ def _summary(out) -> str:
 
 
 def _resources(cfg) -> Resources:
-    """data.tasks or its default (corpus.tokenize_tasks); a local time limit three times the estimate."""
+    """data.tasks or its default (tokenize_cost.tokenize_tasks); a local time limit three times the estimate."""
     corpora = corpus_layouts(cfg)
     tasks = tokenize_tasks(cfg, corpora, usable_cores())
     minutes = estimate_seconds(cfg, corpora, tasks, usable_cores()) / 60

@@ -109,7 +109,7 @@ def test_a_file_named_twice_is_read_once(tmp_path):
                      runs_dir=tmp_path)
     assert check(twice) == []
     assert documents(tokenized(twice)) == once
-    from plugins.data.corpus import plan_lines
+    from plugins.data.tokenize_cost import plan_lines
 
     assert "data: data.paths names 6 file(s) more than once (overlapping globs, a folder and a file in it, links): " \
         "each is read once" in plan_lines(twice, 1, 1)
@@ -167,7 +167,8 @@ def test_bad_records_are_listed_all_at_once_or_skipped_with_their_count(tmp_path
     and its log line name them; past the records read before launch, the stage refuses the first, offering skip."""
     from orchestrator.dag import stage_key
     from plugins.data.bad_records import BadRecords, stage_line
-    from plugins.data.corpus import plan_lines, tokenize_into
+    from plugins.data.corpus import tokenize_into
+    from plugins.data.tokenize_cost import plan_lines
     from stages.tokenize import STAGE
 
     said = _pairs_file(tmp_path / "pairs.jsonl")
@@ -194,7 +195,7 @@ def test_bad_records_are_listed_all_at_once_or_skipped_with_their_count(tmp_path
     assert stage_line(left).startswith(f"warning: data.bad_records=skip: {len(said)} bad record(s) left out:")
     assert stage_key(skip, STAGE, {})[0] != stage_key(make_cfg(*base, runs_dir=tmp_path), STAGE, {})[0]
 
-    monkeypatch.setattr("plugins.data.records.SCANNED_RECORDS", 2)  # the bad ones past what is read before launch
+    monkeypatch.setattr("plugins.data.first_records.SCANNED_RECORDS", 2)  # the bad ones past what is read before launch
     refuse = make_cfg(*base, runs_dir=tmp_path)
     assert check(refuse) == []
     with pytest.raises(InputFault, match=r"pairs\.jsonl: line 3: .* or data\.bad_records=skip \(each bad record"):

@@ -21,14 +21,13 @@ import numpy as np
 from common.problem import InputFault
 from plugins.data import shards
 from plugins.data import tokenizer as tokenizers
-from plugins.data.bad_records import Bad, BadRecords, plan_line, refused, skips
+from plugins.data.bad_records import Bad, BadRecords, refused, skips
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.piece_records import BadRecord
 from plugins.data.reading import Layout, in_val, layout, partition
 from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss, piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
-from plugins.data.sources import bad_records_read
 from storage.fsio import atomic_write_json
 
 ENCODE_BYTES = 4 << 20     # text encoded per call: enough to keep the tokenizer's threads busy, small beside memory
@@ -64,41 +63,6 @@ def corpus_layout(cfg) -> Optional[Layout]:
     """The pieces a file source is read in (None: the source yields documents or tokens itself)."""
     source = get_source(cfg.data.name)
     return layout(source.files(cfg.data), cfg.data.max_bytes, cfg.data.val_fraction) if source.files else None
-
-
-def default_tasks(cfg, corpora: list[tuple[object, Optional[Layout]]], cores: int) -> int:
-    """data.tasks, else `cores`; never more than the pieces there are (a task per CHUNK_BYTES at most)."""
-    if any(lay is None for _, lay in corpora):
-        return 1
-    return max(1, min(cfg.data.tasks or cores, max(len(lay.pieces) for _, lay in corpora)))
-
-
-def tokenize_tasks(cfg, corpora: list[tuple[object, Optional[Layout]]], cores: int) -> int:
-    """The tokenize stage's task count: data.tasks; by default every usable core (`cores`) here, one in the debug
-    cluster's one process, one task per node of cluster.nodes on SLURM; never more than the corpus's pieces."""
-    if cfg.cluster.name == "debug":
-        return 1
-    return default_tasks(cfg, corpora, cfg.cluster.nodes if cfg.cluster.name == "slurm" and not cfg.data.tasks
-                         else cores)
-
-
-def memory_problem(cfg, tasks: int, avail: int, where: str) -> Optional[tuple]:
-    """(key, value, rule, fix) when the tokenize tasks cannot fit the memory they may use: on one machine all of
-    them (and the BPE's learning process), on SLURM each task (the first also learns)."""
-    if not avail:
-        return None
-    learn = LEARN_PEAK_BYTES if cfg.data.tokenizer == "bpe" else 0
-    local = cfg.cluster.name != "slurm"
-    need = (tasks if local else 1) * TASK_PEAK_BYTES + learn
-    if need <= avail:
-        return None
-    gb = 2**30
-    fits = max(0, (avail - learn) // TASK_PEAK_BYTES)
-    what = f"{tasks} task(s) of {TASK_PEAK_BYTES / gb:.2f} GB" if local else f"a task of {TASK_PEAK_BYTES / gb:.2f} GB"
-    return ("data.tasks", tasks, f"the tokenize stage needs about {need / gb:,.2f} GB ({what}"
-            + (f" and the BPE's learning, {learn / gb:.2f} GB" if learn else "") + f"), more than the "
-            f"{avail / gb:,.1f} GB it may use ({where})",
-            f"data.tasks={fits} or fewer" if local and fits >= 1 else "more memory per task (cluster.mem_per_task_gb)")
 
 
 # -- the tokenizer ---------------------------------------------------------------------------------------------
@@ -340,68 +304,3 @@ def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:
     executor stops the others)."""
     while not ready():
         time.sleep(poll_s)
-
-
-# -- what the plan says ----------------------------------------------------------------------------------------
-
-# Measured by benchmarks/data_scale.py on the 2-core VM (docs/models-and-data.md): a task's peak RSS (its process,
-# forked with torch imported, the tokenizer and one batch: 0.26-0.46 GB flat in corpus size up to 4 GB), the BPE's
-# learning process (0.56 GB from 0.25 GB, 0.60 GB from 1 GB), the bytes read per second by one single-threaded task
-# and by the learning per core.
-TASK_PEAK_BYTES = 480 << 20
-LEARN_PEAK_BYTES = 700 << 20
-TASK_BYTES_PER_S = {"bytes": 75e6, "bpe": 3.5e6, "hf": 3.5e6}
-LEARN_BYTES_PER_S_PER_CORE = 4.5e6
-LEFT_OUT_WARNING = 0.5          # data.max_bytes leaving out more than this share of the corpus is a warning
-
-
-def estimate_seconds(cfg, corpora: list, tasks: int, cores: int) -> float:
-    """About how long tokenize takes: the BPE's learning (every core), then the slowest task's share."""
-    kind = "hf" if cfg.data.tokenizer.startswith("hf:") else cfg.data.tokenizer
-    read = sum(lay.read_bytes for _, lay in corpora if lay)
-    learn = min(read, cfg.data.bpe_sample_bytes) / (LEARN_BYTES_PER_S_PER_CORE * cores) if kind == "bpe" else 0.0
-    return learn + read / (TASK_BYTES_PER_S[kind] * tasks)
-
-
-def plan_lines(cfg, tasks: int, cores: int) -> list[str]:
-    """The plan's lines on tokenize: what it reads, what data.max_bytes leaves out, tasks, memory and time."""
-    if get_source(cfg.data.name).describe is not None:
-        return get_source(cfg.data.name).describe(cfg)
-    corpora = corpus_layouts(cfg)
-    if any(lay is None for _, lay in corpora):
-        return []
-    gb = 2**30
-    read = sum(lay.read_bytes for _, lay in corpora)
-    total = sum(lay.total_bytes for _, lay in corpora)
-    files = sum(lay.files for _, lay in corpora)
-    learn = f"; the BPE learns from {_size(min(read, cfg.data.bpe_sample_bytes))} first in a process of " \
-            f"{LEARN_PEAK_BYTES / gb:,.2f} GB" if cfg.data.tokenizer == "bpe" else ""
-    lines = [f"data: tokenize reads {files:,} of {sum(lay.total_files for _, lay in corpora):,} file(s), "
-             f"{_size(read)} of {_size(total)}" + (f" from {len(corpora)} sources" if len(corpora) > 1 else "")
-             + f"; {tasks} task(s) of about {TASK_PEAK_BYTES / gb:,.2f} GB each{learn}; about "
-             f"{_seconds(estimate_seconds(cfg, corpora, tasks, cores))} here"]
-    twice = sum(lay.named_twice for _, lay in corpora)
-    if twice:
-        lines.append(f"data: data.paths names {twice:,} file(s) more than once (overlapping globs, a folder and a file "
-                     "in it, links): each is read once")
-    for i, (_, lay) in enumerate(corpora):
-        if lay.left_out:
-            share = lay.left_out / max(lay.total_bytes, 1)
-            where = f"of source {i} " if len(corpora) > 1 else ""
-            lines.append(f"{'warning: ' if share > LEFT_OUT_WARNING else ''}data.max_bytes={cfg.data.max_bytes} leaves "
-                         f"out {_size(lay.left_out)} {where}of the corpus's {_size(lay.total_bytes)} ({share:.0%}); "
-                         "data.max_bytes=0 reads all of it")
-    if skips(cfg.data):  # never silent: what the check before launch found is named, and the stage counts the rest
-        bad = BadRecords()
-        for sub, _ in corpora:
-            bad = bad.merge(bad_records_read(sub))
-        lines += plan_line(bad)
-    return lines
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e9:,.2f} GB" if n >= 1e9 else f"{n / 1e6:,.1f} MB" if n >= 1e6 else f"{n:,} bytes"
-
-
-def _seconds(s: float) -> str:
-    return f"{s:,.1f} s" if s < 120 else f"{s / 60:,.0f} min" if s < 7200 else f"{s / 3600:,.1f} h"

@@ -1,5 +1,5 @@
 """Chat keys whose value would do nothing on the records read before launch (each file's first records, as
-plugins/data/records.first_records_problem reads them): data.learn_reasoning=false where no assistant turn has
+plugins/data/first_records.first_records_problem reads them): data.learn_reasoning=false where no assistant turn has
 reasoning, and a data.tools_field that no record has while the records hold `tools` (every tool schema would be
 dropped without a word). A value that does nothing is a mistake about the data: it is refused, not ignored."""
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """A record as the tokenize stage reads it: its fields by their type (text, or lists of messages), a chat rendered
-with the chat template and the tokens the model learns in it, and the same reading of a file's first records before
-launch (first_records_problem), so that a format mistake is refused before any stage starts."""
+with the chat template and the tokens the model learns in it. The same reading of a file's first records before
+launch is plugins/data/first_records.py, so that a format mistake is refused before any stage starts."""
 from __future__ import annotations
 
-import itertools
 import re
 from typing import Iterator, Optional
 
@@ -16,7 +15,7 @@ from plugins.data.chat import (STANDARD_ROLES, NotExtending, completion_span, en
 from plugins.data.chat_turns import Example, examples
 from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
-from plugins.data.bad_records import Bad, BadRecords, skips
+from plugins.data.bad_records import Bad, skips
 from plugins.data.piece_records import BadRecord, documents, kind_of, preview, record_fields, records, text_value
 from plugins.data.preference import check_pair, pair_ids, split_prompt
 
@@ -378,95 +377,5 @@ def chat_spans(template: str, chat: Chat, masked: bool = True, stops: tuple[str,
                         f"fix: data.chat_template= a template for these messages") from None
 
 
-def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: int, widest: int) -> str:
-    """Why a record is longer than a row of `tokens` whatever its tokens ('' when it may fit): its text (a chat
-    rendered by its template) over the most bytes one token covers."""
-    if isinstance(texts, Unanswered) or (isinstance(texts, Chat) and not template):
-        return ""
-    size = len(chat_spans(template, texts, False, **variables)[0][0].encode()) if isinstance(texts, Chat) \
-        else sum(map(len, texts))
-    least = -(-size // widest)
-    if least <= tokens:
-        return ""
-    return (f"{texts.where}: a record of {size:,} bytes, {least:,} tokens at least, is longer than a row "
-            f"(train.seq_len+1={tokens:,}) and data.long_documents=refuse; fix: data.long_documents=split (pieces "
-            f"that overlap by one token), train.seq_len={least - 1} or more, or shorter records")
-
-
-CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them
-SCANNED_RECORDS = 4096  # of each file's first piece read before launch for their own faults: fields, types, pairs
-                        # (cheap); the first CHECKED_RECORDS of the good ones rendered and measured too
-
-
-def first_records_problem(d, piece, template: Optional[str], variables: dict, row: Optional[tuple[int, int]] = None,
-                          pairs: Optional[tuple] = None,
-                          bad: Optional[BadRecords] = None) -> tuple[Optional[tuple[str, str]], int, bool]:
-    """((key, why) or None, documents with something to learn, whether the piece was read to its end) of a file's
-    first piece, read as the tokenize stage reads it: its first SCANNED_RECORDS records' fields and types, and of
-    the first CHECKED_RECORDS good ones the messages, their roles, the template's rendering (_record_check). A bad
-    record (its own fault, plugins/data/bad_records.py) goes to `bad`, every one, to be listed together; a setting's
-    fault is the problem returned, as is a piece none of whose records has a token to learn."""
-    bad = BadRecords() if bad is None else bad
-    learned = seen = read = 0
-    try:
-        for _, texts, _ in itertools.islice(piece_documents(d, piece, keep_bad=True), SCANNED_RECORDS):
-            read += 1
-            if isinstance(texts, Bad):
-                bad.add(texts.fault)
-                continue
-            if seen >= CHECKED_RECORDS:
-                continue
-            seen += 1
-            try:
-                found, learns = _record_check(d, texts, template, variables, row, pairs)
-            except BadRecord as e:
-                bad.add(e)
-                continue
-            if found:
-                return found, learned, False
-            learned += learns
-    except ValueError as e:
-        return ("data.paths", str(e)), learned, False
-    except Exception as e:  # OSError, pyarrow's ArrowInvalid: a corrupt or truncated file
-        return ("data.paths", f"{piece.path}: cannot be read ({type(e).__name__}: {e})"), learned, False
-    finally:
-        bad.read += read
-    if seen and not learned and masks_loss_of(d):
-        return ("data.loss_on", f"{piece.path}: none of its first {seen} record(s) has a token to learn ("
-                                + ("no assistant message with text" if d.format == "chat" else "every completion "
-                                   "empty") + ")"), 0, False
-    return None, learned, seen < CHECKED_RECORDS and read < SCANNED_RECORDS
-
-
-def _record_check(d, texts, template: Optional[str], variables: dict, row: Optional[tuple[int, int]],
-                  pairs: Optional[tuple]) -> tuple[Optional[tuple[str, str]], bool]:
-    """(a setting's fault, (key, why), or None; whether the record has a token to learn) of one record read before
-    launch: longer than a row whatever the tokenizer makes of it (row: the tokens a row holds and the most bytes a
-    token covers, where a longer record is refused), no chat template for a conversation, a pair's completion past
-    the row (pairs: the tokenizer and a row's tokens, where pairs are tokenized now); BadRecord for its own fault
-    (roles, tool calls, reasoning, a rendering that fails)."""
-    if row and (why := _longer_than_a_row(texts, template, variables, *row)):
-        return ("data.long_documents", why), False
-    if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
-        raise BadRecord(why)
-    if isinstance(texts, Pair) and texts.conversational and not template:
-        return ("data.chat_template", f"{texts.where}: the pair is made of conversations, which are rendered with a "
-                                      "chat template, and there is none"), False
-    if isinstance(texts, Pair) and texts.conversational and (why := texts.render_problem(template)):
-        raise BadRecord(why)
-    if isinstance(texts, Pair) and pairs is not None:
-        try:  # (its rendering is checked above: what is left is the row)
-            texts.documents(*pairs)
-        except BadRecord:
-            raise
-        except InputFault as e:
-            return ("train.seq_len", str(e)), False
-    if not isinstance(texts, Chat):
-        return None, bool(texts and texts[-1])
-    if not template:
-        return ("data.chat_template", f"{texts.where}: the record is a conversation, which is rendered with a chat "
-                                      "template, and there is none"), False
-    if why := render_problem(texts, template):
-        raise BadRecord(why)
-    made = chat_spans(template, texts, masks_loss_of(d), (), **chat_options(d), **variables)
-    return None, any(b > a for example in made for a, b in example.spans)
+CHECKED_RECORDS = 32  # records of each file read before launch, as the tokenize stage reads them, rendered and
+#                      measured (plugins/data/first_records.py; no_effect.py reads as many)

@@ -16,21 +16,17 @@ import sysconfig
 from pathlib import Path
 
 import numpy as np
-from omegaconf import OmegaConf
 
-from plugins.data import tokenizer as tokenizers
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
 from plugins.data.megatron import is_indexed, prefix_of
-from plugins.data.packing import longest_record, packed_stream
+from plugins.data.packing import packed_stream
 from plugins.data.compressed import (PACKED, compression, decompress_errors, misnamed, open_decompressed, packed,
                                      suffix_of)
 from plugins.data.unpack_advice import archive_advice, is_tar, unpack_advice
 from plugins.data.piece_records import json_object, no_field, record_fields
 from plugins.data.reading import ARROW, JSON_LINES, RECORDS, arrow_fields, layout, stream_closed
-from plugins.data.no_effect import no_effect_problems
 from plugins.data.bad_records import BadRecords
-from plugins.data.bad_records import refusal as bad_records_refusal
-from plugins.data.records import first_records_problem
+from plugins.data.first_records import read_first_records
 from plugins.data.registry import Corpus, DataSource, register_source
 from storage import file_hashes
 from storage.fsio import digests, why_not_a_file
@@ -301,62 +297,12 @@ def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
     run of Arrow batches) read as the tokenize stage reads them: a mistake in their types, messages or template is
     refused now, naming the file and record, not after the stages before tokenize ran; every bad record among them
     in one refusal (plugins/data/bad_records.py)."""
-    return _read_first_records(files, cfg)[0]
+    return read_first_records(files, cfg, SNIFF_BYTES)[0]
 
 
 def bad_records_read(cfg) -> BadRecords:
     """The bad records among those the check before launch reads (for the plan, under data.bad_records=skip)."""
-    return _read_first_records(_text_files(cfg.data), cfg)[1]
-
-
-def _read_first_records(files: list[tuple[str, Path]], cfg) -> tuple[list[tuple], BadRecords]:
-    d, bad = cfg.data, BadRecords()
-    chosen = [(name, path) for name, path in files if suffix_of(path) in RECORDS]
-    if not chosen:
-        return [], bad
-    try:
-        template = tokenizers.chat_template(d)
-        variables = tokenizers.template_variables(d)
-    except (OSError, ValueError, KeyError):  # said by the data rules (data.chat_template[_name], data.tokenizer)
-        return [], bad
-    if template is None and d.format == "chat":
-        return [], bad  # said by the data rules (a chat needs a template)
-    longest = longest_record(cfg)
-    widest = tokenizers.widest_token(d) if longest else None
-    row = (longest, widest) if widest else None
-    # preference pairs tokenized as the tokenize stage will (a BPE is learned there: not before): a completion that
-    # starts past a row is refused now
-    pairs = None
-    if d.format == "preference" and (d.tokenizer == "bytes" or tokenizers.hf_folder(d.tokenizer) is not None):
-        try:
-            pairs = tokenizers.make(d), cfg.train.seq_len + 1
-        except (OSError, ValueError):  # said by the data rules (data.tokenizer)
-            pass
-    documents, whole, firsts = 0, True, []
-    for name, path in chosen:
-        lay = layout([(name, path)], SNIFF_BYTES, d.val_fraction)
-        firsts += lay.pieces[:1]
-        found, learned, complete = first_records_problem(d, lay.pieces[0], template, variables, row, pairs, bad) \
-            if lay.pieces else (None, 0, True)
-        if found:
-            key, why = found
-            rule, _, fix = why.partition("; fix: ")
-            setting = (key, OmegaConf.select(cfg, key) if key != "data.paths" else list(d.paths), rule,
-                       fix or ("repair the record, or remove the file from data.paths" if key == "data.paths" else
-                               "data.chat_template= a template for these records" if key == "data.chat_template" else
-                               "records with something to learn, or data.loss_on=all"))
-            return [setting, *bad_records_refusal(bad, d)], bad
-        documents += learned
-        whole = whole and complete and not lay.left_out and len(lay.pieces) <= 1
-    if refused := bad_records_refusal(bad, d):
-        return refused, bad
-    if idle := no_effect_problems(d, firsts):
-        return idle, bad
-    if whole and documents < 2 and all(suffix_of(path) in RECORDS for _, path in files):
-        return [("data.paths", list(d.paths), f"the records hold {documents} document(s) with something to learn in "
-                 "all: one is held out for evaluation (data.val_fraction) and one at least is trained on",
-                 "more records (two at least)")], bad
-    return [], bad
+    return read_first_records(_text_files(cfg.data), cfg, SNIFF_BYTES)[1]
 
 
 def _not_text(path: Path) -> str:
