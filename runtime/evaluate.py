@@ -16,16 +16,16 @@ def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]]
     what it counts, a preference objective's pairs), computed in the layout (every rank calls it: the sums are
     reduced over ranks). The aggregate's check of a model too big to hold is eval_loss_by_piece. stop: asked before
     each batch (by every rank, a collective when several run); when it says why, the evaluation is abandoned and
-    None returned, so that a signal is acted on within a batch, not after the whole evaluation. measures: filled with the objective's own means
-    (held-out rewards and accuracies), where it has them."""
+    None returned, so that a signal is acted on within a batch, not after the whole evaluation. measures: filled
+    with the objective's own means (held-out rewards and accuracies), where it has them."""
     layout.train(False)
     total, count = torch.zeros((), dtype=torch.float64), 0
+    objective = layout.runner.objective
     try:
         for i in range(batcher.eval_batches(n_batches)):
             if stop():
                 return None
             batch = batcher.eval_batch(i)
-            objective = layout.runner.objective
             count += objective.count(batch) if objective is not None else batch.n_labels  # (first: it may keep totals)
             total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels),
                                             layout.local_batch(batch.documents),

@@ -128,19 +128,19 @@ class Batcher:
         """Pairs first, first+1, ... of a split (the first ones again past its last, to fill the batch), as a drawn
         batch holds them: a reference pass over every pair (stages/reference.py)."""
         pairs = (first + np.arange(self.batch_size // 2)) % self.pair_count(split)
-        return self._draw(split, (self.seed, 2, first), pairs=pairs)
+        return self._draw(split, (self.seed, 2, first), picks=pairs)
 
     def pair_count(self, split: str) -> int:
         return len(getattr(self.corpus, split)) // 2
 
-    def _draw(self, split: str, key: tuple[int, ...], index: int = 0, pairs: Optional[np.ndarray] = None,
+    def _draw(self, split: str, key: tuple[int, ...], index: int = 0, picks: Optional[np.ndarray] = None,
               with_inputs: bool = True) -> Batch:
         rng = np.random.default_rng(key)
         sources = rng.choice(len(self.weights), size=self.batch_size, p=self.weights) if self.weights is not None \
             else None
-        if pairs is None:
-            pairs = self._picks(split, index, sources)
-        batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng, pairs)
+        if picks is None:  # each unit's example (a row's, or a pair's): batch `index`'s
+            picks = self._picks(split, index, sources)
+        batch = self._batch(sources if sources is not None else [0] * self.batch_size, split, rng, picks)
         batch.sources = sources
         if self.ranks > 1:
             order = (deal_pairs if self.pairs else deal)(batch.real, self.ranks)
@@ -175,9 +175,9 @@ class Batcher:
             return epoch_order(rows, n, self.seed)
         return np.where(rows < n, permuted(np.minimum(rows, n - 1), n, self.seed, 0, stream=1), -1)
 
-    def _batch(self, sources, split: str, rng: np.random.Generator, pairs: Optional[np.ndarray] = None) -> Batch:
-        """Rows drawn from each row's corpus's split: a window of a document (a packed stream is one), padded when
-        short, or a row of whole documents. A label enters the loss where its token is real, in a masked corpus
+    def _batch(self, sources, split: str, rng: np.random.Generator, picks: np.ndarray) -> Batch:
+        """Rows drawn from each row's corpus's split, each unit's example its pick (-1: an empty row): a window of a
+        document (a packed stream's pick-th window), padded when short, or a row of whole documents. A label enters the loss where its token is real, in a masked corpus
         trained (the completion), and in a row of documents of the same document as its input."""
         T = self.seq_len
         rows = np.full((self.batch_size, T + 1), self.pad, dtype=np.int64)
@@ -189,7 +189,7 @@ class Batcher:
         examples = 0
         for r, s in enumerate(sources):
             pool, masks = getattr(corpora[s], split), getattr(corpora[s], f"{split}_mask")
-            pick = int(pairs[r // 2] if self.pairs else pairs[r])
+            pick = int(picks[r // 2] if self.pairs else picks[r])
             if pick < 0:  # past the held-out split's last example: an empty row
                 drawn[r] = -1
                 continue
