@@ -24,7 +24,7 @@ from benchmarks.support.cli import arguments  # noqa: E402
 from orchestrator.config.compose import compose_config  # noqa: E402
 from plugins.data import build_batcher, shards  # noqa: E402
 from plugins.data.corpus import TOKENS_DIR, tokenize_into  # noqa: E402
-from plugins.data.megatron import write_index  # noqa: E402
+from plugins.data.indexed_dataset import write_index  # noqa: E402
 
 WORDS = "the of and to in is was for on that with as by at from his her an it were which are this be".split()
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from plugins.data.megatron import write_index
+from plugins.data.indexed_dataset import write_index
 from tests.user_task_files import user_tasks
 
 # (overrides, the key named, words of the rule or fix); {tmp} is a folder holding the files made by `corpus` below

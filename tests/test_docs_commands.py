@@ -18,7 +18,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 
 from orchestrator.config.command import check_experiment
 from orchestrator.config.errors import ConfigError
-from plugins.data.megatron import write_index
+from plugins.data.indexed_dataset import write_index
 from tests.conftest import ROOT, make_cfg
 
 # lines whose placeholder needs a run of the reader's own (a checkpoint's key), or that are not the orchestrator's

@@ -99,7 +99,7 @@ def test_the_tokenize_stages_parts_are_megatron_datasets_megatron_core_reads(tmp
     corpus's last document moved to the held-out split."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from plugins.data.megatron import write_index
+    from plugins.data.indexed_dataset import write_index
 
     docs = [np.arange(n, dtype=np.int32) + n for n in (3, 1, 7, 2)]  # write_index alone, as a writer of corpora
     (tmp_path / "ours.bin").write_bytes(np.concatenate(docs).tobytes())
@@ -196,7 +196,7 @@ def test_a_corpus_needs_the_tokenizer_it_was_made_with(corpora, tmp_path):
 def test_a_fuzzed_index_is_read_whole_or_refused_naming_its_file(corpora, tmp_path):
     """Bytes of the .idx flipped or cut off at random (200 cases): read_index refuses naming the file, or what it
     reads is whole (documents in order, inside the .bin); never another exception, never a slice past the .bin."""
-    from plugins.data.megatron import MegatronError, read_index, tokens_of
+    from plugins.data.indexed_dataset import MegatronError, read_index, tokens_of
 
     source = Path(f"{corpora['prefixes'][0]}.idx").read_bytes()
     shutil.copy(f"{corpora['prefixes'][0]}.bin", tmp_path / "fuzzed.bin")
@@ -227,7 +227,8 @@ def test_empty_documents_are_skipped_and_counted_in_the_plan_and_ids_are_read_on
     file's stamp: a second plan reads no token."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from plugins.data import get_source, megatron_checks
+    from plugins.data import get_source
+    from plugins.data.sources import megatron_checks
     from storage import file_hashes
 
     docs = _documents(2, 30)

@@ -1,4 +1,4 @@
-"""Fuzz Megatron corpora, as plugins/data/megatron.write_index writes them: ids below 0 or past the vocabulary,
+"""Fuzz Megatron corpora, as plugins/data/indexed_dataset.write_index writes them: ids below 0 or past the vocabulary,
 empty documents, splits shorter than a row, signed and unsigned dtypes, read as a stream or as documents. Each is
 refused before launch (the data rules) or read document for document. As tests/test_data_fuzz.py: Hypothesis draws
 the cases, CI runs a fixed, derandomized set of EXAMPLES, `FUZZ=all` ten times as many."""
@@ -68,11 +68,11 @@ def megatron_expected(documents: list[list[int]], packing: bool) -> tuple | None
 @given(case=megatron_cases())
 def test_every_megatron_corpus_trains_its_documents_or_is_refused_before_launch(megatron_configs, case):
     """Ids below 0 or past the vocabulary, empty documents and splits shorter than a row, from files
-    plugins/data/megatron.write_index indexes: refused before launch (the data rules), else the splits training
+    plugins/data/indexed_dataset.write_index indexes: refused before launch (the data rules), else the splits training
     reads are the documents with ids, in order (a stream of them where packed)."""
     import numpy as np
 
-    from plugins.data.megatron import write_index
+    from plugins.data.indexed_dataset import write_index
 
     documents, dtype, packing = case
     folder, configs = megatron_configs

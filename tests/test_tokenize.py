@@ -111,7 +111,7 @@ def test_a_moved_corpus_keeps_its_split_and_its_cache_key(tmp_path, corpus):
     """Files are split (and fingerprinted) by their names inside the folder given, not by where it lives."""
     import shutil
 
-    from plugins.data.sources import _fingerprint_text
+    from plugins.data.sources.files import _fingerprint_text
 
     moved = tmp_path / "elsewhere" / "corpus"
     shutil.copytree(corpus, moved)

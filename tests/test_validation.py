@@ -58,7 +58,7 @@ def _megatron_corpus(tmp_path) -> list[str]:
     import numpy as np
     from tokenizers import Tokenizer, models
 
-    from plugins.data.megatron import write_index
+    from plugins.data.indexed_dataset import write_index
 
     docs = [np.arange(1, 40 + i, dtype=np.uint16) for i in range(30)]
     (tmp_path / "corpus_text_document.bin").write_bytes(np.concatenate(docs).tobytes())

@@ -1,9 +1,9 @@
-"""Data: the source registry (registry.py), the built-in sources (sources.py) and the batcher (batcher.py)."""
+"""Data: the source registry (registry.py), the built-in sources (sources/, one module each) and the batcher
+(batcher.py)."""
 from plugins.data.batcher import Batch, Batcher, build_batcher, data_fingerprint
 from plugins.data.registry import Corpus, DataSource, get_source, register_source
 from plugins.data.tokenizer import EOS, PAD
 from plugins.data import sources as _sources  # noqa: F401  (registers the built-in sources)
-from plugins.data import megatron_source as _megatron  # noqa: F401  (registers data=megatron)
 
 __all__ = ["Batch", "Batcher", "build_batcher", "data_fingerprint", "Corpus", "DataSource",
            "EOS", "PAD", "get_source", "register_source"]

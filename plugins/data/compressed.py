@@ -187,7 +187,7 @@ def packed_size(path: str, size: int, mtime_ns: int) -> int:
             if out < SIZE_SAMPLE or not f.read(1):
                 return out
             return round(out * size / max(counted.count, 1))
-    except decompress_errors():  # said by the checks (`_field_missing` reads its head), or by the tokenize stage
+    except decompress_errors():  # said by the checks (`field_missing` reads its head), or by the tokenize stage
         return size
 
 

@@ -1,8 +1,10 @@
 """The data-source registry: a source yields documents (named bytes), which the tokenizer (plugins/data/tokenizer)
 turns into a Corpus, the token streams of a train and a held-out split; or, like `synthetic`, tokens directly.
 
-Source files import this module and register themselves; `plugins.data` imports the built-in ones. Third-party
-packages add theirs through the `orchestrator.data` entry-point group.
+Source files import this module and register themselves (plugins/data/sources/, one module each); `plugins.data`
+imports the built-in ones. Third-party packages add theirs through the `orchestrator.data` entry-point group. A
+source declares what the generic rules and the plan ask of it (the record formats it carries, whether records'
+fields pick its documents, the memory its tokens take): nothing outside a source tests its name.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ class Corpus:
     val_mask: Optional[list] = None     # out); None: every token's does
 
 
+def _nothing_drawn(data_cfg) -> int:
+    return 0
+
+
 @dataclass(frozen=True)
 class DataSource:
     fingerprint: Callable[[object], str]
@@ -46,11 +52,24 @@ class DataSource:
     pieces (plugins/data/reading.py), by as many tokenize tasks as data.tasks says."""
     indexed: Optional[Callable[[object, object], dict]] = None
     """(the whole cfg, its tokenizer) -> what the tokenize stage's index.json holds, for sources that are token
-    shards already, read where they are (plugins/data/megatron.py: the "megatron" entry shards.read reads)."""
+    shards already, read where they are (plugins/data/sources/megatron.py: the "megatron" entry shards.read reads)."""
     describe: Optional[Callable[[object], list[str]]] = None
     """the whole cfg -> the plan's lines on what the source reads, where it is not files to tokenize."""
     first_ids: Optional[Callable[[object, int], list[tuple[str, np.ndarray]]]] = None
     """(cfg.data, n) -> its first n documents as token ids, each with where it is (data.preview of token shards)."""
+    formats: Optional[tuple[str, ...]] = ("text",)
+    """the record formats (data.format) it carries: text documents alone, by default; None, every one (a source of
+    records files, whose fields hold any format's parts: the files source)."""
+    fields: bool = False
+    """whether its documents are fields of records, picked by data.text_field (and the format's other *_field
+    keys); a source without fields would ignore them."""
+    drawn_bytes: Callable[[object], int] = _nothing_drawn
+    """cfg.data -> the bytes its tokens take in memory while they are drawn (synthetic: 16 a token), which the plan
+    holds against what a stage may use; 0 where they are read from files."""
+
+    def carries(self, fmt: str) -> bool:
+        """Whether records of data.format=fmt can come from this source."""
+        return self.formats is None or fmt in self.formats
 
 
 SOURCES: Registry[DataSource] = Registry("data.name", "orchestrator.data")

@@ -25,11 +25,11 @@ def check(cfg) -> list[Problem]:
                         "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
     source = get_source(d.name)
     problems = _tokenizer_problems(cfg, source)
-    if d.format != "text" and d.name != "text":
+    if not source.carries(d.format):
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text; data={d.name} has none",
                                    "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
-    if d.format == "prompt_completion" and d.prompt_field == d.completion_field:
+    if d.format in ("prompt_completion", "unpaired") and d.prompt_field == d.completion_field:
         problems.append(Problem("data.prompt_field", d.prompt_field, f"the prompt and the completion would both be "
                                 f"read from the field {d.prompt_field!r} (data.completion_field): every record would "
                                 "learn its own prompt again", "data.prompt_field= the field that holds the prompt "
@@ -46,7 +46,7 @@ def check(cfg) -> list[Problem]:
         problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]
     if not problems:
         problems += _long_text_problems(cfg)
-    if d.text_field != "text" and d.name != "text":
+    if d.text_field != "text" and not source.fields:
         problems.append(Problem("data.text_field", d.text_field, f"data.text_field names the field of JSON Lines or "
                                 f"Parquet records, which data=text reads; data={d.name} has no fields and would "
                                 "ignore it", "data=text with data.paths, or leave data.text_field unset"))

@@ -3,10 +3,10 @@ index names the parts, which are read back by memory map as one corpus (no copy,
 
   part-00000/train.bin  val.bin   the documents' tokens, each document ending in <eos>, back to back (uint16 when
                                   the vocabulary fits, else uint32; raw, no header: what memory-map readers expect)
-  part-00000/train.idx  val.idx   Megatron's index (plugins/data/megatron.py): each document that ends in this part
-                                  one sequence, from where the one before ends (a document may begin in the part
-                                  before: a big text file read by two tasks); so each part's split is a Megatron
-                                  indexed dataset megatron-core reads (prefix part-00000/train), masks aside
+  part-00000/train.idx  val.idx   Megatron's index (plugins/data/indexed_dataset.py): each document that ends in
+                                  this part one sequence, from where the one before ends (a document may begin in
+                                  the part before: a big text file read by two tasks); so each part's split is a
+                                  Megatron indexed dataset megatron-core reads (prefix part-00000/train), masks aside
   part-00000/train.mask val.mask  uint8, one per token: 1 where its label enters the loss (written only when the
                                   records say which tokens the model learns, data.format=prompt_completion or
                                   chat)
@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from plugins.data import bad_records
-from plugins.data.megatron import read_corpus, read_index, write_index_of_ends
+from plugins.data.indexed_dataset import read_corpus, read_index, write_index_of_ends
 from plugins.data.registry import Corpus
 from storage.fsio import atomic_write_json, read_json
 
@@ -209,7 +209,7 @@ class Documents:
 
 
 def _megatron_corpus(index: dict, packed: bool) -> Corpus:
-    """The corpus of Megatron indexed datasets (plugins/data/megatron.py's index entries), one after another."""
+    """The corpus of Megatron indexed datasets (plugins/data/indexed_dataset.py's index entries), one after another."""
     read = [read_corpus(entry, packed) for entry in index["megatron"]]
     splits = {}
     for split in SPLITS:

@@ -9,7 +9,7 @@ from plugins.data.bad_records import BadRecords, plan_line, skips
 from plugins.data.corpus import corpus_layouts
 from plugins.data.reading import Layout
 from plugins.data.registry import get_source
-from plugins.data.sources import bad_records_read
+from plugins.data.sources.files import bad_records_read
 
 
 def default_tasks(cfg, corpora: list[tuple[object, Optional[Layout]]], cores: int) -> int:

@@ -10,11 +10,11 @@ in one dtype, and `prefix.idx`:
   int64[D+1] the first sequence of each document, then S (a document is a run of sequences; one, unless the corpus
   was split into sentences)   (int8[S] sequence modes, multimodal corpora only: not read)
 
-This module reads and writes those files; the source is plugins/data/megatron_source.py, its checks before launch
-plugins/data/megatron_checks.py. Only the .idx is read, and the .bin's ids once (its smallest and largest, remembered
-by the file's stamp); each prefix's last data.val_fraction of documents is held out, as Megatron's split takes the
-last documents for validation, and an empty document (no token) is skipped. The tokenizer is the one the corpus
-was made with: data.tokenizer=hf:<folder> (or train.init_from's, data.tokenizer=auto).
+This module reads and writes those files; the source is plugins/data/sources/megatron.py, its checks before launch
+plugins/data/sources/megatron_checks.py. Only the .idx is read, and the .bin's ids once (its smallest and largest,
+remembered by the file's stamp); each prefix's last data.val_fraction of documents is held out, as Megatron's split
+takes the last documents for validation, and an empty document (no token) is skipped. The tokenizer is the one the
+corpus was made with: data.tokenizer=hf:<folder> (or train.init_from's, data.tokenizer=auto).
 """
 from __future__ import annotations
 

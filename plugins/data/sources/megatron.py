@@ -1,7 +1,8 @@
-"""data=megatron, the registered source: corpora Megatron-LM / NeMo tokenized (plugins/data/megatron.py reads their
-files), read where they are. The checks before launch are plugins/data/megatron_checks.py's; the tokenize stage
-writes an index that points at the .bin files (shards.read reads its "megatron" entries); the plan says what is
-read, and how many documents are empty (skipped: no row of padding alone)."""
+"""data=megatron, the registered source: corpora Megatron-LM / NeMo tokenized (plugins/data/indexed_dataset.py reads
+their files), read where they are. The checks before launch are megatron_checks.py's (beside this file); the
+tokenize stage writes an index that points at the .bin files (shards.read reads its "megatron" entries); the plan
+says what is read, and how many documents are empty (skipped: no row of padding alone). The source carries text
+documents only (data.format=text), and no records' fields."""
 from __future__ import annotations
 
 import hashlib
@@ -10,8 +11,9 @@ import numpy as np
 
 from common.problem import InputFault
 from plugins.data import tokenizer as tokenizers
-from plugins.data.megatron import (INDEX_CHUNK, Indexed, files_of, held_out, prefix_of, read_index, tokens_of)
-from plugins.data.megatron_checks import check, id_problems
+from plugins.data.indexed_dataset import (INDEX_CHUNK, Indexed, files_of, held_out, prefix_of, read_index,
+                                          tokens_of)
+from plugins.data.sources.megatron_checks import check, id_problems
 from plugins.data.registry import DataSource, register_source
 
 SAMPLED = 100     # documents whose last token the plan reads (does the corpus end its documents in <eos>?)

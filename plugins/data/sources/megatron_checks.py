@@ -1,16 +1,16 @@
-"""data=megatron's checks before launch, as far as the index allows and the tokens once (plugins/data/megatron.py):
-prefixes that are whole corpora (a folder is listed, not read), ids inside the tokenizer's vocabulary and none
-below 0, and each split of each source holding a row (train.seq_len+1 tokens where rows are windows of a stream, a
-document with tokens where rows hold documents). Problems are (key, value, rule, fix); a data.mix source's are
-renamed to its own key by the data rules."""
+"""data=megatron's checks before launch, as far as the index allows and the tokens once (plugins/data/indexed_dataset.py
+reads them): prefixes that are whole corpora (a folder is listed, not read), ids inside the tokenizer's vocabulary
+and none below 0, and each split of each source holding a row (train.seq_len+1 tokens where rows are windows of a
+stream, a document with tokens where rows hold documents). Problems are (key, value, rule, fix); a data.mix
+source's are renamed to its own key by the data rules."""
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Callable, Optional
 
 from plugins.data import tokenizer as tokenizers
-from plugins.data.megatron import (Indexed, MegatronError, document_of, first_below, held_out, id_range, is_indexed,
-                                   prefix_of, read_index)
+from plugins.data.indexed_dataset import (Indexed, MegatronError, document_of, first_below, held_out, id_range,
+                                          is_indexed, prefix_of, read_index)
 from plugins.data.packing import packed_stream, whole_documents
 from storage import file_hashes
 
