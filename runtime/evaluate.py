@@ -26,7 +26,8 @@ def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]]
             if stop():
                 return None
             batch = batcher.eval_batch(i)
-            count += objective.count(batch) if objective is not None else batch.n_labels  # (first: it may keep totals)
+            count += objective.count(batch, policy_scores(layout)) if objective is not None else batch.n_labels
+            #        (first: it may keep totals, or score rows besides the batch's)
             total += layout.runner.eval_sum(layout.local_batch(batch.inputs), layout.local_batch(batch.labels),
                                             layout.local_batch(batch.documents),
                                             layout.local_batch(batch.row_inputs)).cpu()
@@ -125,20 +126,46 @@ def _chunks(batches: list, tokens: int) -> list[list]:
     return chunks
 
 
+class RowRecorder:
+    """An objective that records rows instead of a loss: no loss (zero), each row's summed log-probability and its
+    learned tokens kept, in the order the runner computes its microbatches (the reference pass, stages/reference.py;
+    the train step's online reference; rows an objective scores besides its batch; the held-out next-token pass of
+    a rows objective). A pipeline's first-step shape inference does not happen in a forward-only pass."""
+
+    names = ()
+
+    def __init__(self):
+        self.rows: list = []
+
+    def __call__(self, rows: torch.Tensor, row_inputs=None) -> torch.Tensor:
+        self.rows.append(rows.detach().double().cpu())
+        return rows[:, 0].sum() * 0
+
+    def keep_last(self, calls: int) -> None:
+        del self.rows[:-calls]
+
+    def take(self) -> torch.Tensor:
+        """(rows, 2): the rows' log-probabilities and learned tokens since the last take (none where this rank holds
+        no head)."""
+        rows, self.rows = self.rows, []
+        return torch.cat(rows) if rows else torch.zeros((0, 2), dtype=torch.float64)
+
+
 @torch.no_grad()
 def row_sums(layout, batch, width_multiple: int = 0) -> torch.Tensor:
     """(rows, 2) float64, the same on every rank: each row's summed log-probability of its learned tokens under the
     layout's model, and their count: a forward of the rank's rows through its runner, whose objective keeps them
-    (plugins/objectives/reference.ReferenceRows: the reference model's log-probabilities of each row); the ranks
+    (RowRecorder: the reference model's log-probabilities of each row); the ranks
     that hold a head and count the loss (one a data-parallel replica) place theirs at their replica's rows, and a sum
     over ranks gathers them. width_multiple (the step's repack_to; 0: rows keep their shape): the rank's rows cut
     after their longest real run, as the train step cuts them (Layout.rank_inputs)."""
     inputs, labels, _, _ = layout.rank_inputs(batch, width_multiple, rows_kept=True)
+    training = any(part.training for part in layout.parts)
     layout.train(False)
     try:
         layout.runner.eval_sum(inputs, labels)
     finally:
-        layout.train(True)
+        layout.train(training)
     mine = layout.runner.objective.take()
     gathered = torch.zeros((batch.inputs.shape[0], 2), dtype=torch.float64)
     if layout.loss_rank and len(mine):
@@ -150,6 +177,16 @@ def row_sums(layout, batch, width_multiple: int = 0) -> torch.Tensor:
 def row_logps(layout, batch, width_multiple: int = 0) -> torch.Tensor:
     """(rows,) float64: each row's summed log-probability (row_sums')."""
     return row_sums(layout, batch, width_multiple)[:, 0]
+
+
+def policy_scores(layout, width_multiple: int = 0) -> Callable:
+    """rows (a Batch) -> (rows,) float64, each row's summed log-probability under the layout's own weights, no
+    gradient, the same on every rank (an objective's count scoring rows besides its batch: KTO's mismatched rows;
+    computed without dropout)."""
+    def score(rows) -> torch.Tensor:
+        with objective_set(layout, RowRecorder()):
+            return row_logps(layout, rows, width_multiple)
+    return score
 
 
 @contextlib.contextmanager

@@ -130,9 +130,12 @@ def step_line(row: dict, steps: int) -> str:
 
 
 def eval_name(row: dict) -> str:
-    """What a row's eval_loss is: the held-out pairs' loss for a preference objective (rows with rewards), which the
-    aggregate's next-token eval loss must not be mistaken for; else the next-token loss itself."""
-    return "eval pair loss" if _pairs(row) else "eval loss"
+    """What a row's eval_loss is: the held-out loss of a preference objective (rows with rewards: a pair objective's,
+    which logs accuracies, or an unpaired one's: KTO's), which the aggregate's next-token eval loss must not be
+    mistaken for; else the next-token loss itself."""
+    if not _pairs(row):
+        return "eval loss"
+    return "eval pair loss" if any(k.endswith("rewards/accuracies") for k in row) else "eval objective loss"
 
 
 def _pairs(row: dict) -> bool:

@@ -8,6 +8,7 @@ from typing import Optional
 
 import torch
 
+from runtime.evaluate import policy_scores
 from runtime.optim import set_lr
 from runtime.precision import LossScaler
 
@@ -64,7 +65,8 @@ def train_step(layout, optimizers, batch, step: int, lr: float, s: StepSettings,
     # the loss is a mean over the whole batch's labels (an objective of rows: over what it counts, a preference
     # objective's pairs), however it is split
     objective = layout.runner.objective
-    n_labels = objective.count(batch) if objective is not None else max(batch.n_labels, 1)
+    n_labels = objective.count(batch, policy_scores(layout, s.repack_to)) if objective is not None else \
+        max(batch.n_labels, 1)
     probe.start_step()
     loss_scale = scaler.scale
     inputs, labels, documents, counts = layout.rank_inputs(batch, s.repack_to, s.microbatches,

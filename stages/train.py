@@ -24,6 +24,7 @@ from plugins.models import get_model
 from plugins.models.lora import adapters_off, is_adapter
 from plugins.models.registry import vocab_rows
 from plugins.objectives import loss_of, objective_of
+from plugins.objectives.providers import row_inputs_of
 from plugins.objectives.reference import ReferenceRows, cached, needs_reference, reference_values
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
@@ -59,7 +60,8 @@ def train(ctx: StageContext) -> None:
         engine.report(ctx, spec, layout.engine_fallbacks, prepared)
     optimizers = [build_optimizer(cfg.optimizer, part, device) for part in layout.parts]
     scaler = build_scaler(cfg)
-    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens", _reference(ctx, layout, device))  # row inputs
+    batcher = build_batcher(cfg, ctx.inputs["tokenize"] / "tokens",
+                            row_inputs_of(objective_of(cfg).row_inputs, _reference(ctx, layout, device)))
     if ctx.is_rank0:  # said by the plan too where the tokenize stage ran before it
         for line in passes_line(cfg, ctx.inputs["tokenize"] / "tokens"):
             ctx.log.info("%s", line)

@@ -96,36 +96,53 @@ def one_process(cfg, batch, loss_of, row_inputs) -> tuple[float, dict[str, torch
     model = spec.build(cfg.model)
     spec.init_weights(model, cfg.model, cfg.train.seed)
     model.loss_chunk, model.per_row = cfg.train.loss_chunk, True
-    count = loss_of.count(batch)
+    with torch.no_grad():
+        count = loss_of.count(batch, lambda rows: model(rows.inputs, labels=rows.labels)[:, 0].double())
     loss = loss_of(model(batch.inputs, labels=batch.labels), row_inputs) / count
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}, loss_of.take()
 
 
+def row_inputs_for(spec, rows: int, seed: int):
+    """Seeded per-row inputs of each provider the objective names: a reference log-probability, a label (a third
+    of the rows desirable)."""
+    from plugins.objectives.providers import LABEL
+    from plugins.objectives.reference import REFERENCE
+
+    made = {REFERENCE: -torch.rand(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 100,
+            LABEL: (torch.arange(rows) % 3 == 0).double()}
+    columns = [made[name] for name in spec.row_inputs]
+    return None if not columns else columns[0] if len(columns) == 1 else torch.stack(columns, 1)
+
+
 def compare_objectives(overrides: list[str]) -> list[dict]:
     """Each registered objective of rows (DPO with a seeded reference log-probability per row; SimPO, ORPO with
-    none) in one layout built once, its runner's loss swapped: one step's loss, measures and every gradient against
-    one process, then the held-out loss."""
+    none; KTO with a label too, and the batch's rows shifted by one as its mismatched rows, scored by the policy in
+    the layout) in one layout built once, its runner's loss swapped: one step's loss, measures and every gradient
+    against one process, then the held-out loss."""
+    import numpy as np
+
     from plugins.data.batcher import Batch
-    from plugins.objectives.reference import REFERENCE
-    from runtime.evaluate import objective_set
+    from runtime.evaluate import objective_set, policy_scores
 
     cfg = make_cfg(*overrides)
     spec = get_model(cfg.model.name)
     plan = build_plan(cfg.model, cfg.parallel)
     inputs, labels, _ = masked(build_batcher(cfg).train_batch(0))
-    batch = Batch(inputs, labels, 1.0, 1.0)
-    reference = -torch.rand(len(inputs), generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 100
     found = objectives(cfg)
     layout = build_layout(cfg, plan, spec, torch.device("cpu"), objective=found[0][2])
     results = []
     for name, objective_spec, loss_of in found:
-        row_inputs = reference if REFERENCE in objective_spec.row_inputs else None
+        row_inputs = row_inputs_for(objective_spec, len(inputs), 1)
+        drawn = np.arange(len(inputs))
+        batch = Batch(inputs, labels, 1.0, 1.0, drawn=drawn, row_inputs=row_inputs, mismatched=Batch(
+            inputs.roll(1, 0), labels.roll(1, 0), 1.0, 1.0, drawn=drawn,
+            row_inputs=row_inputs_for(objective_spec, len(inputs), 2)) if objective_spec.mismatched else None)
         want_loss, want, want_sums = one_process(cfg, batch, fresh(name, objective_spec), row_inputs)
         for _, p in layout.params:
             p.grad = None
         with objective_set(layout, loss_of):
-            pairs = loss_of.count(batch)
+            pairs = loss_of.count(batch, policy_scores(layout))
             loss = layout.runner.train_step(layout.local_batch(inputs), layout.local_batch(labels), pairs,
                                             row_inputs=layout.local_batch(row_inputs))
             layout.sync_and_clip(float("inf"))

@@ -153,7 +153,7 @@ def test_every_pair_form_tokenizes_as_trl_tokenizes_it(trained):
     from omegaconf import OmegaConf
     from trl import maybe_extract_prompt
 
-    from plugins.data.records import Pair
+    from plugins.data.prompted_records import Pair
 
     trainer, _, _, folder = trained
     tok = tokenizers.load_hf(folder)

@@ -127,6 +127,7 @@ def test_an_empty_pair_counts_for_nothing_in_every_pair_objective():
     from plugins.data.batcher import Batch
     from plugins.objectives import get_objective, objective_names
     from plugins.objectives.reference import REFERENCE
+    from plugins.objectives.spec import PAIR
 
     rows = torch.tensor([[-5.0, 3], [-9, 4], [-4, 2], [-7, 3]])
     with_empty = torch.cat([rows, torch.zeros(2, 2)]).requires_grad_()
@@ -134,7 +135,7 @@ def test_an_empty_pair_counts_for_nothing_in_every_pair_objective():
     labels = torch.tensor([[1, 2, 3, IGNORED]] * 4 + [[IGNORED] * 4] * 2)
     for name in objective_names():
         spec = get_objective(name)
-        if spec.loss is None:
+        if spec.rows != PAIR:
             continue
         loss = spec.loss(OmegaConf.merge(OmegaConf.structured(spec.config), SETTINGS.get(name, {})))
         inputs = reference if REFERENCE in spec.row_inputs else None

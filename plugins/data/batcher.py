@@ -39,6 +39,10 @@ class Batch:
     #                                            provider's: the reference model's log-probability of the row)
     examples: Optional[int] = None         # the examples it holds (rows, or pairs), fewer than its rows where a
     #                                        held-out pass ran past the split's last (empty rows); None: every row's
+    marks: Optional[np.ndarray] = None     # (B,) each row's mark, its tokens' largest mask value (an unpaired
+    #                                        record's label: 1 desirable, 2 undesirable; 0: an empty row)
+    mismatched: Optional["Batch"] = None   # each example's prompt with the previous example's completion (KTO's
+    #                                        KL rows: scored, not learned), in the order drawn
 
     def example_count(self, per: int) -> int:
         """Its examples, each `per` rows (a preference pair: 2)."""
@@ -63,10 +67,12 @@ class Batcher:
 
     def __init__(self, corpus, batch_size: int, seq_len: int, seed: int, weights: Optional[list[float]] = None,
                  whole_documents: Optional[str] = None, ranks: int = 1, balance_ranks: bool = False,
-                 pairs: bool = False, row_inputs=None):
+                 pairs: bool = False, row_inputs=None, mismatched: bool = False):
         if pairs and (batch_size % 2 or weights is not None or whole_documents):
             raise ValueError("preference pairs take an even batch of rows, one corpus and rows of one document each")
-        self.pairs, self.row_inputs = pairs, row_inputs
+        if mismatched and (pairs or weights is not None or whole_documents):
+            raise ValueError("mismatched rows pair one corpus's records of one document a row")
+        self.pairs, self.row_inputs, self.mismatched = pairs, row_inputs, mismatched
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
         self.ranks = ranks if balance_ranks and batch_size % ranks == 0 else 1
         mixture = isinstance(corpus, list)
@@ -148,8 +154,11 @@ class Batcher:
             batch.inputs, batch.labels, batch.real = batch.inputs[pick], batch.labels[pick], batch.real[order]
             batch.sources = sources[order] if sources is not None else None
             batch.drawn = batch.drawn[order] if batch.drawn is not None else None
+            batch.marks = batch.marks[order]
         if with_inputs and callable(self.row_inputs):  # computed for each batch (objective.reference=online)
             batch.row_inputs = self.row_inputs(batch)
+            if batch.mismatched is not None:
+                batch.mismatched.row_inputs = self.row_inputs(batch.mismatched)
         elif with_inputs and self.row_inputs is not None:
             held = batch.drawn >= 0  # (an empty row past a held-out split's last: nothing to compare)
             values = np.zeros(len(batch.drawn), dtype=np.float64)
@@ -186,6 +195,7 @@ class Batcher:
         documents = np.full((self.batch_size, T + 1), PADDING, dtype=np.int64) if self.rows is not None else None
         corpora = self.corpus if isinstance(self.corpus, list) else [self.corpus]
         drawn = np.zeros(self.batch_size, dtype=np.int64)
+        marks = np.zeros(self.batch_size, dtype=np.int64)
         examples = 0
         for r, s in enumerate(sources):
             pool, masks = getattr(corpora[s], split), getattr(corpora[s], f"{split}_mask")
@@ -212,9 +222,21 @@ class Batcher:
             if corpora[s].packed:  # the pick-th window of the stream
                 start = pick * T
             else:  # a document longer than a row: a window of it at random
-                start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 and not self.pairs else 0
-            self._place(r, 0, doc, masks[i] if masks is not None else None, start, min(T + 1, len(doc) - start), rows,
-                        real, trained)
+                start = rng.integers(0, len(doc) - T) if len(doc) >= T + 1 and not (self.pairs or self.mismatched) \
+                    else 0  # (a record's row keeps its start: TRL's max_length truncation)
+            length = min(T + 1, len(doc) - start)
+            self._place(r, 0, doc, masks[i] if masks is not None else None, start, length, rows, real, trained)
+            if masks is not None and length:
+                marks[r] = int(np.max(masks[i][start:start + length]))
+        mismatched = self._mismatched(rows, real, trained, drawn) if self.mismatched else None
+        batch = self._rows_batch(rows, real, trained, documents, drawn, examples)
+        if mismatched is not None:  # (each the row of its example: its record's label)
+            mismatched.marks = marks.copy()
+        batch.marks, batch.mismatched = marks, mismatched
+        return batch
+
+    def _rows_batch(self, rows, real, trained, documents, drawn, examples) -> Batch:
+        """Placed rows of T+1 tokens as a Batch: inputs, and labels where a token is real and learned."""
         tokens = torch.from_numpy(rows)
         inputs, labels = tokens[:, :-1].clone(), tokens[:, 1:].clone()
         learned = real[:, 1:] & trained[:, 1:]
@@ -226,6 +248,20 @@ class Batcher:
                      real=real[:, :-1].sum(axis=1), drawn=None if self.rows is not None else drawn,
                      examples=examples)
 
+    def _mismatched(self, rows, real, trained, drawn) -> Batch:
+        """Each held example's prompt with the completion of the held example drawn before it (the last one's for
+        the first), cut at the row: TRL's KL completions, rotated by one within the batch (KTOTrainer's
+        KL_completion_ids). Empty rows stay empty."""
+        held = np.flatnonzero(drawn >= 0)
+        out = (np.full_like(rows, self.pad), np.zeros_like(real), np.zeros_like(trained))
+        for r, q in zip(held, np.roll(held, 1)):
+            prompt = rows[r, :_first_learned(real[r], trained[r])]
+            start, end = _first_learned(real[q], trained[q]), int(real[q].sum())
+            ids = np.concatenate([prompt, rows[q, start:end]])[:rows.shape[1]]
+            out[0][r, :len(ids)], out[1][r, :len(ids)] = ids, True
+            out[2][r, len(prompt):len(ids)] = True
+        return self._rows_batch(*out, None, drawn.copy(), len(held))
+
     @staticmethod
     def _place(r, at, doc, mask, start, length, rows, real, trained) -> None:
         """Tokens [start, start+length) of a document (and of its mask) into row r from column `at`."""
@@ -235,17 +271,27 @@ class Batcher:
             trained[r, at:at + length] = mask[start:start + length]
 
 
+def _first_learned(real: np.ndarray, trained: np.ndarray) -> int:
+    """Where a row's completion starts: its first real token that is learned (its length when none is)."""
+    learned = np.flatnonzero(real & trained)
+    return int(learned[0]) if len(learned) else int(real.sum())
+
+
 def build_batcher(cfg, tokens: Optional[Path] = None, row_inputs=None) -> Batcher:
     """The batcher of an experiment: the tokenize stage's shards (memory-mapped) when given, else the corpus
-    tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights; preference pairs
-    (data.format=preference) drawn whole; the objective's per-row inputs where given."""
+    tokenized in memory; batch, sequence length and seed from cfg.train; a data.mix's weights; rows grouped as the
+    objective says (plugins/objectives/spec.py: pairs drawn whole, mismatched rows beside each batch); the objective's
+    per-row inputs where given."""
+    from plugins.objectives.spec import PAIR, objective_of
+
+    spec = objective_of(cfg)
     corpus = shards.read_all(tokens, packed_stream(cfg.data)) if tokens is not None else tokenized(cfg)
     mix = cfg.data.get("mix") or []
     if not mix:
         corpus = corpus[0] if isinstance(corpus, list) else corpus
     return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
                    [float(m.weight) for m in mix] if mix else None, whole_documents(cfg.data), cfg.parallel.dp,
-                   balances_ranks(cfg.data), cfg.data.get("format") == "preference", row_inputs)
+                   balances_ranks(cfg.data), spec.rows == PAIR, row_inputs, spec.mismatched)
 
 
 def data_fingerprint(cfg) -> str:

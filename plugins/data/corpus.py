@@ -25,8 +25,9 @@ from plugins.data.bad_records import Bad, BadRecords, refused, skips
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.piece_records import BadRecord
 from plugins.data.reading import Layout, in_val, layout, partition
-from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
-                                  masks_loss, piece_documents)
+from plugins.data.prompted_records import Prompted
+from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
+                                  masks_loss, piece_documents, PROMPTED)
 from plugins.data.registry import Corpus, get_source, split_documents
 from storage.fsio import atomic_write_json
 
@@ -158,11 +159,11 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
 
     def flush():
         nonlocal batch, held, unlearned, cut
-        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, (Chat, Pair))
+        encoded = iter(tok.encode([text for _, texts, _ in batch if not isinstance(texts, (Chat, Prompted))
                                    for text in encode_inputs(texts, joint)]))
         for split, texts, closes in batch:
             try:
-                if isinstance(texts, Pair):  # its chosen and its rejected document, one after the other
+                if isinstance(texts, Prompted):  # a pair's chosen and rejected document, one after the other
                     made, longer = texts.documents(tok, cfg.train.seq_len + 1)
                     cut += longer
                 elif isinstance(texts, Chat):
@@ -174,7 +175,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
             if isinstance(texts, Chat) and not made:
                 unlearned += 1
                 continue
-            if not isinstance(texts, (Pair, Chat)):
+            if not isinstance(texts, (Prompted, Chat)):
                 pieces = [next(encoded) for _ in encode_inputs(texts, joint)]
                 made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
             for ids, trained in made:
@@ -197,7 +198,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     flush()
     return writer.close(bytes_read=read, seconds=time.perf_counter() - t0, unlearned=unlearned,
                         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        **({"pairs_cut": cut} if cfg.data.get("format") == "preference" else {}),
+                        **({"pairs_cut": cut} if cfg.data.get("format") in PROMPTED else {}),
                         **({"bad_records": bad.entry()} if skipping else {}))
 
 

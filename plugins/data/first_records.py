@@ -18,7 +18,8 @@ from plugins.data.packing import longest_record
 from plugins.data.compressed import suffix_of
 from plugins.data.piece_records import BadRecord
 from plugins.data.reading import RECORDS, layout
-from plugins.data.records import (CHECKED_RECORDS, Chat, Pair, Unanswered, chat_options, chat_spans, masks_loss_of,
+from plugins.data.prompted_records import Prompted
+from plugins.data.records import (CHECKED_RECORDS, PROMPTED, Chat, Unanswered, chat_options, chat_spans, masks_loss_of,
                                   piece_documents, render_problem)
 
 
@@ -92,12 +93,12 @@ def _record_check(d, texts, template: Optional[str], variables: dict, row: Optio
         return ("data.long_documents", why), False
     if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
         raise BadRecord(why)
-    if isinstance(texts, Pair) and texts.conversational and not template:
-        return ("data.chat_template", f"{texts.where}: the pair is made of conversations, which are rendered with a "
+    if isinstance(texts, Prompted) and texts.conversational and not template:
+        return ("data.chat_template", f"{texts.where}: the {texts.kind} is made of conversations, which are rendered with a "
                                       "chat template, and there is none"), False
-    if isinstance(texts, Pair) and texts.conversational and (why := texts.render_problem(template)):
+    if isinstance(texts, Prompted) and texts.conversational and (why := texts.render_problem(template)):
         raise BadRecord(why)
-    if isinstance(texts, Pair) and pairs is not None:
+    if isinstance(texts, Prompted) and pairs is not None:
         try:  # (its rendering is checked above: what is left is the row)
             texts.documents(*pairs)
         except BadRecord:
@@ -136,7 +137,7 @@ def read_first_records(files: list[tuple[str, Path]], cfg, sniff_bytes: int) -> 
     # preference pairs tokenized as the tokenize stage will (a BPE is learned there: not before): a completion that
     # starts past a row is refused now
     pairs = None
-    if d.format == "preference" and (d.tokenizer == "bytes" or tokenizers.hf_folder(d.tokenizer) is not None):
+    if d.format in PROMPTED and (d.tokenizer == "bytes" or tokenizers.hf_folder(d.tokenizer) is not None):
         try:
             pairs = tokenizers.make(d), cfg.train.seq_len + 1
         except (OSError, ValueError):  # said by the data rules (data.tokenizer)

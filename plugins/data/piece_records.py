@@ -55,6 +55,9 @@ def record_fields(data_cfg) -> dict[str, str]:
         return {"prompt_field": data_cfg.prompt_field, "completion_field": data_cfg.completion_field}
     if kind == "chat":
         return {"messages_field": data_cfg.messages_field}
+    if kind == "unpaired":
+        return {"prompt_field": data_cfg.prompt_field, "completion_field": data_cfg.completion_field,
+                "label_field": data_cfg.label_field}
     if kind == "preference":  # and the prompt where the record has one (optional: else it is implicit)
         return {"chosen_field": data_cfg.chosen_field, "rejected_field": data_cfg.rejected_field}
     return {"text_field": data_cfg.text_field}

@@ -51,12 +51,19 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 def pair_ids(tok: tokenizers.Tokenizer, prompt: Text, chosen: Text,
              rejected: Text) -> list[tuple[np.ndarray, np.ndarray]]:
     """The chosen and the rejected document: each (its ids, which are learned)."""
+    return prompted_ids(tok, prompt, (chosen, rejected))
+
+
+def prompted_ids(tok: tokenizers.Tokenizer, prompt: Text, completions) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each completion's document, the prompt and it encoded together: (its ids, which are learned), learned from the
+    earliest position where a document's ids leave the prompt's alone (TRL's common_prefix_length; a pair's two
+    documents learn from the same position; an unpaired record's one is KTO's)."""
     if isinstance(prompt, list):
         head = _chat_ids(tok, prompt, generation_prompt=True)
-        wholes = [_chat_ids(tok, prompt + completion) for completion in (chosen, rejected)]
+        wholes = [_chat_ids(tok, prompt + completion) for completion in completions]
     else:
         head = _text_ids(tok, prompt)
-        wholes = [_closed(tok, _text_ids(tok, prompt + completion)) for completion in (chosen, rejected)]
+        wholes = [_closed(tok, _text_ids(tok, prompt + completion)) for completion in completions]
     start = min(common_prefix(head, ids) for ids in wholes)
     return [(ids, np.arange(len(ids)) >= start) for ids in wholes]
 
@@ -80,13 +87,13 @@ def _chat_ids(tok: tokenizers.Tokenizer, messages: list, generation_prompt: bool
 
 
 def check_pair(pair, made: list[tuple[np.ndarray, np.ndarray]], row: int) -> int:
-    """1 when a pair's documents are longer than a row (train.seq_len+1 tokens: the row holds their first ones, TRL's
-    max_length truncation keeping the start), else 0; refused, naming the record, when either completion starts
-    past the row (nothing of it would be learned: TRL drops such pairs without a word)."""
-    for (ids, learned), which in zip(made, ("chosen", "rejected")):
+    """1 when a record's documents are longer than a row (train.seq_len+1 tokens: the row holds their first ones,
+    TRL's max_length truncation keeping the start), else 0; refused, naming the record, when a completion starts
+    past the row (nothing of it would be learned: TRL drops such pairs without a word). pair: a Prompted record."""
+    for (ids, learned), which in zip(made, pair.names):
         if not learned[1:row].any():
             start = int(np.argmax(learned)) if learned.any() else len(ids)
-            raise InputFault(f"{pair.where}: the pair's {which} completion starts at token {start:,}, past a row of "
-                             f"train.seq_len+1={row:,} tokens: nothing of it would be learned; fix: "
+            raise InputFault(f"{pair.where}: the {pair.kind}'s {which} completion starts at token {start:,}, past "
+                             f"a row of train.seq_len+1={row:,} tokens: nothing of it would be learned; fix: "
                              f"train.seq_len={start} or more, or a shorter prompt")
     return int(any(len(ids) > row for ids, _ in made))

@@ -18,8 +18,8 @@ from plugins.data.bad_records import skips
 from plugins.data.corpus import corpus_layouts
 from plugins.data.packing import whole_documents
 from plugins.data.piece_records import BadRecord
-from plugins.data.preference import pair_ids
-from plugins.data.records import (Chat, Continued, Pair, chat_ids, chat_options, document_ids, encode_inputs,
+from plugins.data.prompted_records import Prompted
+from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
 from plugins.data.registry import get_source
 from storage.fsio import read_json
@@ -78,8 +78,8 @@ def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarra
         for _, texts, closes in piece_documents(d, piece):
             if not texts or not any(texts):
                 continue
-            if isinstance(texts, Pair):  # its two documents, as the tokenize stage writes them
-                made = pair_ids(tok, texts.prompt, texts.chosen, texts.rejected)
+            if isinstance(texts, Prompted):  # its documents, as the tokenize stage writes them
+                made = texts.ids(tok)
             elif isinstance(texts, Chat):
                 try:
                     made = chat_ids(tok, texts, masked, **chatting)
@@ -91,8 +91,8 @@ def _first_documents(d, lay, tok, records: int) -> Iterator[tuple[str, np.ndarra
                 pieces = tok.encode(list(encode_inputs(texts, joint)))
                 made = [document_ids(tok, pieces, closes, not isinstance(texts, Continued), masked, joint)]
             for turn, (ids, trained) in enumerate(made, 1):
-                yield _where(texts, piece) + (f", its {('chosen', 'rejected')[turn - 1]} completion"
-                                              if isinstance(texts, Pair) else
+                yield _where(texts, piece) + (f", its {texts.names[turn - 1]} completion"
+                                              if isinstance(texts, Prompted) else
                                               f", example {turn} of {len(made)} (data.chat_turns={why})"
                                               if len(made) > 1 else ""), ids, trained
             shown += 1

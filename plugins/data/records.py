@@ -17,7 +17,6 @@ from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
 from plugins.data.bad_records import Bad, skips
 from plugins.data.piece_records import BadRecord, documents, kind_of, preview, record_fields, records, text_value
-from plugins.data.preference import check_pair, pair_ids, split_prompt
 
 
 def masks_loss(cfg) -> bool:
@@ -26,7 +25,10 @@ def masks_loss(cfg) -> bool:
 
 
 def masks_loss_of(d) -> bool:
-    return d.format == "preference" or (d.format in ("prompt_completion", "chat") and d.loss_on == "completion")
+    return d.format in PROMPTED or (d.format in ("prompt_completion", "chat") and d.loss_on == "completion")
+
+
+PROMPTED = ("preference", "unpaired")  # formats whose records make their own documents (prompted_records.py)
 
 
 def piece_documents(d, piece, keep_bad: Optional[bool] = None) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
@@ -42,7 +44,7 @@ def piece_documents(d, piece, keep_bad: Optional[bool] = None) -> Iterator[tuple
             yield split, (Record if piece.kind != "text" or piece.opens else Continued)((text,), where), closes
         return
     optional = {"tools_field": d.tools_field} if d.format == "chat" else \
-        {"prompt_field": d.prompt_field} if d.format == "preference" else None
+        {"prompt_field": d.prompt_field} if d.format == "preference" else None  # (an implicit prompt)
     for split, record, where in records(piece, record_fields(d), d.val_fraction, optional, keep_bad):
         try:
             if isinstance(record, BadRecord):
@@ -74,8 +76,12 @@ def _plain(d):
 
 def _document(d, record: dict, where):
     """A record's document (Pair, Chat, Unanswered, Record, or () for an empty completion); InputFault naming it."""
+    from plugins.data.prompted_records import Pair, Unpaired  # (they are records: they import this module)
+
     if d.format == "preference":  # its two documents: a pair is one record, in one split
         return Pair(record["prompt_field"], record["chosen_field"], record["rejected_field"], where, d)
+    if d.format == "unpaired":
+        return Unpaired(record["prompt_field"], record["completion_field"], record["label_field"], where, d)
     if d.format == "chat":
         chat = Chat(record["messages_field"], where, record.get("tools_field"))
         return chat if answers(chat, d) else Unanswered(chat)
@@ -210,87 +216,6 @@ class Conversation(Chat):
         chat = super().__new__(cls, prompt + completion, where)
         chat.prompt, chat.completion = prompt, completion
         return chat
-
-
-class Pair(Record):
-    """A preference pair (data.format=preference): its prompt, chosen and rejected completion, all texts or all lists
-    of messages (TRL's standard and conversational forms; a record without a prompt has an implicit one, the
-    beginning chosen and rejected share: plugins/data/preference.split_prompt; so has one whose prompt is of another
-    form than its completions, as TRL's maybe_extract_prompt reads UltraFeedback's text prompt beside conversations
-    that repeat it). Its texts (what a BPE learns from)
-    are the prompt's and the completions' bytes. A pair with an empty completion, or whose completions are the same
-    (its loss is log 2 whatever the model), is refused naming the record."""
-
-    def __new__(cls, prompt, chosen, rejected, where, d):
-        form = "texts, or lists of {role, content} messages (TRL's conversational form)"
-        given = [(v if isinstance(v, list) else text_value(v, where, k, d[k]).decode("utf-8"), k)  # (bytes: Arrow's)
-                 for v, k in ((prompt, "prompt_field"), (chosen, "chosen_field"), (rejected, "rejected_field"))
-                 if v is not None or k != "prompt_field"]
-        if prompt is None:
-            (chosen, _), (rejected, _) = given
-        else:
-            (prompt, _), (chosen, _), (rejected, _) = given
-        implicit = prompt is None or isinstance(prompt, list) != isinstance(chosen, list)  # TRL's maybe_extract_prompt
-        if len({isinstance(v, list) for v, _ in (given[-2:] if implicit else given)}) > 1:
-            raise InputFault(f"{where}: the pair mixes texts and lists of messages ("
-                             + ", ".join(f"data.{k} is {'messages' if isinstance(v, list) else 'text'}"
-                                         for v, k in given) + f"); fix: records whose fields are all {form}")
-        for value, k in given[-2:] if implicit else given:
-            if isinstance(value, list) and (why := messages_problem(value, f"data.{k} ({d[k]!r})")):
-                raise InputFault(f"{where}: {why}; fix: records whose fields are all {form}")
-        for value, k in ((chosen, "chosen_field"), (rejected, "rejected_field")):  # each fault its own: before
-            if not value:  # the implicit prompt takes what they share
-                raise InputFault(f"{where}: the pair's {k.split('_')[0]} completion (data.{k}={d[k]!r}) is empty: "
-                                 "there is nothing to compare; fix: leave the pair out, or repair it")
-        if chosen == rejected:
-            raise InputFault(f"{where}: the pair's chosen and rejected completions are the same: it teaches nothing "
-                             "(its loss is log 2 whatever the model); fix: leave the pair out, or repair it")
-        if implicit:  # no prompt, or one of another form than the completions' (UltraFeedback's): what they share
-            other = prompt is not None
-            prompt, chosen, rejected = split_prompt(chosen, rejected)
-            if not prompt and other:
-                raise InputFault(f"{where}: the record's data.prompt_field ({d.prompt_field!r}) is "
-                                 f"{'messages' if isinstance(chosen, str) else 'text'} and its chosen and rejected "
-                                 f"completions are {'texts' if isinstance(chosen, str) else 'lists of messages'}: "
-                                 "as in TRL (maybe_extract_prompt), the prompt is then the beginning they share "
-                                 "(UltraFeedback's form repeats it as their first message), and they share none; "
-                                 f"fix: records whose fields are all {form}, or completions that begin with the "
-                                 "prompt")
-            if not prompt:
-                raise InputFault(f"{where}: the record has no field data.prompt_field={d.prompt_field!r} and its "
-                                 "chosen and rejected completions share no beginning to be its prompt (TRL's "
-                                 "implicit prompt); fix: data.prompt_field= the field that holds the prompt")
-            for value, (k, was) in zip((chosen, rejected), (("chosen", "rejected"), ("rejected", "chosen"))):
-                if not value:
-                    raise InputFault(f"{where}: the pair's {k} completion (data.{k}_field={d[k + '_field']!r}) is "
-                                     f"the beginning of its {was} one, and the implicit prompt (the beginning they "
-                                     "share, as TRL's extract_prompt takes it) takes all of it: nothing of it is "
-                                     "left to compare; fix: data.prompt_field= the field that holds the prompt, or "
-                                     "repair the pair")
-        parts = [prompt, chosen, rejected]
-        pair = super().__new__(cls, (v.encode("utf-8") if isinstance(v, str) else
-                                     "".join(m["content"] for m in v).encode("utf-8") for v in parts), where)
-        pair.prompt, pair.chosen, pair.rejected = parts
-        return pair
-
-    @property
-    def conversational(self) -> bool:
-        return isinstance(self.chosen, list)
-
-    def render_problem(self, template: str) -> str:
-        """Why the template cannot render the pair's conversations as meant ('' when it can), as a chat record's."""
-        return next((why for completion in (self.chosen, self.rejected)
-                     if (why := render_problem(Chat(self.prompt + completion, self.where), template))), "")
-
-    def documents(self, tok: tokenizers.Tokenizer, row: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
-        """(its chosen and its rejected document: each ids and which are learned; 1 when they are longer than a row
-        of `row` tokens, cut there, else 0), as the tokenize stage writes them; InputFault naming the record for a
-        conversation the template cannot render (BadRecord: the record's own), or a completion that starts past the
-        row (a setting's)."""
-        if self.conversational and (why := self.render_problem(tok.chat_template)):
-            raise BadRecord(why)
-        made = pair_ids(tok, self.prompt, self.chosen, self.rejected)
-        return made, check_pair(self, made, row)
 
 
 def chat_ids(tok: tokenizers.Tokenizer, chat: Chat, masked: bool = True, turns: str = "auto",

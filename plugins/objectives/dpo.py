@@ -87,6 +87,7 @@ register_objective("dpo", ObjectiveSpec(
     config=DPOConfig,
     loss=lambda o: DPOLoss(o.beta, o.loss_type, o.label_smoothing),
     rows=PAIR,
+    formats=("preference",),
     row_inputs=(REFERENCE,),
     describe=_describe,
     sweep_objectives=SWEEP_OBJECTIVES,

@@ -51,6 +51,7 @@ register_objective("orpo", ObjectiveSpec(
     config=ORPOConfig,
     loss=lambda o: ORPOLoss(o.beta),
     rows=PAIR,
+    formats=("preference",),
     describe=lambda o: f"orpo (beta {o.beta:g}) on preference pairs: chosen NLL + odds ratio, no reference",
     sweep_objectives=SWEEP_OBJECTIVES,
 ))

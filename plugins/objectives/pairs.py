@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from common.problem import Problem
+from plugins.objectives.spec import RowsLoss
 
 if TYPE_CHECKING:  # torch is imported where a loss is computed: the config's checks and the plan never need it
     import torch
@@ -35,7 +36,7 @@ class PairTerms(NamedTuple):
     extra: tuple = ()               # (P,) each, the objective's own measures (PairLoss.extra names them)
 
 
-class PairLoss:
+class PairLoss(RowsLoss):
     """The runners' loss for preference pairs (plugins/parallel/pipeline.py): each microbatch's rows from the head
     against their per-row inputs, its pairs' summed loss; the measures' sums of the step's microbatches kept until
     the step takes them (`take`). Subclasses give `terms`."""
@@ -43,14 +44,14 @@ class PairLoss:
     extra: tuple[str, ...] = ()  # the objective's own measures, after METRICS
 
     def __init__(self):
+        super().__init__()
         self.names = METRICS + self.extra
-        self.calls: list = []  # each call's measures' sums since the last take
         self.pairs, self.chosen_tokens = 1, 1  # the global batch's (count)
 
     def terms(self, logps: torch.Tensor, tokens: torch.Tensor, row_inputs: Optional[torch.Tensor]) -> PairTerms:
         raise NotImplementedError
 
-    def count(self, batch) -> int:
+    def count(self, batch, score=None) -> int:
         """The global batch's pairs (what the step's loss is a mean over); its chosen completions' tokens kept."""
         self.pairs = max(batch.example_count(2), 1)
         self.chosen_tokens = max(int((batch.labels[0::2] != -100).sum()), 1)
@@ -78,16 +79,6 @@ class PairLoss:
                 t.chosen_rewards, t.rejected_rewards, (t.chosen_rewards > t.rejected_rewards).float(),
                 t.chosen_rewards - t.rejected_rewards, t.chosen_logps, t.rejected_logps, *t.extra)]))
         return torch.where(held, t.losses, zero).sum()
-
-    def keep_last(self, calls: int) -> None:
-        del self.calls[:-calls]
-
-    def take(self) -> torch.Tensor:
-        """The measures' sums since the last take (zeros when this rank computed none)."""
-        import torch
-
-        calls, self.calls = self.calls, []
-        return torch.stack(calls).sum(0) if calls else torch.zeros(len(self.names))
 
 
 def per_token(logps: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -24,9 +24,9 @@ REFERENCE = "reference"  # the provider's name in a spec's row_inputs
 SPLITS = ("train", "val")
 
 
-def reference_key():
+def reference_key(default: str = "cached"):
     """`objective.reference`, declared by each objective that takes the reference's log-probabilities."""
-    return key("cached", "where the reference model's log-probabilities come from: cached (the reference stage "
+    return key(default, "where the reference model's log-probabilities come from: cached (the reference stage "
                          "computes them once, before train, for every record of both splits: its key is the reference "
                          "model, the tokenized records and the code, so a sweep over the objective's settings, the "
                          "learning rate or LoRA's rank computes them once) or online (the train step computes them "
@@ -50,31 +50,11 @@ def online(cfg) -> bool:
     return needs_reference(cfg) and not cached(cfg)
 
 
-class ReferenceRows:
-    """The reference pass's objective: no loss (zero), each row's summed log-probability and its learned tokens kept,
-    in the order the runner computes its microbatches (stages/reference.py; the train step's online reference; the
-    held-out next-token pass of a rows objective). A pipeline's first-step shape inference does not happen in a
-    forward-only pass."""
+def ReferenceRows():  # noqa: N802  (made as the class it was)
+    """The reference pass's objective: each row's summed log-probability kept (runtime/evaluate.RowRecorder)."""
+    from runtime.evaluate import RowRecorder
 
-    names = ()
-
-    def __init__(self):
-        self.rows: list = []
-
-    def __call__(self, rows: torch.Tensor, row_inputs=None) -> torch.Tensor:
-        self.rows.append(rows.detach().double().cpu())
-        return rows[:, 0].sum() * 0
-
-    def keep_last(self, calls: int) -> None:
-        del self.rows[:-calls]
-
-    def take(self) -> torch.Tensor:
-        """(rows, 2): the rows' log-probabilities and learned tokens since the last take (none where this rank holds
-        no head)."""
-        import torch
-
-        rows, self.rows = self.rows, []
-        return torch.cat(rows) if rows else torch.zeros((0, 2), dtype=torch.float64)
+    return RowRecorder()
 
 
 def reference_values(folder: Path) -> dict[str, np.ndarray]:

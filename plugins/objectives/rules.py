@@ -6,7 +6,12 @@ from __future__ import annotations
 from common.problem import Problem
 from plugins.objectives.pairs import pair_rules
 from plugins.objectives.reference import needs_reference
-from plugins.objectives.spec import PAIR, get_objective, objective_names
+from plugins.objectives.spec import PAIR, SINGLE, get_objective, objective_names
+
+# what the records of a format an objective learns from are called, where a file of them is, and what each holds:
+# for the refusal and the fix that names them
+FORMAT_WORDS = {"preference": ("pairs", "pairs.jsonl", "records of prompt, chosen, rejected"),
+                "unpaired": ("labelled completions", "feedback.jsonl", "records of prompt, completion, label")}
 
 
 def check(cfg) -> list[Problem]:
@@ -17,17 +22,20 @@ def check(cfg) -> list[Problem]:
         return [Problem("objective.name", o.name, f"objective.name renames the objective, but its keys are still "
                         f"objective={chosen}'s: objective={o.name}'s own keys and defaults come with its option",
                         f"objective={o.name} (the option, not objective.name=)")]
-    pairs = d.get("format") == "preference"
-    on_pairs = [n for n in objective_names() if get_objective(n).rows == PAIR]
-    if pairs and spec.rows != PAIR:
-        return [Problem("data.format", d.format, f"preference pairs (a chosen and a rejected completion) are learned "
-                        f"by comparing them: objective={o.name} would learn both completions as answers",
-                        f"objective={on_pairs[0]} (or {', '.join(on_pairs[1:])}), or data.format=prompt_completion "
-                        "with the chosen completions")]
-    if spec.rows == PAIR and not pairs:
-        return [Problem("objective.name", o.name, f"objective={o.name} compares each pair's chosen and rejected "
-                        f"completion; data.format={d.format} has no pairs", "data=preference "
-                        "'data.paths=[pairs.jsonl]' (records of prompt, chosen, rejected), or objective=sft")]
+    fmt = d.get("format", "text")
+    if fmt not in spec.formats:
+        takers = [n for n in objective_names() if fmt in get_objective(n).formats]
+        reads = " or ".join(f"data.format={f}" for f in spec.formats)
+        if spec.rows == SINGLE and len(spec.formats) > 1:  # (sft: records of one example each)
+            return [Problem("data.format", fmt, f"{fmt} records are learned by comparing what each holds "
+                            f"(objective={' or '.join(takers)}): objective={o.name} would learn every completion as "
+                            f"an answer", f"objective={takers[0]}" + (f" (or {', '.join(takers[1:])})" if takers[1:]
+                                                                       else "") + ", or data.format=prompt_completion "
+                            "with the completions to learn")]
+        noun, file, holds = FORMAT_WORDS.get(spec.formats[0], ("records", "records.jsonl", "its records"))
+        return [Problem("objective.name", o.name, f"objective={o.name} learns from {reads} records; data.format="
+                        f"{fmt} has no {noun}", f"data={spec.formats[0]} 'data.paths=[{file}]' ({holds}), or "
+                        "objective=sft")]
     problems = pair_rules(cfg) if spec.rows == PAIR else []
     if needs_reference(cfg) and cfg.train.steps == 0:  # the policy is its reference: nothing can be measured
         problems.append(Problem("objective.name", o.name, "train.steps=0 takes no step, so the policy is its own "

@@ -51,6 +51,7 @@ register_objective("simpo", ObjectiveSpec(
     config=SimPOConfig,
     loss=lambda o: SimPOLoss(o.beta, o.simpo_gamma, o.label_smoothing, o.cpo_alpha),
     rows=PAIR,
+    formats=("preference",),
     describe=lambda o: f"simpo (beta {o.beta:g}, gamma {o.simpo_gamma:g}" +
                        (f", cpo_alpha {o.cpo_alpha:g}" if o.cpo_alpha else "") + ") on preference pairs, no reference",
     sweep_objectives=SWEEP_OBJECTIVES,

@@ -9,8 +9,10 @@ The loss of an objective with a `loss` (a "rows" objective) is an object the run
   loss(rows, row_inputs) -> the summed loss of the microbatch's examples (rows (R, 2): each row's summed
       log-probability of its learned tokens and their count, from the label-sparse head; row_inputs (R,): the
       per-row input it declared, the reference's; None, or zeros in a pipeline's schedule, when it declared none)
-  loss.count(batch) -> what the step's loss is a mean over (asked once per global batch, before the rows are run:
-      it may keep the batch's totals it normalises by, as TRL's token-mean NLL terms need)
+  loss.count(batch, score) -> what the step's loss is a mean over (asked once per global batch, before the rows are
+      run: it may keep the batch's totals it normalises by, as TRL's token-mean NLL terms need, or score other rows
+      first: score(rows) is each row's summed log-probability under the policy, no gradient, the same on every rank:
+      KTO's KL estimate from the batch's mismatched rows)
   loss.names, loss.take(), loss.keep_last(calls): the sums of its measures since the last take (divided by count and
       summed over ranks they are the global means), the last `calls` microbatches' kept (a pipeline's shape
       inference calls the loss on made-up outputs once).
@@ -42,7 +44,10 @@ class ObjectiveSpec:
     config: type                                # its config dataclass (an ObjectiveConfig): the <name>_schema option
     loss: Optional[Callable[[Any], Any]] = None  # cfg.objective -> the runners' loss of per-row log-probabilities;
     #                                             None: next-token cross-entropy of the learned tokens (the head's)
-    rows: str = SINGLE                          # SINGLE: any record format but pairs; PAIR: data.format=preference
+    rows: str = SINGLE                          # SINGLE: one example a row; PAIR: a pair's two rows side by side
+    formats: tuple[str, ...] = ("text", "prompt_completion", "chat")  # the data.format its examples are read from
+    mismatched: bool = False                    # each batch also draws each example's prompt with the previous
+    #                                             example's completion (Batch.mismatched: KTO's KL rows)
     row_inputs: tuple[str, ...] = ()            # per-row inputs it needs, by provider ("reference": the reference
     #                                             model's log-probability of each row, plugins/objectives/reference.py)
     rules: Callable[[Any], list] = lambda cfg: []  # its own refusals before launch (cfg -> [Problem])
@@ -51,6 +56,29 @@ class ObjectiveSpec:
     at_reference: Callable[[Any], Optional[float]] = lambda o: None  # cfg.objective -> its held-out loss where the
     #                                             policy is its reference (DPO's log 2): a run not below it learned
     #                                             nothing (None: no such value; its first evaluation is compared)
+
+
+class RowsLoss:
+    """What every loss of rows shares: its measures' sums per microbatch, kept until the step takes them."""
+
+    names: tuple[str, ...] = ()
+
+    def __init__(self):
+        self.calls: list = []  # each call's measures' sums since the last take
+
+    def count(self, batch, score=None) -> int:
+        """The global batch's examples (what the step's loss is a mean over)."""
+        return max(batch.example_count(1), 1)
+
+    def keep_last(self, calls: int) -> None:
+        del self.calls[:-calls]
+
+    def take(self):
+        """The measures' sums since the last take (zeros when this rank computed none)."""
+        import torch
+
+        calls, self.calls = self.calls, []
+        return torch.stack(calls).sum(0) if calls else torch.zeros(len(self.names))
 
 
 OBJECTIVES: Registry[ObjectiveSpec] = Registry("objective.name", "orchestrator.objectives")

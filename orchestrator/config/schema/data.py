@@ -7,7 +7,8 @@ from typing import List, Optional
 from omegaconf import MISSING
 
 from orchestrator.config.schema.keys import (key, MAX_VOCAB, BPE, PROMPT_COMPLETION, CHAT, CHAT_OR_PROMPT,
-                                             COMPLETION_ONLY, PREFERENCE, PROMPT_OR_PAIR)
+                                             COMPLETION_ONLY, PREFERENCE, PROMPT_OR_PAIR, UNPAIRED,
+                                             WITH_COMPLETION)
 
 
 FILES = ("data.name", ("text", "stdlib"))  # the sources the tokenize stage reads in pieces of files
@@ -61,10 +62,12 @@ class DataConfig:
                               "with the chat template) or preference (a prompt with a chosen and a rejected "
                               "completion, for an objective of pairs (dpo, simpo, orpo): texts, lists of "
                               "messages, or chosen and rejected alone, their common beginning the prompt: TRL's "
-                              "three forms); records from JSON "
-                              "Lines or Parquet; what the model learns: data.loss_on",
-                      choices=("text", "prompt_completion", "chat", "preference"))
-    bad_records: str = key("refuse", "records (data.format=prompt_completion, chat or preference): a record at fault "
+                              "three forms) or unpaired (a prompt, a completion and a label, true where the "
+                              "completion is desirable: TRL's unpaired preference records, for kto); records from "
+                              "JSON Lines or Parquet; what the model learns: data.loss_on",
+                      choices=("text", "prompt_completion", "chat", "preference", "unpaired"))
+    bad_records: str = key("refuse", "records (data.format=prompt_completion, chat, preference or unpaired): a record at "
+                                     "fault "
                                      "itself (a line that is not JSON, a field missing or of the wrong type, "
                                      "messages that are not messages, a pair with nothing to compare, a "
                                      "conversation the template cannot render) is refused (the check before launch "
@@ -74,15 +77,18 @@ class DataConfig:
                            choices=("refuse", "skip"), read_when=CHAT_OR_PROMPT)
     text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text",
                           read_when=("data.format", ("text",)))
-    prompt_field: str = key("prompt", "data.format=prompt_completion or preference: the field that holds a record's "
-                                      "prompt (preference: a record without it has an implicit prompt, the "
+    prompt_field: str = key("prompt", "data.format=prompt_completion, preference or unpaired: the field that "
+                                      "holds a record's prompt (preference: a record without it has an implicit prompt, the "
                                       "beginning its chosen and rejected share)", read_when=PROMPT_OR_PAIR)
     chosen_field: str = key("chosen", "data.format=preference: the field that holds a pair's preferred completion",
                             read_when=PREFERENCE)
     rejected_field: str = key("rejected", "data.format=preference: the field that holds its dispreferred completion",
                               read_when=PREFERENCE)
-    completion_field: str = key("completion", "data.format=prompt_completion: the field that holds its completion",
-                                read_when=PROMPT_COMPLETION)
+    completion_field: str = key("completion", "data.format=prompt_completion or unpaired: the field that holds its "
+                                              "completion", read_when=WITH_COMPLETION)
+    label_field: str = key("label", "data.format=unpaired: the field that holds a record's label: true where its "
+                                    "completion is desirable, false where it is not (TRL's unpaired preference "
+                                    "records, KTO's)", read_when=UNPAIRED)
     prompt_encoding: str = key("separate", "data.format=prompt_completion with text fields: separate (the prompt "
                                            "and the completion encoded apart, so the prompt's tokens are those "
                                            "inference reads and the completion starts at a token boundary) or "

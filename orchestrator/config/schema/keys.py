@@ -35,9 +35,11 @@ COMPILED = ("triton.enabled", (True,))
 BPE = ("data.tokenizer", ("bpe",))
 PROMPT_COMPLETION = ("data.format", ("prompt_completion",))
 CHAT = ("data.format", ("chat",))
-CHAT_OR_PROMPT = ("data.format", ("chat", "prompt_completion", "preference"))  # records a template may render
+CHAT_OR_PROMPT = ("data.format", ("chat", "prompt_completion", "preference", "unpaired"))  # a template may render
 PREFERENCE = ("data.format", ("preference",))
-PROMPT_OR_PAIR = ("data.format", ("prompt_completion", "preference"))  # records with a prompt field
+UNPAIRED = ("data.format", ("unpaired",))
+WITH_COMPLETION = ("data.format", ("prompt_completion", "unpaired"))  # records with a completion field
+PROMPT_OR_PAIR = ("data.format", ("prompt_completion", "preference", "unpaired"))  # records with a prompt field
 LAYOUT_TUNING = ("tune.name", ("layout",))
 COMPLETION_ONLY = ("data.loss_on", ("completion",))
 
