@@ -349,7 +349,7 @@ CATALOGUE = [
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "engine=ort"], "engine.name",
      "on the torch engine only"),
     (["objective=dpo", "objective.beta=0"], "objective.beta", "between 1e-06 and"),
-    (["objective.beta=0.5"], "objective.beta", "is a key of objective=dpo (or orpo, simpo)"),
+    (["objective.beta=0.5"], "objective.beta", "is a key of objective=dpo (or kto, orpo, simpo)"),
     (["objective.name=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "objective.name",
      "objective=dpo (the option"),
     (["objective=dpo", "objective.loss_type=ipo", "objective.label_smoothing=0.1"], "objective.label_smoothing",
@@ -357,6 +357,17 @@ CATALOGUE = [
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "train.label_sparsity=false"],
      "train.label_sparsity", "read only when objective.name=sft"),
     (["data.chosen_field=better"], "data.chosen_field", "read only when data.format=preference"),
+    # unpaired records and kto
+    (["data=unpaired", "data.paths=[{tmp}/feedback.jsonl]"], "data.format", "objective=kto, or"),
+    (["objective=kto"], "objective.name", "data.format=text has no labelled completions"),
+    (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback.jsonl]", "objective.reference=cached"],
+     "objective.reference", "a cached pass cannot know them"),
+    (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback.jsonl]", "train.batch_size=1"],
+     "train.batch_size", "one record has no other"),
+    (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback.jsonl]", "evaluate.tasks=[val_perplexity]"],
+     "evaluate.tasks", "an undesirable one is not"),
+    (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback_label.jsonl]"], "data.paths",
+     "line 2: the record's label (data.label_field='label') is \"yes\", not true or false"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_same.jsonl]"], "data.paths",
      "line 2: the pair's chosen and rejected completions are the same"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_empty.jsonl]"], "data.paths",
@@ -415,6 +426,10 @@ def write_corpus(tmp: Path) -> Path:
         {"role": "user", "content": "2+3?"}, {**said, "reasoning_content": 5}]}) + "\n")
     pair = {"prompt": "2+3=", "chosen": "5", "rejected": "6"}
     (tmp / "pairs.jsonl").write_text((json.dumps(pair) + "\n") * 50)
+    feedback = [{"prompt": "2+3=", "completion": str(n), "label": n == 5} for n in (5, 6)]
+    (tmp / "feedback.jsonl").write_text("".join(json.dumps(f) + "\n" for f in feedback) * 25)
+    (tmp / "feedback_label.jsonl").write_text(json.dumps(feedback[0]) + "\n" + json.dumps({**feedback[1],
+                                                                                           "label": "yes"}) + "\n")
     (tmp / "pairs_same.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "rejected": "5"}) + "\n")
     (tmp / "pairs_empty.jsonl").write_text(json.dumps({**pair, "rejected": ""}) + "\n")
     (tmp / "pairs_mixed.jsonl").write_text(json.dumps({**pair, "chosen": [{"role": "assistant", "content": "5"}]})

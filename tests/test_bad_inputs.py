@@ -28,6 +28,7 @@ FIX_NOT_APPLIED = {
     "model.d_model=65536 model.n_layers=64": "each fix lessens the memory; no one of them fits a 4 TB model",
     "data=megatron": "the fix names an example prefix (/data/corpus_text_document): the user's corpus",
     "objective=dpo": "the fix names an example file of pairs (pairs.jsonl)",
+    "objective=kto": "the fix names an example file of unpaired records (feedback.jsonl)",
     "data.chosen_field=better": "data.format=preference, the fix, needs files of pairs and a preference objective",
     "cluster=slurm +cluster.time_min.eval=5": "the fix's key replaces the one given (eval is no stage): it is not added",
 }
