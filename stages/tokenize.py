@@ -26,7 +26,8 @@ from plugins.data.corpus import (TOKENIZER_DIR, TOKENS_DIR, build_tokenizer, cor
                                  finish_all, source_index, source_tokens, wait_for, write_part)
 from plugins.data.packing import longest_record
 from plugins.data.reading import partition
-from plugins.data.records import PROMPTED
+from plugins.data.formats.spec import format_of
+from plugins.data.records import makes_documents
 from plugins.data.registry import get_source
 from plugins.data.tokenize_cost import estimate_seconds, tokenize_tasks
 from plugins.data.tokenizer import load_saved
@@ -184,9 +185,9 @@ def _report(ctx: StageContext, index: dict, seconds: float, read: int) -> None:
                  index["train"]["tokens"], index["val"]["tokens"], index["tokenizer"], index["vocab_size"], seconds,
                  ctx.world_size, tokens / max(seconds, 1e-9))
     if index.get("pairs_cut"):
-        ctx.log.warning("warning: %d record(s) of a prompt and completions longer than a row (train.seq_len+1=%d "
-                        "tokens): each row holds its first tokens (TRL's max_length truncation, keeping the start)", index["pairs_cut"],
-                        ctx.cfg.train.seq_len + 1)
+        ctx.log.warning("warning: %d %s(s) longer than a row (train.seq_len+1=%d tokens): each row holds its first "
+                        "tokens (TRL's max_length truncation, keeping the start)", index["pairs_cut"],
+                        format_of(ctx.cfg.data).unit.rstrip("s"), ctx.cfg.train.seq_len + 1)
     if index.get("unlearned"):  # records with nothing to learn: an empty completion, or no turn marked as the
         ctx.log.warning("warning: %d record(s) with nothing to learn left out (an empty completion, or a chat the "
                         "template marks no assistant turn of)", index["unlearned"])  # assistant's by the template
@@ -213,7 +214,7 @@ def _fingerprint(cfg) -> str:
     """The data's; with records longer than a row refused, that bound too: the stage checks every record (a run
     with a shorter train.seq_len checks them again)."""
     longest = longest_record(cfg)
-    if cfg.data.get("format") in PROMPTED:  # each record's completions must start within a row (check_pair)
+    if makes_documents(cfg.data):  # each record's completions must start within a row (check_pair)
         return f"{data_fingerprint(cfg)}+row={cfg.train.seq_len + 1}"
     return data_fingerprint(cfg) if longest is None else f"{data_fingerprint(cfg)}+longest_record={longest}"
 

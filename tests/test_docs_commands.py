@@ -67,6 +67,10 @@ def readers_files(tmp_path_factory) -> Path:
     (tmp / "sft" / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + 1 =", "completion": f" {i + 1}"})
                                                      + "\n" for i in range(3000)))
     (tmp / "sft" / "chats.jsonl").write_text((tmp / "chats.jsonl").read_text())
+    pairs = [json.loads(line) for line in (tmp / "pairs.jsonl").read_text().splitlines()]
+    (tmp / "feedback.jsonl").write_text("".join(json.dumps({"prompt": p["prompt"], "completion": p[side],
+                                                            "label": side == "chosen"}) + "\n"
+                                                for p in pairs for side in ("chosen", "rejected")))
     (tmp / "megatron").mkdir()  # a corpus tokenized for Megatron-LM (docs/models-and-data.md)
     docs = [np.arange(1, 40 + i, dtype=np.uint16) for i in range(30)]
     (tmp / "megatron" / "web_text_document.bin").write_bytes(np.concatenate(docs).tobytes())

@@ -39,7 +39,8 @@ def test_every_option_composes_and_validates(group, tmp_path):
     given = {"text": ["data.paths=[README.md]"],
              "chat": [f"data.paths=[{tmp_path}/chats.jsonl]", f"data.chat_template={tmp_path}/chatml.jinja"],
              "megatron": _megatron_corpus(tmp_path), "preference": [*_pairs(tmp_path), "objective=dpo"],
-             **{name: [*_pairs(tmp_path), "data=preference"] for name in ("dpo", "simpo", "orpo")}}
+             **{name: [*_pairs(tmp_path), "data=preference"] for name in ("dpo", "simpo", "orpo")},
+             "unpaired": [*_unpaired(tmp_path), "objective=kto"], "kto": [*_unpaired(tmp_path), "data=unpaired"]}
     for option in sorted(p.stem for p in (CONF / group).glob("*.yaml")):
         overrides = [f"{group}={option}"] + (given.get(option, []) if group in ("data", "objective") else [])
         got = [p for p in problems_of(*overrides) if not _machine_problem(p)]
@@ -51,6 +52,13 @@ def _pairs(tmp_path) -> list[str]:
     pair = {"prompt": "What is 2 + 3? ", "chosen": "5.", "rejected": "6."}
     (tmp_path / "pairs.jsonl").write_text((json.dumps(pair) + "\n") * 400)
     return [f"data.paths=[{tmp_path}/pairs.jsonl]"]
+
+
+def _unpaired(tmp_path) -> list[str]:
+    """Unpaired records (data=unpaired's paths)."""
+    records = [{"prompt": "What is 2 + 3? ", "completion": c, "label": c == "5."} for c in ("5.", "6.")]
+    (tmp_path / "feedback.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) * 200)
+    return [f"data.paths=[{tmp_path}/feedback.jsonl]"]
 
 
 def _megatron_corpus(tmp_path) -> list[str]:

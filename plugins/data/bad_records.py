@@ -17,8 +17,11 @@ SKIP = "data.bad_records=skip"
 
 
 def skips(d) -> bool:
-    """Whether data.bad_records=skip applies: to records (prompt_completion, chat, preference), not to text."""
-    return d.get("format", "text") != "text" and d.get("bad_records", "refuse") == "skip"
+    """Whether data.bad_records=skip applies: to records (prompt_completion, chat, preference, unpaired), not to
+    text."""
+    from plugins.data.formats.spec import format_of
+
+    return format_of(d).records and d.get("bad_records", "refuse") == "skip"
 
 
 class Bad(tuple):

@@ -25,9 +25,10 @@ from plugins.data.bad_records import Bad, BadRecords, refused, skips
 from plugins.data.packing import longest_record, packed_stream
 from plugins.data.piece_records import BadRecord
 from plugins.data.reading import Layout, in_val, layout, partition
+from plugins.data.formats.spec import format_of
 from plugins.data.prompted_records import Prompted
 from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
-                                  masks_loss, piece_documents, PROMPTED)
+                                  makes_documents, masks_loss, piece_documents)
 from plugins.data.registry import Corpus, get_source, split_documents
 from storage.fsio import atomic_write_json
 
@@ -154,7 +155,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
                              f"(train.seq_len+1={longest:,}) and data.long_documents=refuse; fix: "
                              "data.long_documents=split (pieces that overlap by one token), "
                              + ("data.packing_strategy=wrapped (windows of the text, pretraining's way), "
-                                if cfg.data.get("format", "text") == "text" else "")
+                                if not format_of(cfg.data).records else "")
                              + f"train.seq_len={run - 1} or more, or a shorter document")
 
     def flush():
@@ -198,7 +199,7 @@ def write_part(cfg, lay: Optional[Layout], tok: tokenizers.Tokenizer, folder: Pa
     flush()
     return writer.close(bytes_read=read, seconds=time.perf_counter() - t0, unlearned=unlearned,
                         peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                        **({"pairs_cut": cut} if cfg.data.get("format") in PROMPTED else {}),
+                        **({"pairs_cut": cut} if makes_documents(cfg.data) else {}),
                         **({"bad_records": bad.entry()} if skipping else {}))
 
 
@@ -213,7 +214,7 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     """The index of the parts; a split left empty by a small corpus borrows the other's last document (as a list
     of documents is split); a corpus too small for that is refused, naming what was read."""
     index = shards.write_index(folder, parts, tok.vocab_size, tok.eos, tok.pad, tok.kind, **extra)
-    whole = 2 if cfg.data.get("format") == "preference" else 1  # a pair's two documents move together
+    whole = format_of(cfg.data).per_example  # a pair's two documents move together
     for src, dst in (("train", "val"), ("val", "train")):
         if not index[dst]["documents"] and index[src]["documents"] > whole:
             index = shards.move_last_document(folder, index, src, dst, whole)
@@ -223,7 +224,7 @@ def finish(folder: Path, parts: list[str], tok: tokenizers.Tokenizer, cfg, lay: 
     if index.get("unlearned") and not index["train"]["documents"] + index["val"]["documents"]:
         raise InputFault(f"data.completion_field={cfg.data.completion_field}: every record's completion is empty "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: the field that holds "
-                         "the answers" if cfg.data.format != "chat" else
+                         "the answers" if not format_of(cfg.data).always_rendered else
                          f"data.messages_field={cfg.data.messages_field}: no record has an assistant message "
                          f"({index['unlearned']:,} records): nothing would be learned; fix: records with the "
                          "assistant's answers, or data.loss_on=all")

@@ -19,8 +19,9 @@ from plugins.data.compressed import suffix_of
 from plugins.data.piece_records import BadRecord
 from plugins.data.reading import RECORDS, layout
 from plugins.data.prompted_records import Prompted
-from plugins.data.records import (CHECKED_RECORDS, PROMPTED, Chat, Unanswered, chat_options, chat_spans, masks_loss_of,
-                                  piece_documents, render_problem)
+from plugins.data.formats.spec import format_of
+from plugins.data.records import (CHECKED_RECORDS, Chat, Unanswered, chat_options, chat_spans, makes_documents,
+                                  masks_loss_of, piece_documents, render_problem)
 
 
 def _longer_than_a_row(texts, template: Optional[str], variables: dict, tokens: int, widest: int) -> str:
@@ -77,8 +78,7 @@ def first_records_problem(d, piece, template: Optional[str], variables: dict, ro
         bad.read += read
     if seen and not learned and masks_loss_of(d):
         return ("data.loss_on", f"{piece.path}: none of its first {seen} record(s) has a token to learn ("
-                                + ("no assistant message with text" if d.format == "chat" else "every completion "
-                                   "empty") + ")"), 0, False
+                                + format_of(d).nothing_learned + ")"), 0, False
     return None, learned, seen < CHECKED_RECORDS and read < SCANNED_RECORDS
 
 
@@ -129,7 +129,7 @@ def read_first_records(files: list[tuple[str, Path]], cfg, sniff_bytes: int) -> 
         variables = tokenizers.template_variables(d)
     except (OSError, ValueError, KeyError):  # said by the data rules (data.chat_template[_name], data.tokenizer)
         return [], bad
-    if template is None and d.format == "chat":
+    if template is None and format_of(d).always_rendered:
         return [], bad  # said by the data rules (a chat needs a template)
     longest = longest_record(cfg)
     widest = tokenizers.widest_token(d) if longest else None
@@ -137,7 +137,7 @@ def read_first_records(files: list[tuple[str, Path]], cfg, sniff_bytes: int) -> 
     # preference pairs tokenized as the tokenize stage will (a BPE is learned there: not before): a completion that
     # starts past a row is refused now
     pairs = None
-    if d.format in PROMPTED and (d.tokenizer == "bytes" or tokenizers.hf_folder(d.tokenizer) is not None):
+    if makes_documents(d) and (d.tokenizer == "bytes" or tokenizers.hf_folder(d.tokenizer) is not None):
         try:
             pairs = tokenizers.make(d), cfg.train.seq_len + 1
         except (OSError, ValueError):  # said by the data rules (data.tokenizer)

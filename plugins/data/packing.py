@@ -115,11 +115,12 @@ def whole_documents(data) -> Optional[str]:
 
 
 def packing_strategy(data) -> str:
-    """data.packing_strategy, auto resolved: bfd for records of prompt_completion or chat, wrapped for text."""
+    """data.packing_strategy, auto resolved: its record format's (bfd for records of prompt_completion or chat,
+    wrapped for text)."""
+    from plugins.data.formats.spec import format_of
+
     strategy = data.get("packing_strategy", "auto")
-    if strategy == "auto":
-        return "wrapped" if data.get("format", "text") == "text" else "bfd"
-    return strategy
+    return format_of(data).packing_strategy if strategy == "auto" else strategy
 
 
 def longest_record(cfg) -> Optional[int]:

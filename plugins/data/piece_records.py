@@ -49,18 +49,10 @@ def documents(piece: Piece, text_field: str, val_fraction: float) -> Iterator[tu
 
 
 def record_fields(data_cfg) -> dict[str, str]:
-    """The fields a record is read from, by the data key that names each (data.format)."""
-    kind = data_cfg.get("format", "text")
-    if kind == "prompt_completion":
-        return {"prompt_field": data_cfg.prompt_field, "completion_field": data_cfg.completion_field}
-    if kind == "chat":
-        return {"messages_field": data_cfg.messages_field}
-    if kind == "unpaired":
-        return {"prompt_field": data_cfg.prompt_field, "completion_field": data_cfg.completion_field,
-                "label_field": data_cfg.label_field}
-    if kind == "preference":  # and the prompt where the record has one (optional: else it is implicit)
-        return {"chosen_field": data_cfg.chosen_field, "rejected_field": data_cfg.rejected_field}
-    return {"text_field": data_cfg.text_field}
+    """The fields a record is read from, by the data key that names each (its data.format's)."""
+    from plugins.data.formats.spec import format_of
+
+    return format_of(data_cfg).fields(data_cfg)
 
 
 class Where:

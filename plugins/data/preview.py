@@ -18,6 +18,7 @@ from plugins.data.bad_records import skips
 from plugins.data.corpus import corpus_layouts
 from plugins.data.packing import whole_documents
 from plugins.data.piece_records import BadRecord
+from plugins.data.formats.spec import format_of
 from plugins.data.prompted_records import Prompted
 from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
@@ -153,8 +154,10 @@ def passes_line(cfg, tokens: Path) -> list[str]:
         return []  # train.steps=0 draws nothing (the train stage says what it does instead)
     t, train = cfg.train, index["train"]
     about = ""
-    if cfg.data.get("format") == "preference":  # a pair is two rows
-        drawn, pool, unit = t.steps * t.batch_size // 2, train["documents"] // 2, "pairs"
+    fmt = format_of(cfg.data)
+    if fmt.per_example > 1:  # a pair is two rows
+        n = fmt.per_example
+        drawn, pool, unit = t.steps * t.batch_size // n, train["documents"] // n, fmt.unit
     elif whole_documents(cfg.data):  # rows of whole documents: as many as their tokens fill, at least
         drawn, pool, about = t.steps * t.batch_size, -(-train["tokens"] // (t.seq_len + 1)), "about "
         unit = "rows of whole records"

@@ -16,7 +16,8 @@ from plugins.data.chat_turns import Example, examples
 from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import as_template_reads, reasoning_of, reasoning_problem
 from plugins.data.bad_records import Bad, skips
-from plugins.data.piece_records import BadRecord, documents, kind_of, preview, record_fields, records, text_value
+from plugins.data.formats.spec import format_of
+from plugins.data.piece_records import BadRecord, documents, kind_of, preview, records
 
 
 def masks_loss(cfg) -> bool:
@@ -25,10 +26,12 @@ def masks_loss(cfg) -> bool:
 
 
 def masks_loss_of(d) -> bool:
-    return d.format in PROMPTED or (d.format in ("prompt_completion", "chat") and d.loss_on == "completion")
+    return format_of(d).masks_loss(d)
 
 
-PROMPTED = ("preference", "unpaired")  # formats whose records make their own documents (prompted_records.py)
+def makes_documents(d) -> bool:
+    """Whether the format's records make their own documents (pairs, unpaired records: prompted_records.py)."""
+    return format_of(d).makes_documents
 
 
 def piece_documents(d, piece, keep_bad: Optional[bool] = None) -> Iterator[tuple[str, tuple[bytes, ...], bool]]:
@@ -39,17 +42,16 @@ def piece_documents(d, piece, keep_bad: Optional[bool] = None) -> Iterator[tuple
     completion is: it would teach the stop token alone). A record at fault itself (BadRecord, InputFault) is refused,
     or with keep_bad (default: data.bad_records=skip) yielded as a Bad in its place, and reading goes on."""
     keep_bad, d = skips(d) if keep_bad is None else keep_bad, _plain(d)
-    if d.format == "text":
+    fmt = format_of(d)
+    if not fmt.records:
         for split, text, closes, where in documents(piece, d.text_field, d.val_fraction):
             yield split, (Record if piece.kind != "text" or piece.opens else Continued)((text,), where), closes
         return
-    optional = {"tools_field": d.tools_field} if d.format == "chat" else \
-        {"prompt_field": d.prompt_field} if d.format == "preference" else None  # (an implicit prompt)
-    for split, record, where in records(piece, record_fields(d), d.val_fraction, optional, keep_bad):
+    for split, record, where in records(piece, fmt.fields(d), d.val_fraction, fmt.optional(d), keep_bad):
         try:
             if isinstance(record, BadRecord):
                 raise record
-            document = _document(d, record, where)
+            document = fmt.document(d, record, where)  # (Pair, Chat, Unanswered, Record, or () for nothing to learn)
         except InputFault as e:  # (a piece that cannot be read is raised by `records` itself: not one record's)
             if not keep_bad:
                 raise
@@ -72,25 +74,6 @@ def _plain(d):
     from omegaconf import DictConfig, OmegaConf
 
     return _Keys(OmegaConf.to_container(d, resolve=True)) if isinstance(d, DictConfig) else d
-
-
-def _document(d, record: dict, where):
-    """A record's document (Pair, Chat, Unanswered, Record, or () for an empty completion); InputFault naming it."""
-    from plugins.data.prompted_records import Pair, Unpaired  # (they are records: they import this module)
-
-    if d.format == "preference":  # its two documents: a pair is one record, in one split
-        return Pair(record["prompt_field"], record["chosen_field"], record["rejected_field"], where, d)
-    if d.format == "unpaired":
-        return Unpaired(record["prompt_field"], record["completion_field"], record["label_field"], where, d)
-    if d.format == "chat":
-        chat = Chat(record["messages_field"], where, record.get("tools_field"))
-        return chat if answers(chat, d) else Unanswered(chat)
-    prompt, completion = record["prompt_field"], record["completion_field"]
-    if isinstance(prompt, list) or isinstance(completion, list):
-        chat = Conversation(prompt, completion, where, d)
-        return chat if answers(chat, d) else Unanswered(chat)
-    learned = text_value(completion, where, "completion_field", d.completion_field)
-    return Record((text_value(prompt, where, "prompt_field", d.prompt_field), learned), where) if learned else ()
 
 
 def answers(chat: "Chat", d) -> bool:

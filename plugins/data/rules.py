@@ -8,6 +8,7 @@ import difflib
 from pathlib import Path
 
 from common.problem import Problem
+from plugins.data.formats.spec import format_of
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import NotExtending, compiled, has_generation_tags, templates_of
 from plugins.data.chat_turns import examples
@@ -59,7 +60,7 @@ def _long_text_problems(cfg) -> list[Problem]:
     covers) is refused now, not by the tokenize stage after the other stages started. A BPE learned by the tokenize
     stage has no such bound before it is learned: the stage refuses its documents, naming the file."""
     d = cfg.data
-    if whole_documents(d) != "refuse" or d.format != "text":
+    if whole_documents(d) != "refuse" or format_of(d).records:
         return []
     widest = tokenizers.widest_token(d)  # a tokenizer folder read only where documents may be refused
     if widest is None:

@@ -17,6 +17,7 @@ from plugins.data.file_heads import SNIFF_BYTES, field_missing, not_text
 from plugins.data.first_records import read_first_records
 from plugins.data.folders import FolderError, UnreadFiles, folder_files, kind
 from plugins.data.indexed_dataset import is_indexed, prefix_of
+from plugins.data.formats.spec import format_of
 from plugins.data.piece_records import record_fields
 from plugins.data.reading import ARROW, RECORDS
 from plugins.data.registry import DataSource, register_source
@@ -121,7 +122,7 @@ def _check_text(cfg) -> list[tuple]:
     files = unique_files(files)
     problems += _unread_keys(d, files, datasets_folder or any((p.parent / "state.json").is_file() for _, p in files))
     bad, field_key = [], None
-    fields, by_record = record_fields(d), d.format != "text"
+    fields, by_record = record_fields(d), format_of(d).records
     for name, path in files:
         why = why_not_a_file(path)
         if not why and suffix_of(path) in RECORDS:
@@ -129,25 +130,26 @@ def _check_text(cfg) -> list[tuple]:
                                   (None, ""))
         elif not why:
             why = not_text(path) or (f"text, not records: data.format={d.format} reads JSON Lines or Parquet "
-                                     "records" if d.format != "text" else "")
+                                     "records" if by_record else "")
         if why:
             bad.append(f"{path}: {why}")
     if bad:
         key = f"data.{field_key}" if field_key and all("has no field" in b for b in bad) else "data.paths"
         problems.append((key, fields[field_key] if key != "data.paths" else list(d.paths), f"{len(bad)} file(s) "
-                         "cannot be read as " + ("text: " if d.format == "text" else f"{d.format} records: ") +
+                         "cannot be read as " + (f"{d.format} records: " if by_record else "text: ") +
                          "; ".join(bad[:3]) + ("; ..." if len(bad) > 3 else ""),
                          f"{key}= the column that holds it" if key != "data.paths" else
                          "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
                          "per line)" + (f"; data.format={d.format} reads .jsonl and .parquet files only"
-                                        if d.format != "text" else "")))
+                                        if by_record else "")))
     return problems or _first_records_problems(files, cfg) or check_amount(files, cfg)
 
 
 def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> list[tuple]:
     """Keys set for what data.paths does not hold: ignored, they would let the run train on other data than meant."""
     problems = []
-    if d.format == "text" and d.text_field != "text" and files and not any(suffix_of(p) in RECORDS for _, p in files):
+    if not format_of(d).records and d.text_field != "text" and files and \
+            not any(suffix_of(p) in RECORDS for _, p in files):
         problems.append(("data.text_field", d.text_field, "names the field of JSON Lines, Parquet or Arrow records, "
                          f"and data.paths holds none ({len(files)} text file(s), each read whole as one document)",
                          "leave data.text_field unset, or data.paths= files of records"))
