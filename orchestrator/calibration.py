@@ -20,6 +20,7 @@ from omegaconf import DictConfig
 
 from common.problem import Problem
 from planning.plan_time import expected_times
+from planning.stage_time import Timing
 from runtime.cadence import WARMUP_STEPS_EXCLUDED
 
 FOLDER = "calibration"  # in the run's folder: the calibration's own run folder
@@ -38,12 +39,13 @@ def check(cfg: DictConfig) -> list:
     return []
 
 
-def wanted(cfg: DictConfig, to_run: list[str], store: Path, until: Optional[str]) -> bool:
+def wanted(cfg: DictConfig, to_run: list[str], store: Path, until: Optional[str], timing: Timing) -> bool:
     """Calibrate: asked to, the train stage is to run, and no comparable train was timed here (not for a run
     that stops after train anyway, as a layout trial, nor for a dry run or a data preview, which start nothing, nor
-    for a run no longer than its calibration would be: it times itself)."""
+    for a run no longer than its calibration would be: it times itself). timing: the run's (planning/stage_time.py)."""
     return bool(0 < cfg.plan.calibrate_steps < cfg.train.steps and "train" in to_run and until is None
-                and not cfg.dry_run and not cfg.data.preview and expected_times(cfg, ["train"], store)["train"].floor)
+                and not cfg.dry_run and not cfg.data.preview
+                and expected_times(cfg, timing, ["train"], store)["train"].floor)
 
 
 def calibration_run(cfg: DictConfig, run_dir: Path, overrides: list[str]) -> tuple[DictConfig, Path, list[str]]:

@@ -28,9 +28,8 @@ from orchestrator.tracking import later as tracking_later
 from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, absolute_uri, process_alive
 from orchestrator.tracking.tracker import run_name as short_run_name
 from planning import stage_time
-from planning.plan import partition_plan
 from planning.plan_time import STARTUP_SAID_S, actual_line
-from planning.stage_time import Expected
+from planning.stage_time import Expected, Timing
 from storage.fsio import atomic_write_json, disk_space, read_json
 
 ATTEMPT_FILE = "attempt.json"
@@ -86,7 +85,7 @@ def _run(run: RunPlan, overrides: list[str], sweep_run_id: Optional[str], follow
                     run_id = tracking.start_stage(ps.name, ps.key, {}, {"orchestrator.status": "not run"})
                     tracking.end_run(run_id, "KILLED")
                 continue
-            results[ps.name] = _run_stage(cfg, ps, cache, launches[ps.name], executor, tracking,
+            results[ps.name] = _run_stage(cfg, ps, cache, launches[ps.name], executor, tracking, run.timing,
                                           planned.get(ps.name))
             link_output(run_dir, ps.name, cache.entry(ps.name, ps.key))
     except KeyboardInterrupt:
@@ -100,7 +99,7 @@ def _run(run: RunPlan, overrides: list[str], sweep_run_id: Optional[str], follow
     console.print(result_table(list(results.values()), total))
     waited = sum(r.waited_s for r in results.values())
     if waited >= STARTUP_SAID_S:
-        stage_time.record(cfg, stage_time.STARTUP, waited, run_dir, cache.root, 0)
+        stage_time.record(run.timing, cfg.train, stage_time.STARTUP, waited, run_dir, cache.root)
     against = actual_line(planned, {r.name: r.seconds for r in results.values() if r.status == "ran"}, waited)
     if against and kind != "calibration":  # planned by a floor: the calibration is what makes the run's plan
         console.print(against, soft_wrap=True)
@@ -173,7 +172,9 @@ def _submit(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, Launc
 
 
 def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, executor,
-               tracking: Optional[Invocation], planned: Optional[Expected] = None) -> StageResult:
+               tracking: Optional[Invocation], timing: Timing, planned: Optional[Expected] = None) -> StageResult:
+    """Run one stage (or find it cached), and record its time for the next plan's (timing: the run's, what the
+    record is kept by)."""
     if ps.cached:  # verified by the plan; an entry never changes, so no lock (a read-only cache has none to take)
         return _cached(ps, cache, tracking)
     with _stage_lock(cache, ps):
@@ -214,8 +215,7 @@ def _run_stage(cfg: DictConfig, ps: PlannedStage, cache: Cache, launch: Launch, 
     if not ok:
         console.print(Panel(outcome.error or "unknown error", title=Text(f"stage {ps.name} failed"), style="red"))
         return StageResult(ps.name, ps.key, "failed", outcome.seconds, f"logs: {launch.log_dir}", outcome.error)
-    stage_time.record(cfg, ps.name, outcome.seconds, cache.entry(ps.name, ps.key), cache.root,
-                      partition_plan(cfg)["n_parameters"])  # for the next plan's time
+    stage_time.record(timing, cfg.train, ps.name, outcome.seconds, cache.entry(ps.name, ps.key), cache.root)
     return StageResult(ps.name, ps.key, "ran", outcome.seconds, _summary(ps, cache), waited_s=outcome.waited_s)
 
 

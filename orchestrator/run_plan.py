@@ -27,9 +27,9 @@ from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.report import Report, console, plan_table, plan_text
 from orchestrator.tracking.tracker import absolute_uri
 from planning import stage_time
-from planning.plan import compute_line, memory_line, objective_line, peft_line
+from planning.plan import Plan, compute_line, memory_line, objective_line, peft_line
 from planning.plan_time import continued_from, expected_times, planned_lines, time_line
-from planning.stage_time import Expected
+from planning.stage_time import Expected, Timing
 from plugins.data.corpus import TOKENS_DIR
 from plugins.data.tokenize_cost import plan_lines
 from plugins.data.preview import passes_line
@@ -59,28 +59,30 @@ class RunPlan:
     config_path: Path
     planned: dict[str, Optional[Expected]]  # each stage's expected time, for the line that compares
     t0: float  # when planning began (the run's total time counts from here)
+    timing: Timing  # what the stages' times are recorded by (planning/stage_time.py), worked out once a run
 
 
 def _count_epochs(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], plan: list, cache: Cache,
-                  tokenize_first) -> tuple[list, list[str], Optional[Report]]:
+                  figures: Plan, tokenize_first) -> tuple[list, Plan, list[str], Optional[Report]]:
     """train.epochs counted into train.steps from the tokenized split (orchestrator/epochs.py), the tokenize stage run
     first where it is not cached; then the counted steps validated and the run planned again (train's key is the
-    steps'). -> (the plan, its line, the tokenize run's Report where it failed)."""
+    steps'). -> (the stages, the point's plan (figures, where no steps were counted), the plan's line on epochs, the
+    tokenize run's Report where it failed)."""
     tokenize = next(ps for ps in plan if ps.name == "tokenize")
     if not tokenize.cached:
         if cfg.dry_run or cfg.data.preview or tokenize_first is None:
-            return plan, [epochs.not_counted(cfg)], None
+            return plan, figures, [epochs.not_counted(cfg)], None
         if not cfg.cluster.get("wait", True):  # the rest would be submitted with steps that nothing counted
             from orchestrator.config.errors import ConfigError
 
             raise ConfigError([epochs.needs_wait(cfg)])
         tokenized = tokenize_first(cfg, run_dir, overrides)
         if tokenized.exit_code:
-            return plan, [], tokenized
+            return plan, figures, [], tokenized
         tokenize = next(ps for ps in make_plan(cfg, all_stages(until), cache) if ps.name == "tokenize")
     line = epochs.resolve(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
-    validate(cfg, overrides)  # the counted steps against every rule (cadences, warm-up, the disk their saves take)
-    return make_plan(cfg, all_stages(until), cache), [line], None
+    figures = validate(cfg, overrides)  # the counted steps against every rule (cadences, warm-up, their saves' disk)
+    return make_plan(cfg, all_stages(until), cache), figures, [line], None
 
 
 def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], kind: str,
@@ -99,7 +101,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             console.rule(Text(heading))
         fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
         choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
-        validate(cfg, overrides)
+        figures = validate(cfg, overrides)  # the point's plan, made once: the printout and the run read this one
         startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
                    and not fork_server.running())
         executor = _executor(cfg.cluster)
@@ -114,11 +116,13 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         _check_cache_writable(cfg, plan, cache)
         counted: list[str] = []
         if epochs.wanted(cfg) and any(ps.name == "train" for ps in plan):
-            plan, counted, stopped = _count_epochs(cfg, run_dir, overrides, until, plan, cache, tokenize_first)
+            plan, figures, counted, stopped = _count_epochs(cfg, run_dir, overrides, until, plan, cache, figures,
+                                                            tokenize_first)
             if stopped is not None:
                 return stopped
         to_run = [ps.name for ps in plan if not ps.cached]
-        if calibration.wanted(cfg, to_run, cache.root, until):
+        timing = stage_time.timing_of(cfg, figures.n_parameters)  # what the stages' times are kept and found by
+        if calibration.wanted(cfg, to_run, cache.root, until, timing):
             timed = calibrate(cfg, run_dir, overrides, cache)
             if timed.exit_code:
                 return timed
@@ -126,17 +130,17 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             to_run = [ps.name for ps in plan if not ps.cached]
         tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
         estimating = "the plan's estimates (planning/plan.py, plan_time.py, plugins/data/corpus.py)"
-        with refusing("overrides", " ".join(overrides), estimating):
+        with refusing("overrides", " ".join(overrides), estimating):  # the lines read the point's plan (figures)
+            train = next((ps for ps in plan if ps.name == "train"), None)
+            first_step, continuing = continued_from(cfg, train.resumes_at if train else None)
+            planned = expected_times(cfg, timing, to_run, cache.root, startup, first_step)
+            times = [time_line(cfg, figures, bool({"train", "aggregate"} & set(to_run)), first_step), *continuing,
+                     *planned_lines(planned, timing.where)]
+            memory, objective = memory_line(figures, orchestrator_bytes(cfg)), objective_line(cfg, figures)
+            estimates = [*peft_line(cfg.peft, figures.parameters), *objective, memory, compute_line(cfg), *times]
             data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
             if tokenize and tokenize.cached and "train" in to_run:  # its counts are known: what the steps draw
                 data += passes_line(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
-            train = next((ps for ps in plan if ps.name == "train"), None)
-            first_step, continuing = continued_from(cfg, train.resumes_at if train else None)
-            planned = expected_times(cfg, to_run, cache.root, startup, first_step)
-            estimates = [*peft_line(cfg), *objective_line(cfg), memory_line(cfg, orchestrator_bytes(cfg)),
-                         compute_line(cfg),
-                         time_line(cfg, saving=bool({"train", "aggregate"} & set(to_run)), first_step=first_step),
-                         *continuing, *planned_lines(planned, stage_time.where(cfg))]
 
         run_dir = run_dir.resolve()
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -168,7 +172,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             return Report(run_dir)
         if not to_run:
             console.print("every stage is cached: nothing to run")
-    return RunPlan(cfg, plan, to_run, launches, cache, executor, run_dir, config_path, planned, t0)
+    return RunPlan(cfg, plan, to_run, launches, cache, executor, run_dir, config_path, planned, t0, timing)
 
 
 def data_preview(cfg) -> list:

@@ -28,11 +28,11 @@ def pipeline_stages(n_layers: int, pp: int, chunks: int, schedule: str) -> list[
 
 def build_plan(model_cfg, parallel_cfg, peft_cfg=None) -> dict:
     """peft_cfg (peft=lora): the adapters are parameters of the plan, and each parameter says whether it trains."""
+    stages = pipeline_stages(model_cfg.n_layers, parallel_cfg.pp, parallel_cfg.pp_chunks, parallel_cfg.pp_schedule)
     spec = get_model(model_cfg.name)
     full = build_on_meta(spec, model_cfg)
     if peft_cfg is not None and peft_cfg.name == "lora":
         apply_lora(full, peft_cfg)
-    stages = pipeline_stages(model_cfg.n_layers, parallel_cfg.pp, parallel_cfg.pp_chunks, parallel_cfg.pp_schedule)
     holders: dict[str, list[int]] = {}
     for st in stages:
         module = spec.split(copy.deepcopy(full), st["layers"], st["embedding"], st["head"])

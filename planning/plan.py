@@ -1,12 +1,12 @@
 """The planning pass: once per experiment point, the partition plan, the memory estimate per train rank and per
 stage, what a rank and a one-process stage may use, and the bytes written. Validation refuses what the plan says
-cannot fit; the printed plan shows the same figures (they are computed once, here).
+cannot fit; the printed plan shows the same figures. They are computed once a point, by plan_of: validation
+makes the Plan and returns it, and the orchestrator passes that one to the printout, tune and the run.
 
 The lines on time are planning/plan_time.py's: they measure this machine's matmul rate and disk speed, which only
 a run needs."""
 from __future__ import annotations
 
-import json
 import math
 import shutil
 from dataclasses import dataclass
@@ -35,36 +35,45 @@ class Plan:
     host_limit: int                  # what a one-process stage may use (0: unknown) ...
     host_limit_where: str
 
+    @property
+    def n_parameters(self) -> int:
+        return self.partition["n_parameters"]
 
-_PARTITIONS: dict[str, dict] = {}
-_PLANS: dict[str, Plan] = {}
+    @property
+    def parameters(self) -> dict:
+        return self.partition["parameters"]
 
 
 def partition_plan(cfg) -> dict:
-    """The layout's partition plan (built on the meta device: no memory), once per model and layout."""
+    """The layout's partition plan (built on the meta device: no memory)."""
     from planning.partition import build_plan
 
-    key = json.dumps([OmegaConf.to_container(cfg[k], resolve=True) for k in ("model", "parallel", "peft")],
-                     sort_keys=True)
-    if key not in _PARTITIONS:
-        _PARTITIONS[key] = build_plan(cfg.model, cfg.parallel, cfg.peft)
-    return _PARTITIONS[key]
+    return build_plan(cfg.model, cfg.parallel, cfg.peft)
+
+
+class EstimatesFailed(Exception):
+    """The plan's estimates stopped (the exception is the cause) once its partition plan was made, which it carries
+    for the checks that read the partition alone (train.init_from's)."""
+
+    @property
+    def partition(self) -> dict:
+        return self.args[0]
 
 
 def plan_of(cfg) -> Plan:
-    """The plan of this experiment point, computed on first use and then read (validation, the printout, tune)."""
-    key = json.dumps(OmegaConf.to_container(cfg, resolve=True), sort_keys=True, default=str)
-    if key not in _PLANS:
-        partition = partition_plan(cfg)
-        _PLANS[key] = Plan(partition, estimate(cfg, partition), *available_bytes(cfg), stage_costs(cfg, partition),
-                           stage_costs(cfg, partition, onnx=False)["aggregate"], *host_bytes(cfg))
-    return _PLANS[key]
+    """The plan of this experiment point. Validation computes it (orchestrator/config/validate.py) and returns it; the
+    printout, tune and the run read that one. Raises what building the partition plan raised, or EstimatesFailed."""
+    partition = partition_plan(cfg)
+    try:
+        return Plan(partition, estimate(cfg, partition), *available_bytes(cfg), stage_costs(cfg, partition),
+                    stage_costs(cfg, partition, onnx=False)["aggregate"], *host_bytes(cfg))
+    except Exception as e:  # noqa: BLE001 (said by validation as the plan check's; the partition goes with it)
+        raise EstimatesFailed(partition) from e
 
 
-def memory_line(cfg, orchestrator: int = 0) -> str:
+def memory_line(p: Plan, orchestrator: int = 0) -> str:
     """The plan's lines on memory: a train rank's estimate against what it may use, then what the stages around
     training need (one process each) and write; `orchestrator`: what the process printing the plan holds."""
-    p = plan_of(cfg)
     of = f" of {p.rank_limit / GB:,.1f} GB ({p.rank_limit_where})" if p.rank_limit else f" ({p.rank_limit_where})"
     stages = "; ".join(f"{name} {c.peak / GB:,.2f} GB ({c.what})" for name, c in p.stages.items())
     host = f", of {p.host_limit / GB:,.1f} GB ({p.host_limit_where})" if p.host_limit else f" ({p.host_limit_where})"
@@ -78,24 +87,25 @@ def _size(n: int) -> str:
     return f"{n / GB:,.2f} GB" if n >= GB else f"{n / 2**20:,.1f} MB"
 
 
-def peft_line(cfg) -> list[str]:
-    """peft=lora: what trains, and what stays frozen (no gradient, no optimizer state, not in the checkpoints)."""
+def peft_line(peft, params: dict) -> list[str]:
+    """peft=lora: what trains, and what stays frozen (no gradient, no optimizer state, not in the checkpoints);
+    params: the partition plan's parameters."""
     from plugins.models.lora import describe
 
-    params = partition_plan(cfg)["parameters"]
     trained = sum(math.prod(p["shape"]) for p in params.values() if p.get("trainable", True) and not p["tied_to"])
     adapted = {name.rsplit(".", 2)[-2] for name in params if name.endswith(".lora_A")}
-    line = describe(cfg.peft, trained, sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"]),
+    line = describe(peft, trained, sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"]),
                     adapted)
     return [line] if line else []
 
 
-def objective_line(cfg) -> list[str]:
+def objective_line(cfg, p: Plan) -> list[str]:
     """An objective other than the default's: what it minimises (its spec's words), and where the reference model's
-    log-probabilities come from, at what cost, where it takes them."""
+    log-probabilities come from, at what cost (from the point's plan, p), where it takes them."""
     o = cfg.get("objective")
     if o is None:
         return []
+    from planning.partition import adapters_are_the_difference
     from plugins.objectives import get_objective
     from plugins.objectives.reference import cached, needs_reference
 
@@ -103,24 +113,25 @@ def objective_line(cfg) -> list[str]:
     if spec.loss is None:
         return []  # next-token cross-entropy: the compute line says how
     loss = f"objective: {spec.describe(o)}"
+    policy_is_reference = adapters_are_the_difference(cfg)  # LoRA training nothing else: no second model online
     if not needs_reference(cfg):
         return [loss]
+    online = not cached(cfg)
+    mismatched = " and of its mismatched rows, which the policy scores too (no gradient)" if spec.mismatched else ""
     from planning.estimate import reference_bytes
-    from planning.partition import adapters_are_the_difference
     from plugins.parallel import world_size
     from storage import adapters
 
     source = adapters.reference_of(cfg)
     model = (f"{source}'s weights" + (": LoRA's base, the adapters off" if cfg.peft.name == "lora" else "")) \
         if source else f"train.seed={cfg.train.seed}'s initialisation"
-    p = plan_of(cfg)
     weights = reference_bytes(cfg, p.partition)
-    if not cached(cfg) and adapters_are_the_difference(cfg):
+    if online and policy_is_reference:
         return [f"{loss}; the reference model ({model}) online: the policy with its adapters off, one more "
-                "forward of every batch's rows (no second model)"]
-    if not cached(cfg):
+                f"forward of every batch's rows{mismatched} (no second model)"]
+    if online:
         return [f"{loss}; the reference model ({model}) online: a frozen copy beside the policy on every "
-                f"rank ({_size(weights)}, in the memory line), one more forward of every batch's rows"]
+                f"rank ({_size(weights)}, in the memory line), one more forward of every batch's rows{mismatched}"]
     rank = weights + p.rank.activations + p.rank.runtime
     return [f"{loss}; the reference stage scores every pair of both splits once with the reference model ({model}), "
             f"as {world_size(cfg.parallel)} rank(s) of at most {_size(rank)} each (its weights "
@@ -151,10 +162,9 @@ def compute_line(cfg) -> str:
     return f"{head}; {rows}"
 
 
-def check(cfg, disk: bool = True) -> list[Problem]:
-    """What the plan knows cannot fit: a train rank, a one-process stage, the disk (disk=False where the folders
-    themselves are refused)."""
-    p = plan_of(cfg)
+def check(cfg, p: Plan, disk: bool = True) -> list[Problem]:
+    """What the point's plan (p) knows cannot fit: a train rank, a one-process stage, the disk (disk=False where the
+    folders themselves are refused)."""
     return _rank_problems(cfg, p) + _stage_problems(cfg, p) + (_disk_problems(cfg, p) if disk else [])
 
 
@@ -187,7 +197,7 @@ def _lora_fits(cfg, limit: int) -> str:
     if cfg.peft.name != "none" or not (cfg.train.init_from or "").startswith("hf:"):
         return ""
     lora = OmegaConf.merge(cfg, {"peft": {"name": "lora"}})
-    need = plan_of(lora).rank.total
+    need = estimate(lora, partition_plan(lora)).total  # the rank's estimate of that other point's plan
     return f"peft=lora (a LoRA fine-tune of this model needs about {need / GB:,.1f} GB a rank: the frozen weights " \
            "have no gradients and no optimizer state)" if need <= limit else ""
 
@@ -238,8 +248,8 @@ def _example_problems(cfg, avail: int, where: str) -> list[Problem]:
                                 f"export.sample_batch+1 example sequences through torch and ONNX Runtime: about "
                                 f"{need / GB:,.1f} GB, more than the {avail / GB:,.1f} GB it may use ({where})",
                                 f"export.sample_batch={fits}" if fits >= 1 else "a smaller export.sample_seq"))
-    if cfg.data.name == "synthetic" and 16 * cfg.data.synthetic_tokens > room:  # the fix offers half the room:
-        # what is free moves between runs, and a fix sized to the byte would be refused in turn
+    if cfg.data.name in source_names() and get_source(cfg.data.name).drawn_bytes(cfg.data) > room:  # the fix
+        # offers half the room: what is free moves between runs, and a fix sized to the byte would be refused in turn
         problems.append(Problem("data.synthetic_tokens", cfg.data.synthetic_tokens, f"the synthetic stream is drawn "
                                 f"in memory, 16 bytes a token: {16 * cfg.data.synthetic_tokens / GB:,.1f} GB, more "
                                 f"than the {avail / GB:,.1f} GB it may use ({where})",

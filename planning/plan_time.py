@@ -8,20 +8,20 @@ from typing import Optional
 
 from planning import stage_time
 from planning.estimate import matmul_rate, step_flops
-from planning.plan import checkpoint_saves, partition_plan, plan_of
+from planning.plan import Plan, checkpoint_saves
 from planning.stage_time import Expected
 from plugins.parallel import world_size
 from runtime.threads import rank_threads, usable_cores
 from storage.disk_speed import aggregate_kind, rates_for, size_text
 
 
-def time_line(cfg, saving: bool = True, first_step: int = 0) -> str:
+def time_line(cfg, plan: Plan, saving: bool = True, first_step: int = 0) -> str:
     """The plan's lines on time: the step's FLOPs against this machine's matmul rate, measured now, and the saves'
     and the aggregate's bytes against this disk's write rate, measured now. Floors, not forecasts: the rest of a
     step (attention, norms, the optimizer, communication, pipeline bubbles) and the aggregate's checks come on top.
     A dry run does not measure (it only plans); saving=False (train and aggregate cached) leaves the disk out.
-    first_step: the step a continued run starts from (the steps before it are not taken again)."""
-    flops = step_flops(cfg, partition_plan(cfg)["n_parameters"])
+    first_step: the step a continued run starts from (the steps before it are not taken again). plan: the point's."""
+    flops = step_flops(cfg, plan.n_parameters)
     head = f"time: {flops / 1e12:,.3f} TFLOP per step"
     if cfg.dry_run or cfg.data.get("preview"):
         return (f"{head}; this machine's matmul rate and disk speed are measured when the run starts (not in a "
@@ -29,28 +29,30 @@ def time_line(cfg, saving: bool = True, first_step: int = 0) -> str:
     if cfg.cluster.name == "slurm":
         steps = f"{head}; the rate is not estimated here (the stages run on the cluster's nodes)"
     else:
-        floor, rate, where = step_floor(cfg)
+        floor, rate, where = step_floor(cfg, flops)
         n = cfg.train.steps - first_step
         which = f"the {n} steps from step {first_step}" if first_step else f"{n} steps"
         steps = (f"{head}; matmuls here run at {rate / 1e9:,.0f} GFLOP/s ({where}, measured now), so a step takes at "
                  f"least {duration(floor)} and {which} at least {duration(floor * n)}")
-    evaluate = f"\n  {evaluate_time(cfg)}" if cfg.evaluate.tasks and cfg.cluster.name != "slurm" else ""
-    return (f"{steps}\n  {saves_line(cfg)}" if saving else steps) + evaluate
+    evaluate = (f"\n  {evaluate_time(cfg.evaluate, plan.n_parameters)}"
+                if cfg.evaluate.tasks and cfg.cluster.name != "slurm" else "")
+    return (f"{steps}\n  {saves_line(cfg, plan)}" if saving else steps) + evaluate
 
 
-def expected_times(cfg, to_run: list[str], store: Path, startup: bool = False,
+def expected_times(cfg, timing: stage_time.Timing, to_run: list[str], store: Path, startup: bool = False,
                    first_step: int = 0) -> dict[str, Optional[Expected]]:
     """The stages that will run, each's time from what ran here before (planning/stage_time.py); the train stage's
     floor where no comparable run was measured, except on SLURM (this host's matmuls say nothing of the nodes'), and
     in a dry run or data preview, which measure nothing (records alone are read there). startup: the stage
     processes' imports are still to come (a local run's fork server not started yet), timed as the stage
     "start-up". A SLURM job's wait in the queue is not estimated. first_step: the step the train stage continues
-    from (its own or an adopted checkpoint's, or train.init_from's: continued_from)."""
+    from (its own or an adopted checkpoint's, or train.init_from's: continued_from). timing: the run's
+    (stage_time.timing_of)."""
     slurm = cfg.cluster.name == "slurm"
-    found = stage_time.expected(cfg, [stage_time.STARTUP] * bool(startup and to_run and not slurm) + to_run, store,
-                                partition_plan(cfg)["n_parameters"], first_step)
+    found = stage_time.expected(timing, cfg.train, [stage_time.STARTUP] * bool(startup and to_run and not slurm)
+                                + to_run, store, first_step)
     if "train" in found and found["train"] is None and not (slurm or cfg.dry_run or cfg.data.get("preview")):
-        floor, rate, where = step_floor(cfg)
+        floor, rate, where = step_floor(cfg, timing.step_flops)
         found["train"] = Expected(floor * (cfg.train.steps - first_step), f"at least: its matmuls at "
                                   f"{rate / 1e9:,.0f} GFLOP/s "
                                   f"({where}); no run of this layout measured here yet", floor=True)
@@ -124,26 +126,26 @@ def _against(ran: list[tuple[str, float, Optional[Expected]]]) -> str:
     return f"time against the plan: {what} took {duration(took)}, {ratio}{duration(total)} planned ({each})"
 
 
-def evaluate_time(cfg) -> str:
+def evaluate_time(evaluate, n_parameters: int) -> str:
     """The evaluate stage's floor: a forward pass (2 FLOPs per parameter and token) over its tasks' local data, at
     least a token per 4 bytes (a byte tokenizer's 1, a BPE's 3-4), in fp32 on one GPU or this machine's cores."""
     import torch
 
     from plugins.evaluate.harness import data_bytes
 
-    nbytes, unknown = data_bytes(cfg.evaluate)
+    nbytes, unknown = data_bytes(evaluate)
     rate = matmul_rate("cuda", "fp32", 1) if torch.cuda.is_available() else matmul_rate("cpu", "fp32", usable_cores())
-    flops = 2.0 * partition_plan(cfg)["n_parameters"] * nbytes / 4
+    flops = 2.0 * n_parameters * nbytes / 4
     others = f" ({', '.join(unknown)}: data not known before it is read)" if unknown else ""
     return (f"evaluate: at least {duration(flops / rate)} for its tasks' {size_text(nbytes)} of local data"
             f"{others}, each multiple-choice answer a pass of its own")
 
 
-def saves_line(cfg) -> str:
+def saves_line(cfg, plan: Plan) -> str:
     """The checkpoints' and the aggregate's time at this disk's rate (cache_dir's, shared by the nodes on SLURM):
     a save or an aggregate of about that size measured here before, else a file written now (storage.disk_speed)."""
-    t, p = cfg.train, plan_of(cfg)
-    checkpoint, aggregate = p.stages["checkpoint"].writes, p.stages["aggregate"].writes
+    t = cfg.train
+    checkpoint, aggregate = plan.stages["checkpoint"].writes, plan.stages["aggregate"].writes
     saves = checkpoint_saves(t)
     root = Path(cfg.cache_dir).resolve()
     try:
@@ -164,8 +166,8 @@ def _timed(nbytes: int, rate) -> str:
             f"{rate.bytes_per_s / 2**20:,.0f} MB/s ({rate.source})")
 
 
-def step_floor(cfg) -> tuple[float, float, str]:
-    """(seconds a train step takes at least here, the matmul rate measured now, what measured it)."""
+def step_floor(cfg, flops: float) -> tuple[float, float, str]:
+    """(seconds a train step of `flops` takes at least here, the matmul rate measured now, what measured it)."""
     import torch
 
     ranks = world_size(cfg.parallel)
@@ -175,7 +177,7 @@ def step_floor(cfg) -> tuple[float, float, str]:
     else:
         threads = min(usable_cores(), rank_threads(cfg.cluster.get("threads_per_rank"), ranks) * ranks)
         rate, where = matmul_rate("cpu", "fp32", threads), f"{threads} CPU thread(s)"
-    return step_flops(cfg, partition_plan(cfg)["n_parameters"]) / rate, rate, where
+    return flops / rate, rate, where
 
 
 def duration(seconds: float) -> str:

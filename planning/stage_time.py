@@ -40,11 +40,27 @@ class Expected:
     floor: bool = False  # nothing comparable measured: a lower bound
 
 
+@dataclass(frozen=True)
+class Timing:
+    """What a run's records are kept and found by, worked out once a run (timing_of) for its plan and its records."""
+    machine: str         # machine(): where and how the stages run
+    train_kind: str      # train_kind(): what else makes a train step of the same FLOPs faster or slower
+    where: str           # where(): the machine, as the plan says it
+    n_parameters: int    # the model's (the plan's partition), which scales a stage other than train
+    step_flops: float    # a train step's, which scales a measured step
+
+
+def timing_of(cfg, n_parameters: int) -> Timing:
+    """The point's Timing; n_parameters: its plan's."""
+    kind, said, flops = train_kind(cfg), where(cfg), step_flops(cfg, n_parameters)
+    return Timing(machine(cfg), kind, said, n_parameters, flops)
+
+
 def machine(cfg) -> str:
     """Where and how the stages run: the GPU by its name, else this machine's cores, and the executor (cluster=debug
     starts no processes; a record of another machine says nothing of this one). On SLURM the nodes, as the job's
     request names them: the partition, the resources per task, the nodes (this host is not one of them)."""
-    from runtime.machine import ranks_on_cuda
+    from runtime.machine import has_cuda
 
     ranks = f"{world_size(cfg.parallel)} rank(s), cluster={cfg.cluster.name}"
     if cfg.cluster.name == "slurm":
@@ -52,7 +68,7 @@ def machine(cfg) -> str:
         sbatch = json.dumps(OmegaConf.to_container(c.sbatch), sort_keys=True) if c.sbatch else "{}"
         return (f"{where(cfg)}, {c.gpus_per_task} GPU(s) and {c.cpus_per_task or c.threads_per_rank or 1} CPU(s) "
                 f"per task, {c.nodes} node(s), sbatch {sbatch}, {ranks}")
-    if ranks_on_cuda(cfg)[0]:
+    if has_cuda():  # off SLURM the ranks get this machine's GPUs (runtime.machine.ranks_on_cuda)
         import torch
 
         return f"{torch.cuda.get_device_name()}, {ranks}"
@@ -71,39 +87,42 @@ def train_kind(cfg) -> str:
             f"{cfg.memory.level}, {cfg.precision.name}, {cfg.engine.name}, compiled {bool(cfg.triton.enabled)}")
 
 
-def expected(cfg, stages: list[str], store: Path, n_parameters: int,
+def expected(timing: Timing, train, stages: list[str], store: Path,
              first_step: int = 0) -> dict[str, Optional[Expected]]:
     """Each stage's estimate from the records in `store` (None where none is comparable; the train stage's floor
-    is the caller's: it needs this machine's matmul rate). first_step: the step the train stage continues from."""
-    kept, here = measured.read(Path(store) / TIMES), machine(cfg)
+    is the caller's: it needs this machine's matmul rate). train: the config's; first_step: the step the train stage
+    continues from."""
+    kept = measured.read(Path(store) / TIMES)
     out: dict[str, Optional[Expected]] = {}
     for stage in stages:
-        mine = [r for r in kept if r.get("stage") == stage and r.get("machine") == here]
+        mine = [r for r in kept if r.get("stage") == stage and r.get("machine") == timing.machine]
         if stage == "train":
-            mine = [r for r in mine if r.get("kind") == train_kind(cfg) and r.get("step_flops")]
+            mine = [r for r in mine if r.get("kind") == timing.train_kind and r.get("step_flops")]
             if mine:
-                r, flops = mine[-1], step_flops(cfg, n_parameters)
+                r, flops = mine[-1], timing.step_flops
                 step = r["step_s"] * flops / r["step_flops"]
                 steps = (f"{_short(step)} a step: {_short(r['step_s'])} at {r['step_flops'] / 1e9:,.2f} GFLOP measured "
-                         f"{where(cfg)} {r['when']}, scaled to {flops / 1e9:,.2f}")
-                besides, how = _besides_steps(r, pauses(cfg.train, first_step))
-                out[stage] = Expected((cfg.train.steps - first_step) * step + besides, f"{steps}; {how}")
+                         f"{timing.where} {r['when']}, scaled to {flops / 1e9:,.2f}")
+                besides, how = _besides_steps(r, pauses(train, first_step))
+                out[stage] = Expected((train.steps - first_step) * step + besides, f"{steps}; {how}")
             else:
                 out[stage] = None
         elif mine:
             r = mine[-1]
-            scale = 1.0 if stage == STARTUP else max(1.0, n_parameters / max(r.get("parameters", 1), 1))
-            out[stage] = Expected(r["seconds"] * scale, f"measured {where(cfg)} {r['when']}"
+            scale = 1.0 if stage == STARTUP else max(1.0, timing.n_parameters / max(r.get("parameters", 1), 1))
+            out[stage] = Expected(r["seconds"] * scale, f"measured {timing.where} {r['when']}"
                                   + (f", x{scale:,.1f} for the parameters" if scale > 1 else ""))
         else:
             out[stage] = None
     return out
 
 
-def record(cfg, stage: str, seconds: float, out: Path, store: Path, n_parameters: int) -> None:
-    """A stage that ran here, for the next plan. The train stage's steps come from its metrics.jsonl; one that
-    continued a checkpoint is left out (its time covers part of the steps, and its start-up a restore)."""
-    entry = {"stage": stage, "machine": machine(cfg), "seconds": float(seconds), "parameters": int(n_parameters),
+def record(timing: Timing, train, stage: str, seconds: float, out: Path, store: Path) -> None:
+    """A stage that ran here, for the next plan (timing: the run's; train: its config's). The train stage's steps come
+    from its metrics.jsonl; one that continued a checkpoint is left out (its time covers part of the steps, and its
+    start-up a restore)."""
+    entry = {"stage": stage, "machine": timing.machine, "seconds": float(seconds),
+             "parameters": 0 if stage == STARTUP else int(timing.n_parameters),  # the start-up: not the model's size
              "when": measured.now()}
     if stage == "train":
         try:
@@ -115,12 +134,12 @@ def record(cfg, stage: str, seconds: float, out: Path, store: Path, n_parameters
         times = [r["step_time_s"] for r in steps]
         if summary.get("resumed_from_step") or not times:
             return
-        entry.update(kind=train_kind(cfg), step_flops=step_flops(cfg, n_parameters),
+        entry.update(kind=timing.train_kind, step_flops=timing.step_flops,
                      step_s=statistics.median(times[WARMUP_STEPS_EXCLUDED:] or times),
                      fixed_s=max(0.0, seconds - sum(times)))
         if all("time" in r for r in steps):  # when each step ended: what lies between them is the pauses'
             span = steps[-1]["time"] - steps[0]["time"] + times[0]
-            between, n = max(0.0, span - sum(times)), pauses(cfg.train)
+            between, n = max(0.0, span - sum(times)), pauses(train)
             entry.update(start_s=max(0.0, seconds - span) + (0.0 if n else between),
                          pause_s=between / n if n else None)
     measured.append(Path(store) / TIMES, entry, KEPT)

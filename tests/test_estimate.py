@@ -20,7 +20,7 @@ COMMON = ["model=gpt_small", "train.batch_size=8", "train.seq_len=256", "train.s
 
 
 def test_the_plan_states_the_estimate():
-    line = memory_line(make_cfg())
+    line = memory_line(plan_of(make_cfg()))
     assert line.startswith("memory: ") and "GB per rank at its peak" in line and "available RAM" in line
 
 
@@ -33,15 +33,15 @@ def test_the_plan_states_the_evaluate_stage_s_memory_and_time_and_refuses_what_c
     logits = 2 * 8 * plain.model.max_seq_len * plain.model.vocab_size * 4
     assert plan_of(onnx).stages["evaluate"].peak - plan_of(plain).stages["evaluate"].peak == int(1.2 * weights)
     assert plan_of(plain).stages["evaluate"].peak >= weights + logits
-    assert "evaluate " in memory_line(onnx) and "ONNX Runtime's copy" in memory_line(onnx)
-    assert "evaluate" not in memory_line(make_cfg())
-    evaluate = time_line(plain, saving=False).split("\n")[-1]
+    assert "evaluate " in memory_line(plan_of(onnx)) and "ONNX Runtime's copy" in memory_line(plan_of(onnx))
+    assert "evaluate" not in memory_line(plan_of(make_cfg()))
+    evaluate = time_line(plain, plan_of(plain), saving=False).split("\n")[-1]
     assert re.match(r"  evaluate: at least [\d.,]+ m?s for its tasks' [\d.]+ KB of local data, each", evaluate), evaluate
     from planning.plan import check
 
     huge = make_cfg("evaluate.tasks=[arith_mc]", "evaluate.batch_size=4096", "model.max_seq_len=4096",
                     "model.vocab_size=65536")
-    assert any(p.key == "evaluate.batch_size" for p in check(huge, disk=False))
+    assert any(p.key == "evaluate.batch_size" for p in check(huge, plan_of(huge), disk=False))
 
 
 def test_lora_s_frozen_base_is_counted_without_gradients_or_state_and_offered_where_a_full_fine_tune_does_not_fit():
@@ -50,12 +50,13 @@ def test_lora_s_frozen_base_is_counted_without_gradients_or_state_and_offered_wh
     from planning.plan import check
 
     args = ("model=llama_1b", "train.init_from=hf:/x", "cluster=slurm", "cluster.mem_per_task_gb=16", "dry_run=true")
-    (refused,) = [p for p in check(make_cfg(*args), disk=False) if p.key == "parallel"]
+    (refused,) = [p for p in check(make_cfg(*args), plan_of(make_cfg(*args)), disk=False) if p.key == "parallel"]
     assert refused.fix.startswith("peft=lora (a LoRA fine-tune of this model needs about 13."), refused.fix
     lora = plan_of(make_cfg(*args, "peft=lora")).rank
     full = plan_of(make_cfg(*args)).rank
     assert lora.parameters == full.parameters + lora.gradients and lora.optimizer < full.optimizer / 100
-    assert lora.gradients < full.gradients / 100 and check(make_cfg(*args, "peft=lora"), disk=False) == []
+    lora_cfg = make_cfg(*args, "peft=lora")
+    assert lora.gradients < full.gradients / 100 and check(lora_cfg, plan_of(lora_cfg), disk=False) == []
 
 
 def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
@@ -64,7 +65,7 @@ def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     n = partition_plan(cfg)["n_parameters"]
     tokens = cfg.train.batch_size * cfg.train.seq_len
     assert step_flops(cfg, n) == tokens * (6 * n + 12 * cfg.model.n_layers * cfg.model.d_model * cfg.train.seq_len)
-    steps, saves = time_line(cfg).split("\n")
+    steps, saves = time_line(cfg, plan_of(cfg)).split("\n")
     assert re.match(r"time: [\d.,]+ TFLOP per step; matmuls here run at [\d,]+ GFLOP/s \(\d+ CPU thread", steps), steps
     assert "so a step takes at least" in steps and "1000 steps at least" in steps
     # saves at 300, 600, 900 and the last step; nothing measured here yet: a 64 MB file, written then removed (a
@@ -80,7 +81,7 @@ def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     record(cache, "checkpoint", checkpoint // 3, 1.0)
     record(cache, "checkpoint", checkpoint // 2, 2.0)
     assert re.search(rf"each about 4.0 s at [\d,]+ MB/s \(checkpoint of {checkpoint / 2 / 2**20:.1f} MB measured here, "
-                     r"\d{4}-\d\d-\d\d \d\d:\d\d\)", time_line(cfg)), time_line(cfg)
+                     r"\d{4}-\d\d-\d\d \d\d:\d\d\)", _time_line(cfg)), _time_line(cfg)
     record(cache, "checkpoint", 10**9, 0.0)  # no time: nothing kept
     assert rates_for(cache, {"checkpoint": checkpoint})["checkpoint"].bytes_per_s == checkpoint // 2 / 2.0
     (cache / RECORDS).write_text("{not json")  # a damaged record file: measured afresh, then written anew
@@ -88,11 +89,30 @@ def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     record(cache, "checkpoint", checkpoint, 3.0)
     assert rates_for(cache, {"checkpoint": checkpoint})["checkpoint"].bytes_per_s == checkpoint / 3.0
 
-    assert "written in the background" in time_line(make_cfg("train.async_checkpoint=async", f"cache_dir={cache}"))
-    assert "not estimated here" in time_line(make_cfg("cluster=slurm", f"cache_dir={cache}"))
-    assert "\n" not in time_line(cfg, saving=False)  # train and aggregate cached: nothing to write
+    assert "written in the background" in _time_line(make_cfg("train.async_checkpoint=async", f"cache_dir={cache}"))
+    assert "not estimated here" in _time_line(make_cfg("cluster=slurm", f"cache_dir={cache}"))
+    assert "\n" not in time_line(cfg, plan_of(cfg), saving=False)  # train and aggregate cached: nothing to write
     dry = make_cfg("dry_run=true", f"cache_dir={tmp_path / 'dry'}")
-    assert "measured when the run starts" in time_line(dry) and not (tmp_path / "dry").exists()
+    assert "measured when the run starts" in _time_line(dry) and not (tmp_path / "dry").exists()
+
+
+def _time_line(cfg) -> str:
+    """The plan's lines on time for cfg, its plan made as validation makes it."""
+    return time_line(cfg, plan_of(cfg))
+
+
+def _timing(cfg):
+    """What cfg's stage times are kept and found by, as a run works it out (orchestrator/run_plan.py)."""
+    from planning.stage_time import timing_of
+
+    return timing_of(cfg, partition_plan(cfg)["n_parameters"])
+
+
+def _expected(cfg, stages: list[str], store: Path, first_step: int = 0) -> dict:
+    """plan_time.expected_times for cfg, by its timing."""
+    from planning.plan_time import expected_times
+
+    return expected_times(cfg, _timing(cfg), stages, store, first_step=first_step)
 
 
 def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tmp_path):
@@ -100,11 +120,14 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     FLOPs, and the time besides the steps as it was; another stage its recorded time, more for more parameters,
     never less; a stage never run here has no figure, and the train stage of a layout never run here its floor,
     each said so. After the run, each stage against its plan."""
+    from dataclasses import replace
+
     from planning import stage_time
-    from planning.plan_time import actual_line, expected_times, planned_lines
+    from planning.plan_time import actual_line, planned_lines
 
     cfg = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", f"cache_dir={tmp_path}")
-    n = partition_plan(cfg)["n_parameters"]
+    timing = _timing(cfg)
+    n = timing.n_parameters
     out = tmp_path / "train"
     out.mkdir()
     step_s = [0.5, 0.5, 0.5] + [0.1] * 7
@@ -112,14 +135,16 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": 1.0, "step_time_s": step_s[i],
                                                            "time": ended[i]}) + "\n" for i in range(10)))
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
-    stage_time.record(cfg, "train", 3.0, out, tmp_path, n)  # 2.2 s of steps, a 0.4 s pause: 0.4 s to start and end
-    stage_time.record(cfg, "export", 4.0, out, tmp_path, n // 2)  # half the parameters: twice the time
-    stage_time.record(cfg, "transform", 1.0, out, tmp_path, n * 4)  # a larger model's: no less than it took
+    # 2.2 s of steps and a 0.4 s pause: 0.4 s to start and end; then the stages of a model of half the parameters
+    # (twice the time for this one) and of four times them (no less than it took)
+    stage_time.record(timing, cfg.train, "train", 3.0, out, tmp_path)
+    stage_time.record(replace(timing, n_parameters=n // 2), cfg.train, "export", 4.0, out, tmp_path)
+    stage_time.record(replace(timing, n_parameters=n * 4), cfg.train, "transform", 1.0, out, tmp_path)
 
     # twice the tokens a step, 100 steps, evaluated and saved at 25, 50 and 75 (and at the end): 3 pauses
     twice = make_cfg("train.steps=100", f"train.batch_size={2 * cfg.train.batch_size}", "train.eval_every=25",
                      f"cache_dir={tmp_path}")
-    planned = expected_times(twice, ["export", "transform", "train", "aggregate"], tmp_path)
+    planned = _expected(twice, ["export", "transform", "train", "aggregate"], tmp_path)
     assert planned["train"].seconds == pytest.approx(100 * 0.2 + 0.4 + 3 * 0.4) and not planned["train"].floor
     assert planned["export"].seconds == pytest.approx(8.0) and planned["transform"].seconds == 1.0
     assert planned["aggregate"] is None
@@ -133,29 +158,29 @@ def test_the_plan_times_each_stage_by_what_ran_here_before_scaled_to_this_run(tm
         "21.6 s, aggregate 3.0 s (no estimate))")
     assert actual_line(planned, {"aggregate": 3.0}).startswith("time against the plan: no stage that ran had an")
 
-    other = expected_times(make_cfg("parallel=ddp2", f"cache_dir={tmp_path}"), ["train"], tmp_path)["train"]
+    other = _expected(make_cfg("parallel=ddp2", f"cache_dir={tmp_path}"), ["train"], tmp_path)["train"]
     assert other.floor and "no run of this layout measured here yet" in other.source
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 4}))  # a continued run: not a measure
-    stage_time.record(twice, "train", 99.0, out, tmp_path, n)
-    assert expected_times(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(21.6)
+    stage_time.record(_timing(twice), twice.train, "train", 99.0, out, tmp_path)
+    assert _expected(twice, ["train"], tmp_path)["train"].seconds == pytest.approx(21.6)
     # continuing step 60's checkpoint: the 40 steps left and the one pause (at 75) between them, not all 100
-    assert expected_times(twice, ["train"], tmp_path, first_step=60)["train"].seconds == pytest.approx(
+    assert _expected(twice, ["train"], tmp_path, first_step=60)["train"].seconds == pytest.approx(
         40 * 0.2 + 0.4 + 0.4)
     # SLURM: the nodes' records only (the partition and what a task asks), never this host's, and no floor
     slurm = make_cfg("train.steps=10", "train.eval_every=5", "train.checkpoint_every=5", "cluster=slurm",
                      f"cache_dir={tmp_path}")
-    assert expected_times(slurm, ["train"], tmp_path) == {"train": None}
+    assert _expected(slurm, ["train"], tmp_path) == {"train": None}
     assert planned_lines({"train": None}, stage_time.where(slurm)) == [
         "  stages: none of the 1 that run measured on SLURM partition (the default) yet"]
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
-    stage_time.record(slurm, "train", 3.0, out, tmp_path, n)  # as follow records a job that ran
-    on_nodes = expected_times(slurm, ["train", "export"], tmp_path)
+    stage_time.record(_timing(slurm), slurm.train, "train", 3.0, out, tmp_path)  # as follow records a job
+    on_nodes = _expected(slurm, ["train", "export"], tmp_path)
     assert on_nodes["train"].seconds == pytest.approx(10 * 0.1 + 0.4 + 0.4) and on_nodes["export"] is None
     assert "measured on SLURM partition (the default) " in on_nodes["train"].source
     assert planned_lines(on_nodes, stage_time.where(slurm))[-1] == \
         "  not measured on SLURM partition (the default) yet: export"
     other_nodes = make_cfg("train.steps=10", "cluster=slurm", "cluster.gpus_per_task=1", f"cache_dir={tmp_path}")
-    assert expected_times(other_nodes, ["train"], tmp_path) == {"train": None}
+    assert _expected(other_nodes, ["train"], tmp_path) == {"train": None}
 
 
 def test_sharding_recomputation_and_more_ranks_lower_it():
@@ -230,7 +255,8 @@ def test_a_calibration_is_wanted_only_before_a_longer_run_s_train_that_nothing_h
     from planning import stage_time
 
     def asks(*overrides: str, to_run=("train",), until=None) -> bool:
-        return wanted(make_cfg("plan.calibrate_steps=8", *overrides), list(to_run), tmp_path, until)
+        cfg = make_cfg("plan.calibrate_steps=8", *overrides)
+        return wanted(cfg, list(to_run), tmp_path, until, _timing(cfg))
 
     assert asks("train.steps=100")
     assert not asks("train.steps=8") and not asks("train.steps=100", "plan.calibrate_steps=0")  # it times itself
@@ -241,6 +267,6 @@ def test_a_calibration_is_wanted_only_before_a_longer_run_s_train_that_nothing_h
     (out / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "step_time_s": 0.1}) + "\n" for i in range(9)))
     (out / "summary.json").write_text(json.dumps({"resumed_from_step": 0}))
     timed = make_cfg("train.steps=9")
-    stage_time.record(timed, "train", 2.0, out, tmp_path, partition_plan(timed)["n_parameters"])
+    stage_time.record(_timing(timed), timed.train, "train", 2.0, out, tmp_path)
     assert not asks("train.steps=100") and asks("train.steps=100", "train.batch_size=2") is False  # FLOPs scale
     assert asks("train.steps=100", "parallel=ddp2")  # another layout: nothing comparable

@@ -187,11 +187,11 @@ def test_lora_in_bf16_holds_the_frozen_base_in_bf16_and_the_plan_counts_what_it_
 def test_targets_are_the_linears_they_adapt_however_they_are_spelled():
     """[attention,mlp] and the same Linears named one by one are one set of adapters (a LoRA checkpoint continues
     under either); the plan names the Linears GPT has (its MLP has no fc3)."""
-    from planning.plan import peft_line
+    from planning.plan import partition_plan, peft_line
     from plugins.models.lora_rules import _adapted
 
     cfg = make_cfg("model=gpt_tiny", "peft=lora")
     assert _adapted(cfg, ["attention", "mlp"]) == _adapted(cfg, ["wq", "wk", "wv", "wo", "fc1", "fc2"]) == \
         {"wq", "wk", "wv", "wo", "fc1", "fc2"}
-    (line,) = peft_line(cfg)
+    (line,) = peft_line(cfg.peft, partition_plan(cfg)["parameters"])
     assert "on fc1, fc2, wk, wo, wq, wv:" in line, line

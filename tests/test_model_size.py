@@ -73,7 +73,7 @@ def test_the_plan_states_every_stage_and_refuses_what_cannot_fit_before_anything
     model: its graph is traced on the meta device); at 0.5 GB the export stage's check is refused too."""
     from orchestrator.config.errors import ConfigError
     from orchestrator.config.validate import validate
-    from planning.plan import memory_line
+    from planning.plan import memory_line, plan_of
     from tests.conftest import make_cfg
 
     big = ["model.d_model=2048", "model.n_layers=10", "model.n_heads=16", "model.d_ff=8192", "model.vocab_size=8192",
@@ -102,7 +102,7 @@ def test_the_plan_states_every_stage_and_refuses_what_cannot_fit_before_anything
     rules = [p.rule for p in refused("cluster.mem_per_task_gb=0.5", "aggregate.onnx=false")["model"]]
     assert any(r.startswith("the export stage needs about") and "twin" in r for r in rules)
     assert any(r.startswith("the aggregate stage needs about") for r in rules)
-    line = memory_line(make_cfg(*big, *deep))
+    line = memory_line(plan_of(make_cfg(*big, *deep)))
     assert re.search(r"one process each: export [\d.]+ GB .*; checkpoint [\d.]+ GB .*; aggregate [\d.]+ GB", line)
     assert re.search(r"disk: checkpoints 5\.8\d GB each, the aggregate's files", line)
 

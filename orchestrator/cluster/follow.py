@@ -226,9 +226,9 @@ def _record_times(f: Followed, report: Report) -> None:
     ran = [r for r in report.results.values() if r.status == "ran" and r.seconds > 0]
     try:
         cfg = OmegaConf.load(f.run_dir / "config.yaml") if ran else None
-        n_parameters = partition_plan(cfg)["n_parameters"] if ran else 0
+        timing = stage_time.timing_of(cfg, partition_plan(cfg)["n_parameters"]) if ran else None
         for r in ran:
-            stage_time.record(cfg, r.name, r.seconds, f.cache.entry(r.name, r.key), f.cache.root, n_parameters)
+            stage_time.record(timing, cfg.train, r.name, r.seconds, f.cache.entry(r.name, r.key), f.cache.root)
     except Exception as e:  # noqa: BLE001 (a config or record that cannot be read: the next plan has no figure)
         console.print(f"(the jobs' times are not recorded for the next plan: {type(e).__name__}: {e})", soft_wrap=True)
 

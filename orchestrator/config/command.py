@@ -27,9 +27,10 @@ def experiment(config: DictConfig) -> DictConfig:
     return cfg
 
 
-def check_experiment(cfg: DictConfig, overrides: list[str]) -> None:
+def check_experiment(cfg: DictConfig, overrides: list[str]):
     """What `orchestrate` (or `tune`) checks first: the same values (auto ones filled in, in cfg: pass a copy, such
-    as experiment()'s), the same validation (remembered, so that the run does not pay for it twice)."""
+    as experiment()'s), the same validation (remembered, so that the run does not pay for it twice). -> the point's
+    plan (planning/plan.py) that validation made; None for tune=layout, whose trials are planned one by one."""
     from orchestrator.config.resolve import resolve_auto
     from orchestrator.config.validate import validate
 
@@ -37,9 +38,9 @@ def check_experiment(cfg: DictConfig, overrides: list[str]) -> None:
         problems = tune_problems(cfg, overrides)
         if problems:
             raise ConfigError(problems)
-        return
+        return None
     resolve_auto(cfg)
-    validate(cfg, overrides, remember=True)
+    return validate(cfg, overrides, remember=True)
 
 
 def explain(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[ConfigError]:

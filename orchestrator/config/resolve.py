@@ -30,8 +30,9 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
     notes = []
     if _resolve_tokenizer(cfg) and cfg.data.tokenizer != "bytes":  # first: the packing reads the tokenizer
         notes.append(f"data.tokenizer=auto: {cfg.data.tokenizer} (train.init_from's own)")
+    documents = whole_documents(cfg.data) is not None  # rows of whole documents: the same with auto resolved below
     if cfg.data.packing and cfg.data.packing_strategy == "auto":  # what packs the rows decides what else is read
-        cfg.data.packing_strategy = "bfd" if whole_documents(cfg.data) is not None else "wrapped"
+        cfg.data.packing_strategy = "bfd" if documents else "wrapped"
     cuda, bf16 = ranks_on_cuda(cfg)
     if cfg.precision.name == "auto":
         # an engine not registered is refused by validation, which runs after this
@@ -40,7 +41,7 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
         cfg.precision.name = name
         notes.append(f"precision=auto: {name} ({why})")
     if cfg.triton.attention == "auto":
-        name, why = resolve_attention(cuda, whole_documents(cfg.data) is not None)
+        name, why = resolve_attention(cuda, documents)
         cfg.triton.attention = name
         if why:
             notes.append(f"triton.attention=auto: {name} ({why})")

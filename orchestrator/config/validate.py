@@ -11,12 +11,15 @@ import contextlib
 import dataclasses
 import math
 from pathlib import Path
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
 from common.problem import _show
+
+if TYPE_CHECKING:
+    from planning.plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +37,13 @@ class Check:
         try:
             return list(getattr(importlib.import_module(self.module), self.function)(cfg, *args))
         except Exception as e:  # noqa: BLE001 (whatever a check meets is said as a refusal, not a traceback)
-            return [check_failed(self.key, _shown(cfg, self.key), f"the check of {self.key} ({self.module}."
-                                 f"{self.function})", e)]
+            return [self.failed(cfg, e)]
+
+    def failed(self, cfg: DictConfig, e: BaseException) -> Problem:
+        """The problem an exception in this check amounts to; also where what it reads was made for it and stopped
+        (the plan's estimates, for the plan's check)."""
+        return check_failed(self.key, _shown(cfg, self.key), f"the check of {self.key} ({self.module}.{self.function})",
+                            e)
 
 
 def _shown(cfg: DictConfig, key: str):
@@ -109,41 +117,51 @@ PLAN = Check("train", "planning.plan")  # memory and disk, from the partition pl
 CHECKS = (*STRUCTURAL, *OTHERS, INIT_FROM, PLAN)
 
 
-_PASSED: set[str] = set()  # configs the command's pre-check validated (the run then does not check them again)
+# The plans of the configs the command's pre-check validated (orchestrator/boundary.py, before Hydra writes anything):
+# the run that follows validates the same config in this process, and reads the plan from here instead of checking
+# and planning it again. Only `remember=True` adds to it: a sweep's points and tune's trials are checked afresh.
+_PASSED: dict[str, "Plan"] = {}
 
 
-def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = False) -> None:
-    """Raise ConfigError with every problem. remember: a config that passes is not checked again in this process
-    (orchestrator/boundary.py checks the command before Hydra writes anything; the run that follows is the same)."""
+def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = False) -> "Plan":
+    """Raise ConfigError with every problem, else return the experiment point's plan (planning/plan.py), made once
+    here for the checks and handed on to whatever prints or reads it. remember: a config that passes is not checked
+    again in this process (orchestrator/boundary.py checks the command before Hydra writes anything; the run that
+    follows is the same)."""
     from orchestrator.config.resolve import with_tokenizer
 
     overrides, cfg = list(overrides), with_tokenizer(cfg)
     seen = OmegaConf.to_yaml(cfg) + "\0".join(overrides)
     if seen in _PASSED:
-        return
-    problems = schema_problems(cfg, overrides)
+        return _PASSED[seen]
+    problems, planned = schema_problems(cfg, overrides), None
     if not problems:
         structure = [p for check in STRUCTURAL for p in check(cfg)]
         folders = _folder_problems(cfg)
         problems = structure + [p for check in OTHERS for p in check(cfg)] + folders
         if not structure:  # a plan check that stops on an input another check refused says nothing more
-            problems += [p for p in _plan_problems(cfg, bool(folders))
-                         if not (problems and isinstance(p, CheckFailed))]
+            found, planned = _plan_problems(cfg, bool(folders))
+            problems += [p for p in found if not (problems and isinstance(p, CheckFailed))]
     if problems:
         raise ConfigError(problems)
     if remember:
-        _PASSED.add(seen)
+        _PASSED[seen] = planned
+    return planned
 
 
-def _plan_problems(cfg: DictConfig, folders_refused: bool) -> list[Problem]:
-    """train.init_from's shapes and the plan's memory and disk, both from the partition plan."""
+def _plan_problems(cfg: DictConfig, folders_refused: bool) -> tuple[list[Problem], Optional["Plan"]]:
+    """The point's plan (None where it cannot be made), and what it refuses: train.init_from's shapes against the
+    partition plan, the memory and disk of the plan's estimates."""
     from planning import plan
 
     try:
-        parameters = plan.partition_plan(cfg)["parameters"]
-    except Exception as e:  # noqa: BLE001 (as a check's: said, not raised)
-        return [check_failed("model", OmegaConf.select(cfg, "model.name"), "the partition plan (planning/plan.py)", e)]
-    return INIT_FROM(cfg, parameters) + PLAN(cfg, not folders_refused)
+        planned = plan.plan_of(cfg)
+    except plan.EstimatesFailed as e:  # the estimates are the plan check's input: said as that check's stopping
+        return INIT_FROM(cfg, e.partition["parameters"]) + [PLAN.failed(cfg, e.__cause__)], None
+    except Exception as e:  # noqa: BLE001 (the partition plan's: said as a check's, not raised)
+        return [check_failed("model", OmegaConf.select(cfg, "model.name"), "the partition plan (planning/plan.py)",
+                             e)], None
+    return INIT_FROM(cfg, planned.parameters) + PLAN(cfg, planned, not folders_refused), planned
 
 
 def warnings(cfg: DictConfig) -> list[str]:
@@ -286,9 +304,26 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
         if actual != (given := OmegaConf.select(cfg, other)):
             now = f"{given} ({actual} here)"
         choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...
+        possible = [w for w in wanted if _possible(cfg, other, w)]
+        fix = f"{choose}={str(possible[0]).lower() if isinstance(possible[0], bool) else possible[0]} for it to " \
+            f"apply, or leave {full} unset" if possible else f"leave {full} unset ({_impossible(cfg, other)})"
         return [Problem(full, value, f"{full} is read only when {other}={shown}; with {other}={now} it would do "
-                        f"nothing", f"{choose}={shown.split(' or ')[0]} for it to apply, or leave {full} unset")]
+                        f"nothing", fix)]
     return []
+
+
+def _possible(cfg: DictConfig, key: str, value) -> bool:
+    """Whether setting key=value can hold in this config: a record format the data source carries (data=stdlib
+    reads text only, so a key read for chat records is better left unset than data.format=chat offered)."""
+    if key != "data.format":
+        return True
+    from plugins.data.registry import get_source, source_names
+
+    return cfg.data.name not in source_names() or get_source(cfg.data.name).carries(value)
+
+
+def _impossible(cfg: DictConfig, key: str) -> str:
+    return f"data={cfg.data.name} carries no records of another format" if key == "data.format" else ""
 
 
 def _effective(cfg: DictConfig, key: str):

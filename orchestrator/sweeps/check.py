@@ -86,8 +86,8 @@ def check_sweep(config: DictConfig) -> list[str]:
         from orchestrator.report import console
 
         console.print(f"sweep: checking {checks} point(s) before the first starts", soft_wrap=True, markup=False)
-    points = _check_points(config, order, spaces, every_combination=count <= limit)
-    lines = plan_lines(config, points, basic, study)
+    points, plans = _check_points(config, order, spaces, every_combination=count <= limit)
+    lines = plan_lines(config, points, basic, study, plans)
     if not basic and swept:
         lines.insert(1, f"  checked: every combination of the search space's values ({count}; an interval by its two "
                         "ends)" if count <= limit else f"  checked: each value (at most {most} a key, spread from end "
@@ -195,12 +195,15 @@ def _check_folder(loaded: DictConfig, index: int, overrides: list[str], folders:
                                    "or make it differ per point (e.g. ${hydra.job.override_dirname})")])
 
 
-def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=None) -> list[str]:
+def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=None, plans: Optional[list] = None
+               ) -> list[str]:
     """What the sweep will cost: its points (or trials; study: Optuna's, kept), the time their training takes at
-    least, and this process's own memory beside the points' ranks (each point's plan gives theirs)."""
+    least, and this process's own memory beside the points' ranks (each point's plan gives theirs). plans: each
+    point's plan (planning/plan.py) as validation made it, or None (tune=layout: its trials are planned one by one)."""
     from orchestrator.run_plan import orchestrator_bytes
-    from planning.plan import GB
+    from planning.plan import GB, partition_plan
     from planning.plan_time import duration, expected_times
+    from planning.stage_time import timing_of
 
     sweeper = config.hydra.sweeper
     n_trials = OmegaConf.select(config, "hydra.sweeper.n_trials")
@@ -213,9 +216,11 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
         count, what = None, "as many points as the sweeper picks (its own count, e.g. hydra.sweeper.optim.budget)"
     at_once = points[0].sweep.parallelism if points else 1
     lines = [f"sweep: {what}; {at_once} run at a time here (sweep.parallelism)"]
-    timed = [p for p in points if p.cluster.name != "slurm" and not p.dry_run and not p.data.preview]  # run nothing
+    plans = plans or [None] * len(points)
+    timed = [(p, timing_of(p, planned.n_parameters if planned else partition_plan(p)["n_parameters"]))
+             for p, planned in zip(points, plans) if p.cluster.name != "slurm" and not p.dry_run and not p.data.preview]
     if timed:  # each point's train stage as its own plan times it: by a comparable run measured here, else its floor
-        trains = [expected_times(p, ["train"], Path(p.cache_dir).resolve())["train"] for p in timed]
+        trains = [expected_times(p, timing, ["train"], Path(p.cache_dir).resolve())["train"] for p, timing in timed]
         seconds = [e.seconds for e in trains]
         floors = sum(e.floor for e in trains)
         bound = "at least" if floors else "about"
@@ -329,10 +334,10 @@ def _optuna_problem(o: Override, key: str, text: str) -> Optional[Problem]:
 
 
 def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[str]],
-                  every_combination: bool) -> list[DictConfig]:
+                  every_combination: bool) -> tuple[list[DictConfig], list]:
     """Compose and validate the points: every combination (the basic sweeper will run exactly those), or each
     value of each key with the others at their first (a sweeper that picks its points). order: the overrides as
-    given, a swept key standing for its value."""
+    given, a swept key standing for its value. -> the points, and each one's plan (check_experiment's)."""
     from orchestrator.config.command import check_experiment, experiment, explain
     from orchestrator.sweeps.launcher import SweepConfigError, _check_direction
 
@@ -343,7 +348,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         first = {k: v[0] for k, v in spaces.items()}
         points = [first] + [{**first, k: v} for k in keys for v in spaces[k][1:]]
     loader = GlobalHydra.instance().hydra.config_loader
-    failures, seen, checked, folders, directions = [], set(), [], {}, {}
+    failures, seen, checked, plans, folders, directions = [], set(), [], [], {}, {}
     for point in points:
         if interrupt.requested():  # a signal whose KeyboardInterrupt a library swallowed (C code clears errors)
             raise KeyboardInterrupt
@@ -355,12 +360,13 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             loaded = loader.load_sweep_config(config, overrides)
             _check_folder(loaded, len(seen) - 1, overrides, folders)
             cfg = experiment(loaded)
-            check_experiment(cfg, overrides)
+            planned = check_experiment(cfg, overrides)
             try:  # the sweeper's direction against the objective's: one problem for the sweep, said once
                 _check_direction(cfg, config)
             except ConfigError as e:
                 directions.update({(p.key, p.rule, p.fix): p for p in e.problems})
             checked.append(cfg)
+            plans.append(planned)
         except ConfigError as e:
             failures.append((overrides, e))
         except HydraException as e:
@@ -372,4 +378,4 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
         raise SweepConfigError(failures)
     if directions:
         raise ConfigError(list(directions.values()))
-    return checked
+    return checked, plans

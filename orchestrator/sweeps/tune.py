@@ -100,13 +100,11 @@ def _trial_cfg(cfg: DictConfig, settings: dict) -> DictConfig:
 def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
     """The trial's config (its settings and estimate filled in), or None with trial.why said (a layout rule, or
     memory even with recomputation)."""
-    from planning.plan import plan_of
-
     for level in (0, 1):
         settings = {**trial.settings, "memory.level": level}
         trial_cfg = _trial_cfg(cfg, settings)
         try:
-            validate(trial_cfg)
+            planned = validate(trial_cfg)  # the trial's plan: its estimate below
         except ConfigError as e:
             if level == 0 and all(p.key == "parallel" and "exceeds" in p.rule for p in e.problems):
                 continue  # does not fit: try it with recomputation
@@ -114,7 +112,7 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
             trial.refused_by = e.problems
             return None
         trial.settings = settings
-        trial.estimate_mb = plan_of(trial_cfg).rank.total / 2**20  # the plan validation just made
+        trial.estimate_mb = planned.rank.total / 2**20
         return trial_cfg
     trial.why = "does not fit, even with memory=level1"
     return None
