@@ -117,7 +117,8 @@ def objective_line(cfg, p: Plan) -> list[str]:
     if not needs_reference(cfg):
         return [loss]
     online = not cached(cfg)
-    mismatched = " and of its mismatched rows, which the policy scores too (no gradient)" if spec.mismatched else ""
+    mismatched = " and of its mismatched rows, which the policy scores too (no gradient)" if spec.mismatched(o) \
+        else ""
     from planning.estimate import reference_bytes
     from plugins.parallel import world_size
     from storage import adapters

@@ -35,7 +35,7 @@ def eval_loss(layout, batcher, n_batches: int, stop: Callable[[], Optional[str]]
         layout.train(True)
         found = layout.objective_metrics(max(count, 1))  # taken when stopped too: the next step's are its own
     if found is not None and measures is not None:
-        measures.update(zip(found[0], layout.reduce(found[1].cpu().double()).tolist()))
+        measures.update(found[0](layout.reduce(found[1].cpu().double()).tolist()))
     return layout.reduce(total).item() / max(count, 1)
 
 

@@ -92,11 +92,11 @@ class MetricsWindow:
                 r.update(zip(worst_keys, w))
                 if "pipeline_idle_fraction" in r:
                     r["pipeline_idle_fraction"] = i
-        if "objective" in rows[0]:  # named means, each rank's share: summed over ranks
-            names = rows[0]["objective"][0]
+        if "objective" in rows[0]:  # each rank's shares: summed over ranks, then named by the objective's means
+            means = rows[0]["objective"][0]
             shares = torch.stack([r.pop("objective")[1].float() for r in rows])
-            for r, means in zip(rows, layout.reduce(shares).tolist()):
-                r.update(zip(names, means))
+            for r, summed in zip(rows, layout.reduce(shares).tolist()):
+                r.update(means(summed))
         values = torch.stack([losses.cpu(), norms.cpu()]).tolist()
         for r, loss, norm in zip(rows, *values):
             r["loss"], r["grad_norm"] = loss, norm

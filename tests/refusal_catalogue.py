@@ -366,6 +366,8 @@ CATALOGUE = [
      "train.batch_size", "one record has no other"),
     (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback.jsonl]", "evaluate.tasks=[val_perplexity]"],
      "evaluate.tasks", "an undesirable one is not"),
+    (["objective=kto", "data=unpaired", "data.mix=[{paths: [{tmp}/feedback.jsonl]}, {paths: [{tmp}/feedback2.jsonl]}]"],
+     "data.mix", "from one corpus; a data.mix draws each row's source by weight"),
     (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback_label.jsonl]"], "data.paths",
      "line 2: the record's label (data.label_field='label') is \"yes\", not true or false"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_same.jsonl]"], "data.paths",
@@ -428,6 +430,7 @@ def write_corpus(tmp: Path) -> Path:
     (tmp / "pairs.jsonl").write_text((json.dumps(pair) + "\n") * 50)
     feedback = [{"prompt": "2+3=", "completion": str(n), "label": n == 5} for n in (5, 6)]
     (tmp / "feedback.jsonl").write_text("".join(json.dumps(f) + "\n" for f in feedback) * 25)
+    (tmp / "feedback2.jsonl").write_text((tmp / "feedback.jsonl").read_text())
     (tmp / "feedback_label.jsonl").write_text(json.dumps(feedback[0]) + "\n" + json.dumps({**feedback[1],
                                                                                            "label": "yes"}) + "\n")
     (tmp / "pairs_same.jsonl").write_text(json.dumps(pair) + "\n" + json.dumps({**pair, "rejected": "5"}) + "\n")

@@ -83,11 +83,16 @@ def objectives(cfg) -> list[tuple[str, object, object]]:
     return [(name, spec, fresh(name, spec)) for name, spec in specs if spec.loss is not None]
 
 
-def fresh(name: str, spec):
-    """A loss of the objective, its settings its defaults but for the terms they leave out (SETTINGS)."""
+def settings(name: str, spec):
+    """The objective's settings: its defaults but for the terms they leave out (SETTINGS)."""
     from omegaconf import OmegaConf
 
-    return spec.loss(OmegaConf.merge(OmegaConf.structured(spec.config), SETTINGS.get(name, {})))
+    return OmegaConf.merge(OmegaConf.structured(spec.config), SETTINGS.get(name, {}))
+
+
+def fresh(name: str, spec):
+    """A loss of the objective with its settings."""
+    return spec.loss(settings(name, spec))
 
 
 def one_process(cfg, batch, loss_of, row_inputs) -> tuple[float, dict[str, torch.Tensor], torch.Tensor]:
@@ -137,7 +142,8 @@ def compare_objectives(overrides: list[str]) -> list[dict]:
         drawn = np.arange(len(inputs))
         batch = Batch(inputs, labels, 1.0, 1.0, drawn=drawn, row_inputs=row_inputs, mismatched=Batch(
             inputs.roll(1, 0), labels.roll(1, 0), 1.0, 1.0, drawn=drawn,
-            row_inputs=row_inputs_for(objective_spec, len(inputs), 2)) if objective_spec.mismatched else None)
+            row_inputs=row_inputs_for(objective_spec, len(inputs), 2)) if objective_spec.mismatched(
+            settings(name, objective_spec)) else None)
         want_loss, want, want_sums = one_process(cfg, batch, fresh(name, objective_spec), row_inputs)
         for _, p in layout.params:
             p.grad = None

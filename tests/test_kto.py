@@ -13,6 +13,7 @@ import torch
 from plugins.data import tokenizer as tokenizers
 from plugins.models.head_loss import IGNORED
 from storage import hf
+from plugins.objectives.kto import METRICS
 from tests.test_dpo import LR, pairs, row_logps, trained, trl_policy  # noqa: F401  (trained: the tiny model, made once)
 
 SETTINGS = {"beta": 0.1, "desirable_weight": 1.2, "undesirable_weight": 0.8}
@@ -84,10 +85,10 @@ def test_three_steps_give_trls_losses_and_measures(trained, tmp_path, adapters):
         window.add(train_step(layout, [optimizer], batch, step, LR, StepSettings.of(cfg), probe))
     ours = window.flush()
     assert len(theirs) == len(ours) == 3
-    assert set(objective.names) <= set(theirs[0])  # TRL logs each of ours
+    assert set(METRICS) <= set(theirs[0]) and all(set(METRICS) <= set(row) for row in ours)  # TRL logs each of ours
     for step, (want, got) in enumerate(zip(theirs, ours)):
         assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), (step, got, want)
-        for m in objective.names:  # kl: the difference of two sums of ~40 nats, each rounded in fp32 (~1e-5)
+        for m in METRICS:  # kl: the difference of two sums of ~40 nats, each rounded in fp32 (~1e-5)
             assert got[m] == pytest.approx(want[m], rel=1e-5, abs=1e-4 if m == "kl" else 1e-5), (step, m)
     assert ours[-1]["kl"] > 0  # the estimate moved off 0 (the policy left its reference), and was used
     assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"]  # it learned which completions are desirable
@@ -125,3 +126,65 @@ def _tokenized_and_mismatched_as_trl(trainer, collated, folder) -> None:
         collated["KL_attention_mask"][:, :-1] == 0, 0).tolist()
     assert ours.mismatched.labels[:, :n].tolist() == kl_labels.tolist()
     assert (ours.mismatched.labels[:, n:] == IGNORED).all()
+
+
+def test_drawn_records_keep_their_labels_and_mismatched_rows_when_dealt_to_ranks():
+    """Rows of unpaired records dealt to two data-parallel ranks by their real tokens: each row's mark (its label)
+    moves with it; the mismatched rows are made in the order drawn, each record's prompt with the completion of the
+    record drawn before it, whatever the dealing; a held-out batch's empty rows stay empty in both."""
+    from plugins.data.batcher import Batcher
+    from plugins.data.prompted_records import UNDESIRABLE
+    from plugins.data.registry import Corpus
+
+    rng = np.random.default_rng(0)
+    docs, masks = [], []
+    for i in range(40):
+        prompt, completion = rng.integers(3, 12), rng.integers(2, 20)  # some longer than a row: cut there
+        docs.append(np.arange(1000 * i, 1000 * i + prompt + completion))
+        masks.append(np.r_[np.zeros(prompt, np.uint8), np.full(completion, 1 if i % 3 else UNDESIRABLE, np.uint8)])
+    corpus = Corpus(docs, docs[:3], 64000, packed=False, pad=-5, train_mask=masks, val_mask=masks[:3])
+    dealt = Batcher(corpus, 8, 24, seed=1, ranks=2, balance_ranks=True, mismatched=True)
+    plain = Batcher(corpus, 8, 24, seed=1, mismatched=True)
+    reordered = 0
+    for step in range(5):
+        batch, drawn = dealt.train_batch(step), plain.train_batch(step)
+        assert batch.marks.tolist() == [1 if d % 3 else UNDESIRABLE for d in batch.drawn]
+        assert sorted(batch.drawn) == sorted(drawn.drawn)
+        reordered += batch.drawn.tolist() != drawn.drawn.tolist()
+        assert batch.mismatched.inputs.tolist() == drawn.mismatched.inputs.tolist()  # made before the dealing
+        for r, d in enumerate(drawn.drawn):
+            before = drawn.drawn[r - 1]
+            prompt = docs[d][masks[d] == 0]
+            want = np.r_[prompt, docs[before][masks[before] > 0]][:25].tolist()
+            assert drawn.mismatched.inputs[r, :len(want) - 1].tolist() == want[:-1]
+            learned = drawn.mismatched.labels[r] != IGNORED
+            assert learned.sum() == len(want) - len(prompt) and not learned[:len(prompt) - 1].any()
+    assert reordered  # the dealing moved rows: their marks went with them
+    held_out = Batcher(corpus, 8, 24, seed=1, mismatched=True).eval_batch(0)
+    assert (held_out.drawn < 0).sum() == 5 and (held_out.marks[held_out.drawn < 0] == 0).all()
+    assert (held_out.mismatched.labels[held_out.drawn < 0] == IGNORED).all()
+
+
+def test_each_sides_mean_is_over_its_own_records_across_held_out_batches():
+    """Two held-out batches, the first all desirable: the logged means of each side are over that side's records of
+    both (not each batch's side means weighted by its size), and a side with no record is left out, as TRL does."""
+    from types import SimpleNamespace
+
+    from plugins.objectives.kto import KTOLoss
+
+    loss = KTOLoss(beta=1.0, loss_type="apo_zero_unpaired", desirable_weight=1.0, undesirable_weight=1.0)
+    logps = {"a": [-1.0, -2.0, -3.0, -4.0], "b": [-5.0, -6.0, -7.0, -8.0]}
+    labels = {"a": [1.0, 1.0, 1.0, 1.0], "b": [1.0, 1.0, 0.0, 0.0]}
+    count = 0
+    for name in ("a", "b"):
+        inputs = torch.tensor([[0.0, lab] for lab in labels[name]], dtype=torch.float64)  # reference 0
+        count += loss.count(SimpleNamespace(drawn=np.arange(4), inputs=inputs, row_inputs=inputs), None)
+        loss(torch.tensor([[v, 3.0] for v in logps[name]]), inputs)
+    got = loss.means((loss.take() / count).tolist())
+    assert got["logps/chosen"] == pytest.approx((-1 - 2 - 3 - 4 - 5 - 6) / 6)
+    assert got["logps/rejected"] == pytest.approx((-7 - 8) / 2) == got["rewards/rejected"]
+    assert got["rewards/margins"] == pytest.approx(got["rewards/chosen"] - got["rewards/rejected"])
+    loss.count(SimpleNamespace(drawn=np.arange(4), inputs=inputs, row_inputs=torch.ones(4, 2)), None)
+    loss(torch.tensor([[-1.0, 3.0]] * 4), torch.ones(4, 2))
+    alone = loss.means((loss.take() / 4).tolist())
+    assert "rewards/rejected" not in alone and "rewards/margins" not in alone and "rewards/chosen" in alone

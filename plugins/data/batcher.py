@@ -228,7 +228,8 @@ class Batcher:
             self._place(r, 0, doc, masks[i] if masks is not None else None, start, length, rows, real, trained)
             if masks is not None and length:
                 marks[r] = int(np.max(masks[i][start:start + length]))
-        mismatched = self._mismatched(rows, real, trained, drawn) if self.mismatched else None
+        mismatched = self._mismatched(getattr(corpora[0], split), getattr(corpora[0], f"{split}_mask"), drawn) \
+            if self.mismatched else None
         batch = self._rows_batch(rows, real, trained, documents, drawn, examples)
         if mismatched is not None:  # (each the row of its example: its record's label)
             mismatched.marks = marks.copy()
@@ -248,19 +249,20 @@ class Batcher:
                      real=real[:, :-1].sum(axis=1), drawn=None if self.rows is not None else drawn,
                      examples=examples)
 
-    def _mismatched(self, rows, real, trained, drawn) -> Batch:
-        """Each held example's prompt with the completion of the held example drawn before it (the last one's for
-        the first), cut at the row: TRL's KL completions, rotated by one within the batch (KTOTrainer's
-        KL_completion_ids). Empty rows stay empty."""
+    def _mismatched(self, pool, masks, drawn) -> Batch:
+        """Each held example's prompt with the whole completion of the held example drawn before it (the last one's
+        for the first), cut at the row: TRL's KL completions, rotated by one within the batch (KTOTrainer's
+        KL_completion_ids, truncated to max_length after they are joined). Empty rows stay empty."""
+        T = self.seq_len
         held = np.flatnonzero(drawn >= 0)
-        out = (np.full_like(rows, self.pad), np.zeros_like(real), np.zeros_like(trained))
+        rows = np.full((len(drawn), T + 1), self.pad, dtype=np.int64)
+        real, trained = np.zeros(rows.shape, dtype=bool), np.zeros(rows.shape, dtype=bool)
         for r, q in zip(held, np.roll(held, 1)):
-            prompt = rows[r, :_first_learned(real[r], trained[r])]
-            start, end = _first_learned(real[q], trained[q]), int(real[q].sum())
-            ids = np.concatenate([prompt, rows[q, start:end]])[:rows.shape[1]]
-            out[0][r, :len(ids)], out[1][r, :len(ids)] = ids, True
-            out[2][r, len(prompt):len(ids)] = True
-        return self._rows_batch(*out, None, drawn.copy(), len(held))
+            own, other = drawn[r], drawn[q]
+            prompt = pool[own][:_first_learned(masks[own])]
+            ids = np.concatenate([prompt, pool[other][_first_learned(masks[other]):]])[:T + 1]
+            rows[r, :len(ids)], real[r, :len(ids)], trained[r, len(prompt):len(ids)] = ids, True, True
+        return self._rows_batch(rows, real, trained, None, drawn.copy(), len(held))
 
     @staticmethod
     def _place(r, at, doc, mask, start, length, rows, real, trained) -> None:
@@ -271,10 +273,10 @@ class Batcher:
             trained[r, at:at + length] = mask[start:start + length]
 
 
-def _first_learned(real: np.ndarray, trained: np.ndarray) -> int:
-    """Where a row's completion starts: its first real token that is learned (its length when none is)."""
-    learned = np.flatnonzero(real & trained)
-    return int(learned[0]) if len(learned) else int(real.sum())
+def _first_learned(mask) -> int:
+    """Where a document's completion starts: its first learned token (its length when none is)."""
+    learned = np.flatnonzero(np.asarray(mask))
+    return int(learned[0]) if len(learned) else len(mask)
 
 
 def build_batcher(cfg, tokens: Optional[Path] = None, row_inputs=None) -> Batcher:
@@ -291,7 +293,7 @@ def build_batcher(cfg, tokens: Optional[Path] = None, row_inputs=None) -> Batche
         corpus = corpus[0] if isinstance(corpus, list) else corpus
     return Batcher(corpus, cfg.train.batch_size, cfg.train.seq_len, cfg.train.seed,
                    [float(m.weight) for m in mix] if mix else None, whole_documents(cfg.data), cfg.parallel.dp,
-                   balances_ranks(cfg.data), spec.rows == PAIR, row_inputs, spec.mismatched)
+                   balances_ranks(cfg.data), spec.rows == PAIR, row_inputs, spec.mismatched(cfg.objective))
 
 
 def data_fingerprint(cfg) -> str:

@@ -298,7 +298,7 @@ def _in_memory(c: Corpus) -> Corpus:
         return None if docs is None else [np.array(d, dtype) for d in docs]
 
     return Corpus(copied(c.train, np.int64), copied(c.val, np.int64), c.vocab_size, c.packed, c.pad,
-                  copied(c.train_mask, bool), copied(c.val_mask, bool))
+                  copied(c.train_mask, np.uint8), copied(c.val_mask, np.uint8))  # (a mark: an unpaired label)
 
 
 def wait_for(ready: Callable[[], bool], poll_s: float = 0.2) -> None:

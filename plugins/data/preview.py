@@ -47,7 +47,7 @@ def preview(cfg, records: int, styled: bool, chars: int = PLAN_CHARS) -> list:
         if lay is None:
             continue
         for where, ids, trained in _first_documents(sub.data, lay, tok, records):
-            learned = (f"{int(trained.sum()):,} of {len(ids):,} tokens learned"
+            learned = (f"{int(np.count_nonzero(trained)):,} of {len(ids):,} tokens learned"
                        + ("" if styled else f" (between {LEARNED[0]} and {LEARNED[1]})") if trained is not None
                        else f"all {len(ids):,} tokens learned")
             head = (f"data: {f'source {i}: ' if len(corpora) > 1 else ''}{where} as the model sees it, {learned}"

@@ -35,7 +35,7 @@ def check(cfg) -> list[Problem]:
                                 f"read from the field {d.prompt_field!r} (data.completion_field): every record would "
                                 "learn its own prompt again", "data.prompt_field= the field that holds the prompt "
                                 "(e.g. prompt), data.completion_field= the one that holds the answer"))
-    if d.format in ("chat", "prompt_completion"):
+    if format_of(d).may_render:
         problems += _chat_problems(d)
     if d.get("mix"):
         if cfg.train.get("epochs"):
@@ -212,7 +212,7 @@ def _chat_problems(d) -> list[Problem]:
                         "repair the JSON (tokenizer.save_pretrained writes it whole)" if "not JSON" in str(e) else
                         "save the file as UTF-8, e.g. iconv -f latin1 -t utf-8 FILE > FILE.utf8")]
     if not template:
-        if d.format != "chat":
+        if not format_of(d).always_rendered:
             return []
         folder = tokenizers.hf_folder(d.tokenizer)
         named = sorted(templates_of(folder)) if folder and folder.is_dir() else []
@@ -232,7 +232,7 @@ def _chat_problems(d) -> list[Problem]:
                         f"the chat template cannot be read as Jinja: {type(e).__name__}: {e}",
                         "data.chat_template= a template that compiles (transformers' apply_chat_template would "
                         "refuse this one too)")]
-    if d.loss_on == "completion" and not has_generation_tags(template):
+    if format_of(d).probes_turns and d.loss_on == "completion" and not has_generation_tags(template):
         try:
             examples(template, PROBE_CHAT, d.chat_turns, **tokenizers.template_variables(d))
         except NotExtending as e:

@@ -19,6 +19,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from plugins.data.corpus import TOKENIZER_DIR, TOKENS_DIR
+from plugins.data.prompted_records import UNDESIRABLE
 from plugins.data.shards import read_all
 from plugins.data.tokenizer import load_saved
 from storage.fsio import atomic_write_bytes
@@ -55,7 +56,8 @@ def write_documents(tokenize_out: Path, path: Path, limit: Optional[int], stride
 
 def prompts(tokenize_out: Path, n: int, opening: int = 32, stride: int = 1) -> list[tuple[list[int], list[int]]]:
     """The first n validation records' prompts, with the answers the records give: in a chat or prompt-completion
-    corpus a record's ids up to its first learned token and the learned ids from there to the next unlearned one;
+    corpus a record's ids up to its first learned token and the learned ids from there to the next unlearned one
+    (none of an unpaired record labelled undesirable);
     in a text corpus a document's first `opening` tokens (at most half of it) and the next `opening`."""
     out = []
     for ids, learned in _validation(tokenize_out, stride):
@@ -70,6 +72,8 @@ def prompts(tokenize_out: Path, n: int, opening: int = 32, stride: int = 1) -> l
         if not len(at) or at[0] == 0:
             continue
         first = int(at[0])
+        if learned[first] == UNDESIRABLE:  # an unpaired record's completion labelled undesirable: no answer to show
+            continue
         gaps = np.flatnonzero(learned[first:] == 0)
         last = first + int(gaps[0]) if len(gaps) else len(ids)
         out.append(([int(i) for i in ids[:first]], [int(i) for i in ids[first:last]]))

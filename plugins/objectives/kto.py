@@ -22,8 +22,12 @@ from plugins.objectives.reference import REFERENCE, reference_key
 from plugins.objectives.spec import NAME_HELP, ObjectiveConfig, ObjectiveSpec, RowsLoss, register_objective
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
-# what a step logs, as TRL names it: means over the step's desirable or undesirable records, and z
+# what a step logs, as TRL names it: means over the step's desirable or undesirable records (left out where it has
+# none of one side, as TRL leaves them out), their difference, and z
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "kl")
+# what the loss sums, each side's apart, and the records of each side: the means divide them once summed over the
+# microbatches, ranks and held-out batches (a held-out batch's side means weighted by its records would be biased)
+SUMS = ("rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "chosen", "rejected", "kl")
 
 
 @dataclass
@@ -41,25 +45,22 @@ class KTOConfig(ObjectiveConfig):
 
 
 class KTOLoss(RowsLoss):
-    names = METRICS
+    names = SUMS
 
     def __init__(self, beta: float, loss_type: str, desirable_weight: float, undesirable_weight: float):
         super().__init__()
         self.beta, self.loss_type = beta, loss_type
         self.weights = (desirable_weight, undesirable_weight)
         self.kl = 0.0
-        self.scales = (1.0, 1.0)  # count / the global batch's desirable and undesirable records (count)
 
     def count(self, batch, score=None) -> int:
-        """The global batch's records; its desirable and undesirable ones counted, and z estimated from its
-        mismatched rows (kto: score gives the policy's log-probability of each, the provider the reference's)."""
+        """The global batch's records, and z estimated from its mismatched rows (kto: score gives the policy's
+        log-probability of each, the provider the reference's)."""
         import torch
 
         held = torch.from_numpy(batch.drawn >= 0) if batch.drawn is not None else \
             torch.ones(len(batch.inputs), dtype=torch.bool)
         n = max(int(held.sum()), 1)
-        desirable = batch.row_inputs[:, 1] > 0.5
-        self.scales = tuple(n / max(int((held & side).sum()), 1) for side in (desirable, ~desirable))
         if self.loss_type == "kto":
             rows = batch.mismatched
             if score is None or rows is None:
@@ -80,16 +81,22 @@ class KTOLoss(RowsLoss):
                              self.weights[1] * (1 - torch.sigmoid(b * (kl - ratios))))
         zero = torch.zeros((), dtype=losses.dtype, device=losses.device)
         with torch.no_grad():
-            chosen, rejected = held & desirable, held & ~desirable
-            rewards = b * ratios
-
-            def mean_of(values, side, scale):  # this microbatch's share of a mean over one side's records
-                return torch.where(side, values, zero).sum() * scale
-            sums = [mean_of(rewards, chosen, self.scales[0]), mean_of(rewards, rejected, self.scales[1])]
-            sums += [sums[0] - sums[1], mean_of(logps, chosen, self.scales[0]),
-                     mean_of(logps, rejected, self.scales[1]), held.sum() * kl]
+            sides = (held & desirable, held & ~desirable)
+            sums = [torch.where(side, values, zero).sum() for values in (b * ratios, logps) for side in sides]
+            sums += [side.sum() for side in sides] + [held.sum() * kl]
             self.calls.append(torch.stack([v.to(zero.dtype) for v in sums]))
         return torch.where(held, losses, zero).sum()
+
+    def means(self, shares: list) -> dict:
+        """TRL's measures from the global sums (shares of the count: their ratios are the means): each side's over
+        its records, left out where there are none; the margin where both sides have some; z over the records."""
+        sums = dict(zip(SUMS, shares))
+        found = {name: sums[name] / sums[side] for name in SUMS[:4]
+                 if sums[side := "chosen" if name.endswith("chosen") else "rejected"] > 0}
+        if {"rewards/chosen", "rewards/rejected"} <= set(found):
+            found["rewards/margins"] = found["rewards/chosen"] - found["rewards/rejected"]
+        records = sums["chosen"] + sums["rejected"]
+        return {**found, **({"kl": sums["kl"] / records} if records > 0 else {})}
 
 
 def _rules(cfg) -> list[Problem]:
@@ -127,7 +134,7 @@ register_objective("kto", ObjectiveSpec(
     config=KTOConfig,
     loss=lambda o: KTOLoss(o.beta, o.loss_type, o.desirable_weight, o.undesirable_weight),
     formats=("unpaired",),
-    mismatched=True,
+    mismatched=lambda o: o.loss_type == "kto",  # (apo_zero_unpaired has no z: no rows to score)
     row_inputs=(REFERENCE, LABEL),
     rules=_rules,
     describe=lambda o: f"kto ({o.loss_type}, beta {o.beta:g}, weights {o.desirable_weight:g}/"

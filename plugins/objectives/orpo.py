@@ -18,7 +18,8 @@ from plugins.objectives.spec import NAME_HELP, PAIR, ObjectiveConfig, ObjectiveS
 @dataclass
 class ORPOConfig(ObjectiveConfig):
     name: str = key("orpo", NAME_HELP)
-    beta: float = key(0.1, "the odds-ratio term's weight (the paper's lambda)", min=0.0, max=1e6)
+    beta: float = key(0.1, "the odds-ratio term's weight (the paper's lambda; 0 would leave SFT on the chosen "
+                           "completions: objective=sft for that)", min=1e-6, max=1e6)
 
 
 def log1mexp(x):

@@ -37,6 +37,12 @@ def check(cfg) -> list[Problem]:
                         f"{fmt} has no {noun}", f"data={spec.formats[0]} 'data.paths=[{file}]' ({holds}), or "
                         "objective=sft")]
     problems = pair_rules(cfg) if spec.rows == PAIR else []
+    if d.get("mix") and (spec.rows == PAIR or spec.mismatched(o)):  # one corpus's examples side by side, or rotated
+        problems.append(Problem("data.mix", f"{len(d.mix)} sources", f"objective={o.name} draws "
+                                + ("whole pairs" if spec.rows == PAIR else "each record's prompt with another "
+                                   "record's completion in the batch") + " from one corpus; a data.mix draws each "
+                                "row's source by weight", "one corpus: data.paths= every file of "
+                                f"{FORMAT_WORDS.get(spec.formats[0], ('records',))[0]} (drop data.mix)"))
     if needs_reference(cfg) and cfg.train.steps == 0:  # the policy is its reference: nothing can be measured
         problems.append(Problem("objective.name", o.name, "train.steps=0 takes no step, so the policy is its own "
                                 "reference: the reference pass would run for nothing and every pair's loss would be "

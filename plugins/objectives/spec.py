@@ -13,9 +13,11 @@ The loss of an objective with a `loss` (a "rows" objective) is an object the run
       run: it may keep the batch's totals it normalises by, as TRL's token-mean NLL terms need, or score other rows
       first: score(rows) is each row's summed log-probability under the policy, no gradient, the same on every rank:
       KTO's KL estimate from the batch's mismatched rows)
-  loss.names, loss.take(), loss.keep_last(calls): the sums of its measures since the last take (divided by count and
-      summed over ranks they are the global means), the last `calls` microbatches' kept (a pipeline's shape
-      inference calls the loss on made-up outputs once).
+  loss.names, loss.take(), loss.keep_last(calls): the sums it keeps since the last take (divided by count and
+      summed over ranks they are global shares), the last `calls` microbatches' kept (a pipeline's shape inference
+      calls the loss on made-up outputs once); loss.means(shares) -> the measures logged, by name (by default the
+      shares themselves: means over the count; a measure over part of the examples divides two shares, and one whose
+      part is empty is left out, as TRL leaves it out).
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ class ObjectiveSpec:
     #                                             None: next-token cross-entropy of the learned tokens (the head's)
     rows: str = SINGLE                          # SINGLE: one example a row; PAIR: a pair's two rows side by side
     formats: tuple[str, ...] = ("text", "prompt_completion", "chat")  # the data.format its examples are read from
-    mismatched: bool = False                    # each batch also draws each example's prompt with the previous
-    #                                             example's completion (Batch.mismatched: KTO's KL rows)
+    mismatched: Callable[[Any], bool] = lambda o: False  # cfg.objective -> whether each batch also draws each
+    #                                             example's prompt with the previous example's completion
+    #                                             (Batch.mismatched: KTO's KL rows)
     row_inputs: tuple[str, ...] = ()            # per-row inputs it needs, by provider ("reference": the reference
     #                                             model's log-probability of each row, plugins/objectives/reference.py)
     rules: Callable[[Any], list] = lambda cfg: []  # its own refusals before launch (cfg -> [Problem])
@@ -72,6 +75,10 @@ class RowsLoss:
 
     def keep_last(self, calls: int) -> None:
         del self.calls[:-calls]
+
+    def means(self, shares: list) -> dict:
+        """The measures logged from the global shares of `names` (each its sum over the count)."""
+        return dict(zip(self.names, shares))
 
     def take(self):
         """The measures' sums since the last take (zeros when this rank computed none)."""

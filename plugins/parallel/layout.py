@@ -11,7 +11,7 @@ while building is its shards plus the largest single parameter. One process is t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,15 +115,15 @@ class Layout:
         for part in self.parts:
             part.train(mode)
 
-    def objective_metrics(self, count: int) -> Optional[tuple[tuple[str, ...], torch.Tensor]]:
-        """(names, this rank's share of their means over `count`) of what the objective measured since it was last
-        asked (preference pairs' rewards and log-probabilities), summed over ranks they are the global means; None
-        without an objective. Ranks whose values repeat another's (tensor-parallel peers) add nothing."""
+    def objective_metrics(self, count: int) -> Optional[tuple[Callable, torch.Tensor]]:
+        """(the objective's means, this rank's share of its sums over `count`) of what it measured since it was last
+        asked (preference pairs' rewards and log-probabilities): summed over ranks they are the global shares, which
+        means(shares) names; None without an objective. Ranks whose values repeat another's (tensor-parallel peers) add nothing."""
         objective = getattr(self.runner, "objective", None)
         if objective is None:
             return None
         sums = objective.take().to(self.device)
-        return objective.names, sums / count if self.loss_rank else torch.zeros_like(sums)
+        return objective.means, sums / count if self.loss_rank else torch.zeros_like(sums)
 
     def reduce(self, values: torch.Tensor, op=None) -> torch.Tensor:
         """All-reduce small host-side statistics (on the rank's device: nccl reduces CUDA tensors only)."""

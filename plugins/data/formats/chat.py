@@ -15,6 +15,7 @@ register_format("chat", RecordFormat(
     optional=lambda d: {"tools_field": d.tools_field},
     document=document,
     masks_loss=lambda d: d.loss_on == "completion",
+    probes_turns=True,
     always_rendered=True,
     nothing_learned="no assistant message with text",
 ))

@@ -20,4 +20,5 @@ register_format("prompt_completion", RecordFormat(
     fields=lambda d: {"prompt_field": d.prompt_field, "completion_field": d.completion_field},
     document=document,
     masks_loss=lambda d: d.loss_on == "completion",
+    probes_turns=True,
 ))

@@ -24,6 +24,9 @@ class RecordFormat:
     per_example: int = 1                         # documents an example holds (a pair: 2), moved and drawn together
     unit: str = "records"                        # the plan's name for its examples
     always_rendered: bool = False                # every record is a chat, rendered with the chat template
+    may_render: bool = True                      # a record may be messages (its chat template checked before launch)
+    probes_turns: bool = False                   # the template's renderings of a conversation's beginnings are probed
+    #                                              before launch (where data.loss_on=completion learns the answers)
     nothing_learned: str = "every completion empty"  # why a file's first records teach nothing (data.loss_on)
     packing_strategy: str = "bfd"                # data.packing_strategy=auto's choice for it
 

@@ -2,4 +2,5 @@
 token is learned, and the stream is packed in windows (pretraining's way) unless rows of whole documents are asked."""
 from plugins.data.formats.spec import RecordFormat, register_format
 
-register_format("text", RecordFormat(fields=lambda d: {"text_field": d.text_field}, packing_strategy="wrapped"))
+register_format("text", RecordFormat(fields=lambda d: {"text_field": d.text_field}, packing_strategy="wrapped",
+                                      may_render=False))
