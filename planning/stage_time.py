@@ -82,9 +82,17 @@ def where(cfg) -> str:
 
 def train_kind(cfg) -> str:
     """What makes a step of the same FLOPs faster or slower on the same machine."""
+    from plugins.objectives.reference import online
+    from plugins.objectives.spec import objective_of
+
     p = cfg.parallel
-    return (f"dp{p.dp} hp{p.hp} pp{p.pp} {p.dp_mode} microbatches {p.microbatches} {p.pp_schedule}, memory level "
+    kind = (f"dp{p.dp} hp{p.hp} pp{p.pp} {p.dp_mode} microbatches {p.microbatches} {p.pp_schedule}, memory level "
             f"{cfg.memory.level}, {cfg.precision.name}, {cfg.engine.name}, compiled {bool(cfg.triton.enabled)}")
+    spec = objective_of(cfg)  # an objective of rows runs more forwards a step (a reference online, mismatched rows)
+    if spec.loss is not None:
+        kind += f", objective {cfg.objective.name}" + (" online" if online(cfg) else "") + \
+            (" mismatched" if spec.mismatched(cfg.objective) else "")
+    return kind
 
 
 def expected(timing: Timing, train, stages: list[str], store: Path,

@@ -340,7 +340,7 @@ CATALOGUE = [
     (["tracking.uri=ftp://example.org/mlflow"], "tracking.uri", "the scheme ftp:// is not an MLflow store"),
     (["tracking.uri={tmp}/mlruns"], "tracking.uri", "MLflow's filesystem backend"),
     # preference pairs and the objective that learns from them
-    (["data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "data.format", "objective=dpo (or orpo, simpo), or"),
+    (["data=preference", "data.paths=[{tmp}/pairs.jsonl]"], "data.format", "objective=dpo (or kto, orpo, simpo), or"),
     (["objective=dpo"], "objective.name", "data.format=text has no pairs"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs.jsonl]", "data.packing=true"], "data.packing",
      "never packed with others"),

@@ -94,6 +94,27 @@ def test_three_steps_give_trls_losses_and_measures(trained, tmp_path, adapters):
     assert ours[-1]["rewards/margins"] > ours[0]["rewards/margins"]  # it learned which completions are desirable
 
 
+def _pairs_unpaired_as_trl(trainer, tok) -> None:
+    """Preference pairs under kto (data=preference): each pair's documents, as the tokenize stage writes them
+    (Pair: the chosen marked desirable, the rejected undesirable), are the records TRL's KTOTrainer makes of the same
+    pairs (unpair_preference_dataset, then its tokenization)."""
+    import datasets
+    from omegaconf import OmegaConf
+    from trl import KTOTrainer
+
+    from plugins.data.prompted_records import Pair
+
+    d = OmegaConf.create({"prompt_field": "prompt", "chosen_field": "chosen", "rejected_field": "rejected"})
+    unpaired = KTOTrainer(model=trainer.model, ref_model=trainer.ref_model, args=trainer.args,
+                          processing_class=trainer.processing_class,
+                          train_dataset=datasets.Dataset.from_list(pairs(4))).train_dataset
+    theirs = sorted((r["prompt_ids"] + r["completion_ids"], [0] * len(r["prompt_ids"]) + [
+        1 if r["label"] else 2] * len(r["completion_ids"])) for r in unpaired)
+    ours = sorted((ids.tolist(), marks.tolist()) for p in pairs(4)
+                  for ids, marks in Pair(p["prompt"], p["chosen"], p["rejected"], "a pair", d).ids(tok))
+    assert ours == theirs and len(ours) == 8
+
+
 def _tokenized_and_mismatched_as_trl(trainer, collated, folder) -> None:
     """Each record's document, read as the tokenize stage reads it (Unpaired: its ids, its completion marked 1 or 2 by
     its label), is TRL's prompt_ids + completion_ids; the batcher's mismatched rows of those rows (each prompt with
@@ -114,6 +135,7 @@ def _tokenized_and_mismatched_as_trl(trainer, collated, folder) -> None:
         assert marks.tolist() == [0] * len(want["prompt_ids"]) + [1 if record["label"] else UNDESIRABLE] * \
             len(want["completion_ids"])
         made.append((ids, marks))
+    _pairs_unpaired_as_trl(trainer, tok)
     width = collated["KL_input_ids"].shape[1] + 8
     batcher = Batcher(Corpus([ids for ids, _ in made], [made[0][0]], 512, packed=False, pad=0,
                              train_mask=[m for _, m in made], val_mask=[made[0][1]]), 4, width - 1, seed=0,

@@ -19,6 +19,7 @@ from plugins.data.corpus import corpus_layouts
 from plugins.data.packing import whole_documents
 from plugins.data.piece_records import BadRecord
 from plugins.data.formats.spec import format_of
+from plugins.objectives.spec import rows_per_example
 from plugins.data.prompted_records import Prompted
 from plugins.data.records import (Chat, Continued, chat_ids, chat_options, document_ids, encode_inputs,
                                   masks_loss_of, piece_documents)
@@ -155,7 +156,7 @@ def passes_line(cfg, tokens: Path) -> list[str]:
     t, train = cfg.train, index["train"]
     about = ""
     fmt = format_of(cfg.data)
-    if fmt.per_example > 1:  # a pair is two rows
+    if fmt.per_example > 1 and rows_per_example(cfg) == fmt.per_example:  # a pair is two rows, drawn together
         n = fmt.per_example
         drawn, pool, unit = t.steps * t.batch_size // n, train["documents"] // n, fmt.unit
     elif whole_documents(cfg.data):  # rows of whole documents: as many as their tokens fill, at least

@@ -56,7 +56,9 @@ class Pair(Prompted):
     are the prompt's and the completions' bytes. A pair with an empty completion, or whose completions are the same
     (its loss is log 2 whatever the model), is refused naming the record."""
 
-    kind, names, marks = "pair", ("chosen", "rejected"), (DESIRABLE, DESIRABLE)
+    # its rejected document marked undesirable: an objective of pairs reads only which tokens are learned, one of
+    # unpaired records (kto) reads the pair unpaired, as TRL's KTOTrainer does (unpair_preference_dataset)
+    kind, names, marks = "pair", ("chosen", "rejected"), (DESIRABLE, UNDESIRABLE)
 
     def __new__(cls, prompt, chosen, rejected, where, d):
         form = "texts, or lists of {role, content} messages (TRL's conversational form)"

@@ -133,7 +133,7 @@ def _at_reference(o):
 register_objective("kto", ObjectiveSpec(
     config=KTOConfig,
     loss=lambda o: KTOLoss(o.beta, o.loss_type, o.desirable_weight, o.undesirable_weight),
-    formats=("unpaired",),
+    formats=("unpaired", "preference"),  # pairs read unpaired: the chosen desirable, the rejected not (TRL's way)
     mismatched=lambda o: o.loss_type == "kto",  # (apo_zero_unpaired has no z: no rows to score)
     row_inputs=(REFERENCE, LABEL),
     rules=_rules,

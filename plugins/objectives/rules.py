@@ -6,7 +6,7 @@ from __future__ import annotations
 from common.problem import Problem
 from plugins.objectives.pairs import pair_rules
 from plugins.objectives.reference import needs_reference
-from plugins.objectives.spec import PAIR, SINGLE, get_objective, objective_names
+from plugins.objectives.spec import PAIR, get_objective, objective_names
 
 # what the records of a format an objective learns from are called, where a file of them is, and what each holds:
 # for the refusal and the fix that names them
@@ -26,7 +26,7 @@ def check(cfg) -> list[Problem]:
     if fmt not in spec.formats:
         takers = [n for n in objective_names() if fmt in get_objective(n).formats]
         reads = " or ".join(f"data.format={f}" for f in spec.formats)
-        if spec.rows == SINGLE and len(spec.formats) > 1:  # (sft: records of one example each)
+        if "text" in spec.formats and takers:  # an objective of any text (sft) on records others compare
             return [Problem("data.format", fmt, f"{fmt} records are learned by comparing what each holds "
                             f"(objective={' or '.join(takers)}): objective={o.name} would learn every completion as "
                             f"an answer", f"objective={takers[0]}" + (f" (or {', '.join(takers[1:])})" if takers[1:]
