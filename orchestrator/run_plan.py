@@ -178,7 +178,9 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
 def data_preview(cfg) -> list:
     """The first record of each source as the model sees it (data.preview=N: N of them); a record that cannot be
     shown is the tokenize stage's to name (the checks before launch read the same records)."""
-    text = cfg.data.format == "text"
+    from plugins.data.formats.spec import format_of
+
+    text = not format_of(cfg.data).records  # (text's first documents are shown shorter than a record)
     try:
         return preview(cfg, cfg.data.preview or 1, console.is_terminal,
                        chars=PLAN_CHARS if cfg.data.preview or not text else PLAN_CHARS // 4)

@@ -244,7 +244,7 @@ def _example_problems(cfg, avail: int, where: str) -> list[Problem]:
     room = avail - STAGE_RUNTIME
     need = example_bytes(cfg)
     if need > room:
-        fits = max(room // example_bytes(cfg, batch=1) - 1, 0)
+        fits = max(room // 2 // example_bytes(cfg, batch=1) - 1, 0)  # half the room: what is free moves between runs
         problems.append(Problem("export.sample_batch", cfg.export.sample_batch, f"the export's check runs "
                                 f"export.sample_batch+1 example sequences through torch and ONNX Runtime: about "
                                 f"{need / GB:,.1f} GB, more than the {avail / GB:,.1f} GB it may use ({where})",

@@ -12,6 +12,7 @@ from plugins.data.reasoning import THINK
 from plugins.data.reasoning import FIELD as REASONING
 from plugins.data.reasoning import reasoning_of
 from plugins.data.records import CHECKED_RECORDS, Unanswered, masks_loss_of, piece_documents
+from plugins.data.formats.spec import format_of
 
 TOOLS = "tools"  # TRL's field, and the key's default
 
@@ -19,7 +20,7 @@ TOOLS = "tools"  # TRL's field, and the key's default
 def no_effect_problems(d, pieces: list) -> list[tuple]:
     """(key, value, rule, fix) for each chat key that would do nothing on the first records of `pieces` (each
     file's first piece)."""
-    if d.format != "chat" or not pieces:
+    if not format_of(d).always_rendered or not pieces:  # (its keys are a chat's: tools, reasoning)
         return []
     return _reasoning_problems(d, pieces) + _tools_problems(d, pieces)
 

@@ -30,7 +30,7 @@ def check(cfg) -> list[Problem]:
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text; data={d.name} has none",
                                    "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
-    if d.format in ("prompt_completion", "unpaired") and d.prompt_field == d.completion_field:
+    if {"prompt_field", "completion_field"} <= set(format_of(d).fields(d)) and d.prompt_field == d.completion_field:
         problems.append(Problem("data.prompt_field", d.prompt_field, f"the prompt and the completion would both be "
                                 f"read from the field {d.prompt_field!r} (data.completion_field): every record would "
                                 "learn its own prompt again", "data.prompt_field= the field that holds the prompt "
