@@ -113,10 +113,10 @@ def objective_line(cfg, p: Plan) -> list[str]:
     if spec.loss is None:
         return []  # next-token cross-entropy: the compute line says how
     loss = f"objective: {spec.describe(o)}"
-    policy_is_reference = adapters_are_the_difference(cfg)  # LoRA training nothing else: no second model online
     if not needs_reference(cfg):
         return [loss]
     online = not cached(cfg)
+    policy_is_reference = adapters_are_the_difference(cfg)  # LoRA training nothing else: no second model online
     mismatched = " and of its mismatched rows, which the policy scores too (no gradient)" if spec.mismatched(o) \
         else ""
     from planning.estimate import reference_bytes

@@ -190,8 +190,7 @@ def test_drawn_records_keep_their_labels_and_mismatched_rows_when_dealt_to_ranks
 def test_each_sides_mean_is_over_its_own_records_across_held_out_batches():
     """Two held-out batches, the first all desirable: the logged means of each side are over that side's records of
     both (not each batch's side means weighted by its size), and a side with no record is left out, as TRL does."""
-    from types import SimpleNamespace
-
+    from plugins.data.batcher import Batch
     from plugins.objectives.kto import KTOLoss
 
     loss = KTOLoss(beta=1.0, loss_type="apo_zero_unpaired", desirable_weight=1.0, undesirable_weight=1.0)
@@ -200,13 +199,13 @@ def test_each_sides_mean_is_over_its_own_records_across_held_out_batches():
     count = 0
     for name in ("a", "b"):
         inputs = torch.tensor([[0.0, lab] for lab in labels[name]], dtype=torch.float64)  # reference 0
-        count += loss.count(SimpleNamespace(drawn=np.arange(4), inputs=inputs, row_inputs=inputs), None)
+        count += loss.count(Batch(inputs, inputs, 1.0, 1.0, row_inputs=inputs), None)
         loss(torch.tensor([[v, 3.0] for v in logps[name]]), inputs)
     got = loss.means((loss.take() / count).tolist())
     assert got["logps/chosen"] == pytest.approx((-1 - 2 - 3 - 4 - 5 - 6) / 6)
     assert got["logps/rejected"] == pytest.approx((-7 - 8) / 2) == got["rewards/rejected"]
     assert got["rewards/margins"] == pytest.approx(got["rewards/chosen"] - got["rewards/rejected"])
-    loss.count(SimpleNamespace(drawn=np.arange(4), inputs=inputs, row_inputs=torch.ones(4, 2)), None)
+    loss.count(Batch(inputs, inputs, 1.0, 1.0, row_inputs=torch.ones(4, 2)), None)
     loss(torch.tensor([[-1.0, 3.0]] * 4), torch.ones(4, 2))
     alone = loss.means((loss.take() / 4).tolist())
     assert "rewards/rejected" not in alone and "rewards/margins" not in alone and "rewards/chosen" in alone

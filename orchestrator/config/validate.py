@@ -299,14 +299,14 @@ def _unread_problems(cfg: DictConfig, full: str, value, f: dataclasses.Field) ->
             return [Problem(full, value, f"{full} is read only when {other} {state}; with {other}={now} it "
                             "would do nothing", f"{'give ' + other + ' a value' if wanted.filled else other + '=[]'} "
                             f"for it to apply, or leave {full} unset")]
-        shown = " or ".join(str(w).lower() if isinstance(w, bool) else str(w) for w in wanted)
-        now = str(actual).lower() if isinstance(actual, bool) else actual
+        shown = " or ".join(map(_word, wanted))
+        now = _word(actual)
         if actual != (given := OmegaConf.select(cfg, other)):
             now = f"{given} ({actual} here)"
         choose = other.rsplit(".", 1)[0] if other.endswith(".name") else other  # data=synthetic, not data.name=...
-        possible = [w for w in wanted if _possible(cfg, other, w)]
-        fix = f"{choose}={str(possible[0]).lower() if isinstance(possible[0], bool) else possible[0]} for it to " \
-            f"apply, or leave {full} unset" if possible else f"leave {full} unset ({_impossible(cfg, other)})"
+        possible = [w for w in wanted if _possible(cfg, other, w)]  # (none: a format the source cannot carry)
+        fix = f"{choose}={_word(possible[0])} for it to apply, or leave {full} unset" if possible else \
+            f"leave {full} unset (data={cfg.data.name} carries no records of another format)"
         return [Problem(full, value, f"{full} is read only when {other}={shown}; with {other}={now} it would do "
                         f"nothing", fix)]
     return []
@@ -322,8 +322,9 @@ def _possible(cfg: DictConfig, key: str, value) -> bool:
     return cfg.data.name not in source_names() or get_source(cfg.data.name).carries(value)
 
 
-def _impossible(cfg: DictConfig, key: str) -> str:
-    return f"data={cfg.data.name} carries no records of another format" if key == "data.format" else ""
+def _word(value) -> str:
+    """A value as the command line writes it (true, not True)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _effective(cfg: DictConfig, key: str):

@@ -186,8 +186,10 @@ class Batcher:
 
     def _batch(self, sources, split: str, rng: np.random.Generator, picks: np.ndarray) -> Batch:
         """Rows drawn from each row's corpus's split, each unit's example its pick (-1: an empty row): a window of a
-        document (a packed stream's pick-th window), padded when short, or a row of whole documents. A label enters the loss where its token is real, in a masked corpus
-        trained (the completion), and in a row of documents of the same document as its input."""
+        document (a packed stream's pick-th window), padded when short, or a row of whole documents. A label enters
+        the loss where its token is real, in a masked corpus trained (the completion), and in a row of documents of
+        the same document as its input. Each row's mark is its tokens' largest mask value (an unpaired record's
+        label); with mismatched rows, those of the examples in the order drawn."""
         T = self.seq_len
         rows = np.full((self.batch_size, T + 1), self.pad, dtype=np.int64)
         real = np.zeros((self.batch_size, T + 1), dtype=bool)

@@ -94,8 +94,8 @@ def _record_check(d, texts, template: Optional[str], variables: dict, row: Optio
     if isinstance(texts, Unanswered) and template and (why := render_problem(texts.chat, template)):
         raise BadRecord(why)
     if isinstance(texts, Prompted) and texts.conversational and not template:
-        return ("data.chat_template", f"{texts.where}: the {texts.kind} is made of conversations, which are rendered with a "
-                                      "chat template, and there is none"), False
+        return ("data.chat_template", f"{texts.where}: the {texts.kind} is made of conversations, which are "
+                                      "rendered with a chat template, and there is none"), False
     if isinstance(texts, Prompted) and texts.conversational and (why := texts.render_problem(template)):
         raise BadRecord(why)
     if isinstance(texts, Prompted) and pairs is not None:

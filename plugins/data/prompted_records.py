@@ -11,7 +11,7 @@ from common.problem import InputFault
 from plugins.data import tokenizer as tokenizers
 from plugins.data.piece_records import BadRecord, preview, text_value
 from plugins.data.preference import check_pair, prompted_ids, split_prompt
-from plugins.data.records import Chat, Record, messages_problem, render_problem
+from plugins.data.records import Chat, Record, check_conversation, messages_problem, render_problem
 
 DESIRABLE, UNDESIRABLE = 1, 2  # an unpaired record's mark on its learned tokens (a mask value, uint8)
 
@@ -107,11 +107,16 @@ class Pair(Prompted):
                                      "left to compare; fix: data.prompt_field= the field that holds the prompt, or "
                                      "repair the pair")
         parts = [prompt, chosen, rejected]
-        pair = super().__new__(cls, (v.encode("utf-8") if isinstance(v, str) else
-                                     "".join(m["content"] for m in v).encode("utf-8") for v in parts), where)
+        pair = super().__new__(cls, _texts(parts), where)
         pair.prompt, pair.chosen, pair.rejected = parts
         pair.completions = (chosen, rejected)
         return pair
+
+
+def _texts(parts) -> list[bytes]:
+    """A record's texts (what a BPE learns from): each part's bytes, a list of messages' contents joined."""
+    return [v.encode("utf-8") if isinstance(v, str) else "".join(m["content"] for m in v).encode("utf-8")
+            for v in parts]
 
 
 class Unpaired(Prompted):
@@ -126,24 +131,16 @@ class Unpaired(Prompted):
             raise BadRecord(f"{where}: the record's label (data.label_field={d.label_field!r}) is {preview(label)}, "
                             "not true or false; fix: a label that says whether the completion is desirable (true) or "
                             "not (false), as TRL's unpaired preference records hold it")
-        if isinstance(prompt, list) != isinstance(completion, list):
-            raise InputFault(f"{where}: the record mixes a text and a list of messages (data.prompt_field is "
-                             f"{'messages' if isinstance(prompt, list) else 'text'}, data.completion_field "
-                             f"{'messages' if isinstance(completion, list) else 'text'}); fix: two texts, or two "
-                             "lists of {role, content} messages (TRL's conversational form)")
-        parts = []
-        for value, k in ((prompt, "prompt_field"), (completion, "completion_field")):
-            if isinstance(value, list):
-                if why := messages_problem(value, f"data.{k} ({d[k]!r})"):
-                    raise InputFault(f"{where}: {why}; fix: two texts, or two lists of messages")
-                parts.append(value)
-            else:
-                parts.append(text_value(value, where, k, d[k]).decode("utf-8"))
+        if isinstance(prompt, list) or isinstance(completion, list):
+            check_conversation(prompt, completion, where, d)
+            parts = [prompt, completion]
+        else:
+            parts = [text_value(v, where, k, d[k]).decode("utf-8") for v, k in ((prompt, "prompt_field"),
+                                                                               (completion, "completion_field"))]
         if not parts[1]:
             raise InputFault(f"{where}: the record's completion (data.completion_field={d.completion_field!r}) is "
                              "empty: there is nothing to judge; fix: leave the record out, or repair it")
-        record = super().__new__(cls, (v.encode("utf-8") if isinstance(v, str) else
-                                       "".join(m["content"] for m in v).encode("utf-8") for v in parts), where)
+        record = super().__new__(cls, _texts(parts), where)
         record.prompt, record.completions = parts[0], (parts[1],)
         record.label = bool(label)
         record.names = ("desirable" if record.label else "undesirable",)

@@ -180,22 +180,28 @@ class Chat(Record):
         return chat
 
 
+def check_conversation(prompt, completion, where, d) -> None:
+    """InputFault naming the record where a prompt and a completion of which one is a list of messages are not both
+    lists of {role, content} messages (TRL's conversational form; a prompt/completion or an unpaired record's)."""
+    if isinstance(prompt, list) != isinstance(completion, list):
+        key, other_key, other = ("prompt_field", "completion_field", completion) if isinstance(prompt, list) \
+            else ("completion_field", "prompt_field", prompt)
+        raise InputFault(f"{where}: data.{key} ({d[key]!r}) is a list of messages and data.{other_key} "
+                         f"({d[other_key]!r}) is {_kind(other)}: a prompt/completion record is either two texts "
+                         "or two lists of {role, content} messages (TRL's conversational form); fix: repair the "
+                         "record")
+    for value, key in ((prompt, "prompt_field"), (completion, "completion_field")):
+        if why := messages_problem(value, f"data.{key} ({d[key]!r})"):
+            raise InputFault(f"{where}: {why}; a prompt/completion record is either two texts or two lists "
+                             "of messages (TRL's conversational form); fix: repair the record")
+
+
 class Conversation(Chat):
     """A prompt/completion record in TRL's conversational form (both lists of messages): rendered with the chat
     template, the prompt with the generation prompt and the completion as what follows it; the completion learned."""
 
     def __new__(cls, prompt, completion, where, d):
-        if isinstance(prompt, list) != isinstance(completion, list):
-            key, other_key, other = ("prompt_field", "completion_field", completion) if isinstance(prompt, list) \
-                else ("completion_field", "prompt_field", prompt)
-            raise InputFault(f"{where}: data.{key} ({d[key]!r}) is a list of messages and data.{other_key} "
-                             f"({d[other_key]!r}) is {_kind(other)}: a prompt/completion record is either two texts "
-                             "or two lists of {role, content} messages (TRL's conversational form); fix: repair the "
-                             "record")
-        for value, key in ((prompt, "prompt_field"), (completion, "completion_field")):
-            if why := messages_problem(value, f"data.{key} ({d[key]!r})"):
-                raise InputFault(f"{where}: {why}; a prompt/completion record is either two texts or two lists "
-                                 "of messages (TRL's conversational form); fix: repair the record")
+        check_conversation(prompt, completion, where, d)
         chat = super().__new__(cls, prompt + completion, where)
         chat.prompt, chat.completion = prompt, completion
         return chat

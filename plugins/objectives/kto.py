@@ -56,19 +56,16 @@ class KTOLoss(RowsLoss):
     def count(self, batch, score=None) -> int:
         """The global batch's records, and z estimated from its mismatched rows (kto: score gives the policy's
         log-probability of each, the provider the reference's)."""
-        import torch
-
-        held = torch.from_numpy(batch.drawn >= 0) if batch.drawn is not None else \
-            torch.ones(len(batch.inputs), dtype=torch.bool)
-        n = max(int(held.sum()), 1)
         if self.loss_type == "kto":
+            import torch
+
             rows = batch.mismatched
             if score is None or rows is None:
                 raise ValueError("kto's KL estimate scores the batch's mismatched rows: count(batch, score) needs both")
-            kept = torch.from_numpy(rows.drawn >= 0) if rows.drawn is not None else held
+            kept = torch.from_numpy(rows.drawn >= 0)  # (an empty row past a held-out split's last: none to score)
             gaps = score(rows) - rows.row_inputs[:, 0]
             self.kl = max(float(gaps[kept].mean()), 0.0) if kept.any() else 0.0
-        return n
+        return super().count(batch)
 
     def __call__(self, rows, row_inputs=None):
         import torch
@@ -76,7 +73,7 @@ class KTOLoss(RowsLoss):
         logps, held = rows[:, 0].float(), rows[:, 1] > 0  # (an empty row: past a held-out split's last)
         reference, desirable = row_inputs[:, 0].to(logps.dtype), row_inputs[:, 1] > 0.5
         ratios = logps - reference
-        b, kl = self.beta, self.kl if self.loss_type == "kto" else 0.0
+        b, kl = self.beta, self.kl  # (apo_zero_unpaired: 0, never estimated)
         losses = torch.where(desirable, self.weights[0] * (1 - torch.sigmoid(b * (ratios - kl))),
                              self.weights[1] * (1 - torch.sigmoid(b * (kl - ratios))))
         zero = torch.zeros((), dtype=losses.dtype, device=losses.device)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional
 
+from plugins.data.prompted_records import DESIRABLE
 from plugins.objectives.reference import REFERENCE
 
 if TYPE_CHECKING:
     import torch
 
 LABEL = "label"
-DESIRABLE = 1  # the mark an unpaired record's desirable completion carries (prompted_records.DESIRABLE)
 
 
 def labels_of(batch) -> torch.Tensor:

@@ -1,14 +1,15 @@
 """An objective is a component: one file in plugins/objectives/ registers an ObjectiveSpec that says everything the rest
 of the code asks of it (TorchTitan's TrainSpec.loss_fn, NeMo-RL's LossFunction declaring its input and batch keys).
-The step and the held-out evaluation ask its loss, the train and reference stages, the evaluate stage, the plan,
-validation and the sweeps ask the spec of `objective.name`; none of them names an objective. A third-party package adds one through the
-`orchestrator.objectives` entry-point group, and its config option (`conf/objective/<name>.yaml`, `defaults:
+The step and the held-out evaluation ask its loss; the batcher, the train and reference stages, the evaluate stage,
+the plan, validation and the sweeps ask the spec of `objective.name`; none of them names an objective. A third-party
+package adds one through the `orchestrator.objectives` entry-point group, and its config option (`conf/objective/<name>.yaml`, `defaults:
 [<name>_schema]`) takes the spec's config dataclass as its schema.
 
 The loss of an objective with a `loss` (a "rows" objective) is an object the runners call on each microbatch:
   loss(rows, row_inputs) -> the summed loss of the microbatch's examples (rows (R, 2): each row's summed
-      log-probability of its learned tokens and their count, from the label-sparse head; row_inputs (R,): the
-      per-row input it declared, the reference's; None, or zeros in a pipeline's schedule, when it declared none)
+      log-probability of its learned tokens and their count, from the label-sparse head; row_inputs: the per-row
+      inputs it declared, by provider (plugins/objectives/providers.py), (R,) for one, (R, k) columns in their order
+      for several; None, or zeros in a pipeline's schedule, when it declared none)
   loss.count(batch, score) -> what the step's loss is a mean over (asked once per global batch, before the rows are
       run: it may keep the batch's totals it normalises by, as TRL's token-mean NLL terms need, or score other rows
       first: score(rows) is each row's summed log-probability under the policy, no gradient, the same on every rank:

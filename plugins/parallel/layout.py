@@ -118,7 +118,8 @@ class Layout:
     def objective_metrics(self, count: int) -> Optional[tuple[Callable, torch.Tensor]]:
         """(the objective's means, this rank's share of its sums over `count`) of what it measured since it was last
         asked (preference pairs' rewards and log-probabilities): summed over ranks they are the global shares, which
-        means(shares) names; None without an objective. Ranks whose values repeat another's (tensor-parallel peers) add nothing."""
+        means(shares) names; None without an objective. Ranks whose values repeat another's (tensor-parallel
+        peers) add nothing."""
         objective = getattr(self.runner, "objective", None)
         if objective is None:
             return None

@@ -66,8 +66,8 @@ class DataConfig:
                               "completion is desirable: TRL's unpaired preference records, for kto); records from "
                               "JSON Lines or Parquet; what the model learns: data.loss_on",
                       choices=("text", "prompt_completion", "chat", "preference", "unpaired"))
-    bad_records: str = key("refuse", "records (data.format=prompt_completion, chat, preference or unpaired): a record at "
-                                     "fault "
+    bad_records: str = key("refuse", "records (data.format=prompt_completion, chat, preference or unpaired): a "
+                                     "record at fault "
                                      "itself (a line that is not JSON, a field missing or of the wrong type, "
                                      "messages that are not messages, a pair with nothing to compare, a "
                                      "conversation the template cannot render) is refused (the check before launch "
@@ -78,8 +78,8 @@ class DataConfig:
     text_field: str = key("text", "text: the field (JSON Lines) or column (Parquet) that holds a record's text",
                           read_when=("data.format", ("text",)))
     prompt_field: str = key("prompt", "data.format=prompt_completion, preference or unpaired: the field that "
-                                      "holds a record's prompt (preference: a record without it has an implicit prompt, the "
-                                      "beginning its chosen and rejected share)", read_when=PROMPT_OR_PAIR)
+                                      "holds a record's prompt (preference: a record without it has an implicit "
+                                      "prompt, the beginning its chosen and rejected share)", read_when=PROMPT_OR_PAIR)
     chosen_field: str = key("chosen", "data.format=preference: the field that holds a pair's preferred completion",
                             read_when=PREFERENCE)
     rejected_field: str = key("rejected", "data.format=preference: the field that holds its dispreferred completion",
