@@ -35,7 +35,7 @@ def _experiment(cfg: DictConfig) -> Optional[float]:
     """One run; it returns the run's objective (`sweep.objective`) for sweepers run by another launcher (the
     orchestrator's own launcher, orchestrator/sweeps/launcher.py, returns it without calling this)."""
     from orchestrator.sweeps import objective
-    from orchestrator.run import orchestrate
+    from orchestrator.experiment import conduct
 
     hc = HydraConfig.get()
     try:
@@ -44,7 +44,7 @@ def _experiment(cfg: DictConfig) -> Optional[float]:
 
             EXIT_CODES.append(tune(cfg, Path(hc.runtime.output_dir), task_overrides(hc)))
             return None
-        report = orchestrate(cfg, Path(hc.runtime.output_dir), task_overrides(hc))
+        report = conduct(cfg, Path(hc.runtime.output_dir), task_overrides(hc))
         EXIT_CODES.append(report.exit_code)
         return objective.value(cfg.sweep.objective, report.train_summary(cfg), report.scores(cfg), cfg)
     except ConfigError as e:  # reported here, not raised: Hydra would add its own "Error executing job" line

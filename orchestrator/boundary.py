@@ -20,9 +20,10 @@ from omegaconf import DictConfig
 
 from common import tracebacks
 
-from orchestrator.config.command import check_experiment, experiment, explain, task_overrides
+from orchestrator.config.command import experiment, explain, task_overrides
 from orchestrator.config.errors import ConfigError
 from orchestrator.config.validate import check_failed, folder_problems
+from orchestrator.phases import check
 from orchestrator.config.values import unresolved
 
 
@@ -74,7 +75,7 @@ def check_run(config: DictConfig) -> None:
     if problems:
         raise ConfigError(problems)
     cfg = experiment(config)
-    check_experiment(cfg, task_overrides(config.hydra))
+    check(cfg, task_overrides(config.hydra))
     if cfg.tune.name == "layout":  # and one layout at least runs: else no trial starts, and the layouts that do say
         from orchestrator.sweeps.tune import layout_problems
 

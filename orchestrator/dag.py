@@ -82,37 +82,22 @@ def stage_key(cfg: DictConfig, stage: Stage, input_keys: dict[str, str]) -> tupl
     return digest[:KEY_LENGTH], material
 
 
+def keys(cfg: DictConfig, stages: list[Stage]) -> dict[str, str]:
+    """Each stage's key, the cache unread and nothing written (an experiment's later phase names an earlier phase's
+    output by its key before it exists: orchestrator/phases.py)."""
+    found: dict[str, str] = {}
+    for s in ordered(cfg, stages):
+        found[s.name] = stage_key(cfg, s, found)[0]
+    return found
+
+
 def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStage]:
     """Stages in dependency order, each with its key and whether the cache already holds its output (the stages this
     config runs: a stage's `enabled`)."""
-    stages = [s for s in stages if s.enabled(cfg)]
-    running = {s.name for s in stages}  # an optional upstream the config does not run is no upstream
-    stages = [dataclasses.replace(s, after=tuple(u for u in s.after if u in running or u not in s.optional))
-              if s.optional else s for s in stages]
-    by_name = {s.name: s for s in stages}
-    for s in stages:
-        missing = [u for u in s.after if u not in by_name]
-        if missing:
-            raise ValueError(f"stage {s.name} runs after unknown stage(s) {missing}")
-    ordered, seen = [], set()
-
-    def visit(s: Stage, trail: tuple[str, ...]) -> None:
-        if s.name in trail:
-            raise ValueError(f"stage dependencies form a cycle: {' -> '.join(trail + (s.name,))}")
-        if s.name in seen:
-            return
-        for up in s.after:
-            visit(by_name[up], trail + (s.name,))
-        seen.add(s.name)
-        ordered.append(s)
-
-    for s in stages:
-        visit(s, ())
-
     keys: dict[str, str] = {}
     extras: dict[str, Any] = {}
     planned = []
-    for s in ordered:
+    for s in ordered(cfg, stages):
         key, material = stage_key(cfg, s, keys)
         keys[s.name], extras[s.name] = key, material["extra"]
         cached, damage = cache.hit(s.name, key, checksums=cfg.cache_verify != "size", set_aside=not cfg.dry_run,
@@ -130,3 +115,31 @@ def plan(cfg: DictConfig, stages: list[Stage], cache: Cache) -> list[PlannedStag
                                     earlier[0] if earlier else None,
                                     earlier[1] if earlier else getattr(own, "step", None)))
     return planned
+
+
+def ordered(cfg: DictConfig, stages: list[Stage]) -> list[Stage]:
+    """The stages this config runs (a stage's `enabled`), in dependency order."""
+    stages = [s for s in stages if s.enabled(cfg)]
+    running = {s.name for s in stages}  # an optional upstream the config does not run is no upstream
+    stages = [dataclasses.replace(s, after=tuple(u for u in s.after if u in running or u not in s.optional))
+              if s.optional else s for s in stages]
+    by_name = {s.name: s for s in stages}
+    for s in stages:
+        missing = [u for u in s.after if u not in by_name]
+        if missing:
+            raise ValueError(f"stage {s.name} runs after unknown stage(s) {missing}")
+    in_order, seen = [], set()
+
+    def visit(s: Stage, trail: tuple[str, ...]) -> None:
+        if s.name in trail:
+            raise ValueError(f"stage dependencies form a cycle: {' -> '.join(trail + (s.name,))}")
+        if s.name in seen:
+            return
+        for up in s.after:
+            visit(by_name[up], trail + (s.name,))
+        seen.add(s.name)
+        in_order.append(s)
+
+    for s in stages:
+        visit(s, ())
+    return in_order

@@ -10,7 +10,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 from filelock import Timeout
 from omegaconf import DictConfig
@@ -44,23 +44,32 @@ def orchestrate(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     return once the jobs are submitted (a sweep follows all its points' jobs together). until: run that stage and
     the stages it needs only (a layout trial stops after train). kind: the MLflow parent run's orchestrator.kind.
     heading: a rule printed above the plan (a sweep's point: its plan stays under it with points side by side)."""
-    planned_run = plan_run(cfg, run_dir, overrides, until, kind, heading,
-                           lambda *args: _calibrate(*args, sweep_run_id),
-                           lambda *args: _tokenize_first(*args, sweep_run_id))
+    planned_run = plan_point(cfg, run_dir, overrides, sweep_run_id, until, kind, heading)
     if isinstance(planned_run, Report):
         return planned_run
-    return _run(planned_run, overrides, sweep_run_id, follow_jobs, kind)
+    return run_planned(planned_run, overrides, sweep_run_id, follow_jobs, kind)
 
 
-def _run(run: RunPlan, overrides: list[str], sweep_run_id: Optional[str], follow_jobs: bool, kind: str) -> Report:
-    """Open the run's tracking, then run every stage to run in order (or submit them all), and report."""
+def plan_point(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
+               until: Optional[str] = None, kind: str = "invocation", heading: Optional[str] = None
+               ) -> Union[RunPlan, Report]:
+    """The run planned (orchestrator/run_plan.py), its calibration and counting runs tracked under sweep_run_id."""
+    return plan_run(cfg, run_dir, overrides, until, kind, heading, lambda *args: _calibrate(*args, sweep_run_id),
+                    lambda *args: _tokenize_first(*args, sweep_run_id))
+
+
+def run_planned(run: RunPlan, overrides: list[str], sweep_run_id: Optional[str], follow_jobs: bool, kind: str,
+                tags: Optional[dict[str, str]] = None, name: Optional[str] = None) -> Report:
+    """Open the run's tracking, then run every stage to run in order (or submit them all), and report. sweep_run_id:
+    the MLflow run this one is a child of (a sweep's, an experiment's); tags, name: more of the run's tags, its name
+    (else its overrides')."""
     cfg, plan, launches, cache, run_dir, planned, t0 = (run.cfg, run.plan, run.launches, run.cache, run.run_dir,
                                                        run.planned, run.t0)
     to_run, executor, config_path = run.to_run, run.executor, run.config_path
     tags = {"orchestrator.kind": kind, "orchestrator.run_dir": str(run_dir),
             "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],
-            **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}
-    run_name = short_run_name(overrides)
+            **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {}), **(tags or {})}
+    run_name = name or short_run_name(overrides)
     if tracking_later.worthwhile(cfg, nothing_to_run=not to_run):
         tracking = tracking_later.LaterInvocation(run_dir, run_name, tags)
     else:

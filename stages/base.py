@@ -95,6 +95,9 @@ class Stage:
     optional: tuple[str, ...] = ()
     """upstream stages of `after` this stage runs after only when the config runs them (train after the reference
     log-probabilities: preference pairs only); left out, they are neither inputs nor in the key."""
+    starts: bool = False
+    """it reads the weights train.init_from names: on SLURM its job waits for the job that writes them, where one is
+    queued (an experiment's earlier phase's aggregate: orchestrator/phases.py)."""
     adopt: Optional[Callable[..., Optional[int]]] = None
     """(cfg, an earlier attempt's scratch, this attempt's scratch or None, its key) -> the step this attempt would
     continue from (None: nothing usable); given this attempt's scratch, the state is linked into it."""

@@ -73,7 +73,7 @@ def _fingerprint(cfg) -> dict:
     """The reference model: the folder or checkpoint its weights come from (LoRA's base where adapters train) and
     its files as they are now; none: train.seed's initialisation (read)."""
     source = adapters.reference_of(cfg)
-    return {"reference": source, "files": init_from.fingerprint(source)}
+    return {"reference": source, "files": init_from.fingerprint(source, cfg.cache_dir)}
 
 
 def _summary(out) -> str:
@@ -88,6 +88,7 @@ STAGE = Stage(
     reads=("model", "precision", "train.seed", "train.seq_len"),
     resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),
     fingerprint=_fingerprint,
+    starts=True,
     summary=_summary,
     enabled=cached,
 )

@@ -235,7 +235,7 @@ def _summary(out) -> str:
 def _fingerprint(cfg) -> dict:
     """Key material beyond the config and the inputs' keys (the tokenize stage's holds the data): the checkpoint or
     Hugging Face folder a run starts from."""
-    return {"init_from": init_from.fingerprint(cfg.train.init_from)}
+    return {"init_from": init_from.fingerprint(cfg.train.init_from, cfg.cache_dir)}
 
 
 STAGE = Stage(
@@ -247,6 +247,7 @@ STAGE = Stage(
            "objective"),
     resources=lambda cfg: Resources(tasks=world_size(cfg.parallel)),
     fingerprint=_fingerprint,
+    starts=True,
     progress=progress_hint,
     lineage=("model", "data", "optimizer", "precision", "train", "peft"),
     adopt=adopt,

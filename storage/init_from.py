@@ -9,6 +9,10 @@ from common.problem import Problem
 from storage import hf
 from storage.fsio import read_json
 
+# Folders that an earlier phase of the experiment writes (orchestrator/phases.py), with what writes them: a later
+# phase is checked and planned before they exist, its model against that phase's (not the folder's files).
+PROMISED: dict[str, str] = {}
+
 
 def check(cfg, parameters: dict) -> list[Problem]:
     """parameters: the partition plan's, {name: {"shape": ...}} (what the checkpoint must hold)."""
@@ -21,8 +25,12 @@ def check(cfg, parameters: dict) -> list[Problem]:
                         "train.init_from=hf:<a Hugging Face folder> to score it as it is, or train.steps=300")]
     if not path:
         return []
+    if path.startswith("phase:"):  # made concrete where the experiment has phases (orchestrator/phases.py)
+        return [Problem("train.init_from", path, "phase:<name> starts from the model of an earlier phase of an "
+                        "experiment, and this run has no phases", "declare the phases (docs/experiments.md), or "
+                        "train.init_from=hf:<a folder>")]
     if path.startswith(hf.PREFIX):
-        return hf_problems(cfg, path)
+        return [] if str(hf.folder_of(path)) in PROMISED else hf_problems(cfg, path)
     from storage.checkpoint import MANIFEST  # torch's DCP: 0.7 s of imports, only when a checkpoint is named
 
     manifest_path = Path(path) / MANIFEST
@@ -94,12 +102,17 @@ def hf_problems(cfg, path: str) -> list[Problem]:
     return [Problem("train.init_from", path, f"the folder holds another model ({family}): {listed}", fix)]
 
 
-def fingerprint(init_from) -> Optional[str]:
+def fingerprint(init_from, cache_dir: Optional[str] = None) -> Optional[str]:
     """What train.init_from is now, for the keys of the stages that start from it: a Hugging Face folder's files
-    (names, sizes, modification times), a checkpoint's manifest (its files' checksums), or None (no start)."""
+    (names, sizes, modification times), a checkpoint's manifest (its files' checksums), or None (no start). A folder
+    in an entry of the cache (cache_dir) is that entry: its stage and key say what it holds (an entry never changes),
+    so that a stage starting from another's output is keyed before that output exists (an experiment's phases)."""
     import hashlib
 
     folder = hf.folder_of(init_from)
+    entry = in_entry(folder or init_from, cache_dir)
+    if entry:
+        return entry
     if folder:
         return hf.stamps(folder)
     if init_from:
@@ -108,3 +121,14 @@ def fingerprint(init_from) -> Optional[str]:
         manifest = Path(init_from) / MANIFEST
         return hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else "missing"
     return None
+
+
+def in_entry(path, cache_dir: Optional[str]) -> Optional[str]:
+    """`<stage>/<key>/<the rest>` of a path in an entry of the cache at cache_dir (None for a path elsewhere)."""
+    if not path or not cache_dir:
+        return None
+    try:
+        parts = Path(path).expanduser().absolute().relative_to(Path(cache_dir).expanduser().absolute()).parts
+    except ValueError:
+        return None
+    return "/".join(parts) if len(parts) >= 2 and not parts[0].startswith(".") else None

@@ -310,7 +310,12 @@ def problems_of(overrides: list[str], runs: Path) -> list:
         assert translated is not None, f"untranslated Hydra error: {e}"
         return translated.problems
     try:
-        validate(cfg, overrides)
+        if cfg.get("phases"):  # an experiment: its phases composed from the overrides, as the command composes them
+            from orchestrator.phases import check_phases
+
+            check_phases(cfg, overrides if own_dirs else [*overrides, f"runs_dir={runs}"])
+        else:
+            validate(cfg, overrides)
     except ConfigError as e:
         return e.problems
     return []

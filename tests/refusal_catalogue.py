@@ -368,6 +368,10 @@ CATALOGUE = [
      "evaluate.tasks", "an undesirable one is not"),
     (["objective=kto", "data=unpaired", "data.mix=[{paths: [{tmp}/feedback.jsonl]}, {paths: [{tmp}/feedback2.jsonl]}]"],
      "data.mix", "from one corpus; a data.mix draws each row's source by weight"),
+    (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback.jsonl]", "objective.undesirable_weight=-1"],
+     "objective.undesirable_weight", "must be between 0.0 and"),
+    (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback.jsonl]", "objective.desirable_weight=0",
+      "objective.undesirable_weight=0"], "objective.desirable_weight", "no step learns anything"),
     (["objective=kto", "data=unpaired", "data.paths=[{tmp}/feedback_label.jsonl]"], "data.paths",
      "line 2: the record's label (data.label_field='label') is \"yes\", not true or false"),
     (["objective=dpo", "data=preference", "data.paths=[{tmp}/pairs_same.jsonl]"], "data.paths",
@@ -386,6 +390,19 @@ CATALOGUE = [
      "3 bad record(s) among the 50 read before launch"),
     (["data=text", "data.paths=[{tmp}/chats.jsonl]", "data.bad_records=skip"], "data.bad_records",
      "read only when data.format="),
+    # an experiment's phases (orchestrator/phases.py): each checked before any runs, its problems under its keys
+    (["++phases.a.train.steps=5", "++phases.b.train.init_from=phase:c"], "phases.b.train.init_from",
+     "starts from the model of an earlier phase"),
+    (["++phases.a.optimizer.lrr=0.1"], "phases.a.optimizer.lrr", "did you mean optimizer.lr?"),
+    (["++phases.a.train.steps=5", "train.steps=7"], "train.steps", "phase a sets train.steps itself"),
+    (["++phases.a.optimizer.lr=-1"], "phases.a.optimizer.lr", "in phase a: optimizer.lr must be >= 0.0"),
+    (["++phases.A.train.steps=5"], "phases.A", "lower case letters"),
+    (["++phases.a.choices.modle=x"], "phases.a.choices", "pick an option of a config group"),
+    (["++phases.a.choices.model=nope"], "phases.a.choices.model", "not an option of the config group 'model'"),
+    (["tune=layout", "++phases.a.train.steps=5"], "tune.name", "tunes the layout of one run"),
+    (["train.init_from=phase:sft"], "train.init_from", "this run has no phases"),
+    (["++phases.a.train.steps=5", "++phases.b.train.init_from=phase:a", "++phases.b.model.n_layers=3"],
+     "phases.b.model", "its model differs"),
 ]
 
 

@@ -31,6 +31,8 @@ FIX_NOT_APPLIED = {
     "objective=kto": "the fix names an example file of unpaired records (feedback.jsonl)",
     "data.chosen_field=better": "data.format=preference, the fix, needs files of pairs and a preference objective",
     "cluster=slurm +cluster.time_min.eval=5": "the fix's key replaces the one given (eval is no stage): it is not added",
+    "++phases.a.train.steps=5 train.steps=7": "the fix moves the command's value into the phase: the command's own "
+                                             "override goes, which a key=value alone cannot say",
 }
 ROOTS = set(make_cfg().keys())
 

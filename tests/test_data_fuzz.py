@@ -35,7 +35,7 @@ TAGGED = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] =
           "{{ m['content'] }}<|im_end|>\n{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>\n{% endif %}"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 ROLES = ("user", "assistant", "system")
-ROW = 257  # train.seq_len+1 of the preference cases: their completions must start within a row
+ROW = 257  # train.seq_len+1 of the preference and unpaired cases: their completions must start within a row
 
 # -- values a field may hold -------------------------------------------------------------------------------------
 
@@ -55,6 +55,7 @@ BAD_MESSAGE = st.one_of(st.fixed_dictionaries({"role": st.sampled_from(ROLES + (
 MESSAGES = st.lists(MESSAGE, min_size=1, max_size=4)
 VALUE = st.one_of(TEXT, TEXT, TEXT, st.none(), NOT_TEXT, MESSAGES,
                   st.lists(st.one_of(MESSAGE, BAD_MESSAGE), max_size=3))
+LABEL = st.booleans()  # an unpaired record's (data.label_field): true where its completion is desirable
 BYTES = st.one_of(PLAIN.map(lambda t: t.encode("utf-8")), st.binary(max_size=8))  # Arrow's binary columns
 
 
@@ -112,6 +113,8 @@ def expected(fmt: str, record: dict, hf) -> tuple | None:
     """The document a record gives (ids, learned or None), None for none; Refused when it must be refused."""
     if fmt == "preference":
         return expected_pair(record, hf)
+    if fmt == "unpaired":
+        return expected_unpaired(record, hf)
     if fmt == "text":
         if "text" not in record:
             raise Refused
@@ -161,8 +164,9 @@ def _common(a: list, b: list) -> int:
 
 
 def expected_pair(record: dict, hf) -> list:
-    """A preference record's two documents (chosen, rejected: ids and learned), each the prompt and its completion
-    encoded together, learned from where the prompt's ids and either whole's first differ; Refused when it must be."""
+    """A preference record's two documents (chosen, rejected: ids and learned, the rejected's marked 2 as an
+    undesirable record's is: objective=kto reads pairs unpaired), each the prompt and its completion encoded together,
+    learned from where the prompt's ids and either whole's first differ; Refused when it must be."""
     if "chosen" not in record or "rejected" not in record:
         raise Refused
     parts = {k: record[k] for k in ("prompt", "chosen", "rejected") if record.get(k) is not None or k != "prompt"}
@@ -179,18 +183,41 @@ def expected_pair(record: dict, hf) -> list:
             raise Refused
     if not parts["chosen"] or not parts["rejected"] or parts["chosen"] == parts["rejected"]:
         raise Refused
+    return _learned(parts["prompt"], [parts[k] for k in ("chosen", "rejected")], (1, 2), conversational, hf)
+
+
+def expected_unpaired(record: dict, hf) -> tuple:
+    """An unpaired record's document (ids, learned: its label's mark, 1 desirable or 2 not, where learned), the prompt
+    and its completion encoded together as a pair's are; Refused when it must be (a label that is not true or false,
+    an empty completion: nothing to judge)."""
+    if any(k not in record for k in ("prompt", "completion", "label")) or not isinstance(record["label"], bool):
+        raise Refused
+    prompt, completion = record["prompt"], record["completion"]
+    conversational = isinstance(prompt, list) or isinstance(completion, list)
     if conversational:
-        head = list(hf.apply_chat_template(parts["prompt"], chat_template=CHATML, tokenize=True,
-                                           add_generation_prompt=True, return_dict=True)["input_ids"])
-        wholes = [list(hf.apply_chat_template(parts["prompt"] + parts[k], chat_template=CHATML, tokenize=True,
-                                              return_dict=True)["input_ids"]) for k in ("chosen", "rejected")]
+        prompt, completion = _messages(prompt), _messages(completion)
     else:
-        head = list(parts["prompt"].encode())
-        wholes = [list((parts["prompt"] + parts[k]).encode()) + [EOS] for k in ("chosen", "rejected")]
+        prompt, completion = _text(prompt).decode(), _text(completion).decode()
+    if not completion:
+        raise Refused
+    return _learned(prompt, [completion], (1 if record["label"] else 2,), conversational, hf)[0]
+
+
+def _learned(prompt, completions: list, marks: tuple, conversational: bool, hf) -> list:
+    """Each completion's document, the prompt and it encoded together (ids, and its mark where learned: from where
+    the prompt's ids and any whole's first differ); Refused where that is past a row (nothing of it learned)."""
+    if conversational:
+        head = list(hf.apply_chat_template(prompt, chat_template=CHATML, tokenize=True, add_generation_prompt=True,
+                                           return_dict=True)["input_ids"])
+        wholes = [list(hf.apply_chat_template(prompt + c, chat_template=CHATML, tokenize=True,
+                                              return_dict=True)["input_ids"]) for c in completions]
+    else:
+        head = list(prompt.encode())
+        wholes = [list((prompt + c).encode()) + [EOS] for c in completions]
     start = min(_common(head, ids) for ids in wholes)
     if start >= ROW:
         raise Refused  # a completion that starts past a row: nothing of it would be learned
-    return [(ids, [int(i >= start) for i in range(len(ids))]) for ids in wholes]
+    return [(ids, [mark * (i >= start) for i in range(len(ids))]) for ids, mark in zip(wholes, marks)]
 
 
 # -- containers ------------------------------------------------------------------------------------------------------
@@ -270,19 +297,20 @@ def pa_errors() -> tuple:
 
 @st.composite
 def cases(draw):
-    fmt = draw(st.sampled_from(["text", "prompt_completion", "chat", "preference"]))
+    fmt = draw(st.sampled_from(["text", "prompt_completion", "chat", "preference", "unpaired"]))
     fields = {"text": ("text",), "chat": ("messages",), "prompt_completion": ("prompt", "completion"),
-              "preference": ("prompt", "chosen", "rejected")}[fmt]
+              "preference": ("prompt", "chosen", "rejected"), "unpaired": ("prompt", "completion", "label")}[fmt]
     container = draw(st.sampled_from(["jsonl", "jsonl", "json", "jsonl.gz", "json.zst", "parquet", "arrow",
                                       "arrow_file", "datasets"]))
-    good = {"text": TEXT, "chat": MESSAGES, "prompt_completion": TEXT,
-            "preference": draw(st.sampled_from([TEXT, MESSAGES]))}[fmt]  # TRL's standard or conversational form
+    form = draw(st.sampled_from([TEXT, MESSAGES]))  # a pair's or an unpaired record's: TRL's standard or conversational
+    good = {"text": TEXT, "chat": MESSAGES, "prompt_completion": TEXT, "preference": form, "unpaired": form}[fmt]
     values = st.one_of(VALUE, BYTES) if not container.startswith("json") else VALUE
 
     clean = draw(st.booleans())  # every record of the right types (else: a third of the values anything)
 
     def record():
-        r = {f: draw(good if clean else st.one_of(good, good, values)) for f in fields}
+        goods = {f: LABEL if f == "label" else good for f in fields}  # (an unpaired record's label: true or false)
+        r = {f: draw(goods[f] if clean else st.one_of(goods[f], goods[f], values)) for f in fields}
         if fmt == "preference" and clean and good is MESSAGES and draw(st.integers(0, 3)) == 0:
             asked = {"role": "user", "content": draw(TEXT)}  # UltraFeedback's: a text, conversations repeating it
             r = {"prompt": asked["content"], "chosen": [asked, *r["chosen"]], "rejected": [asked, *r["rejected"]]}
@@ -323,6 +351,9 @@ def test_every_record_trains_as_meant_or_is_refused_before_launch(bytes_hf, case
             return  # Arrow cannot hold these values in one column: no such file can exist
         names = {k for r in records for k in r}
         records = [{k: r.get(k) for k in names} for r in records]  # a column holds a null where a record has none
+        if "label" in names:  # a label as its column holds it: true beside 0.5 is a column of numbers, true 1.0
+            for r, label in zip(records, _table(records, fields).column("label").to_pylist()):
+                r["label"] = label
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         try:
@@ -331,7 +362,7 @@ def test_every_record_trains_as_meant_or_is_refused_before_launch(bytes_hf, case
             return  # datasets' own writer refused the values
         (folder / "chatml.jinja").write_text(CHATML)
         cfg = make_cfg("data=text", f"data.paths=[{path}]", f"data.format={fmt}", "data.packing=false",
-                       f"train.seq_len={ROW - 1 if fmt == 'preference' else 16}",
+                       f"train.seq_len={ROW - 1 if fmt in ('preference', 'unpaired') else 16}",
                        "train.batch_size=1", "train.eval_batches=1", "data.val_fraction=0.5",
                        *([f"data.chat_template={folder}/chatml.jinja"] if fmt != "text" else []),
                        *(["data.bad_records=skip"] if skip else []), runs_dir=folder)

@@ -1,5 +1,5 @@
 """Every `python -m orchestrator` command of docs/ is checked as its dry run checks it before planning: composed as
-the CLI composes it and validated by every rule (orchestrator/config/command.py's check_experiment), so that no
+the CLI composes it and validated by every rule (orchestrator/phases.py's check: a run's, or each phase's), so that no
 page shows a command the orchestrator refuses. The paths a page names stand for the reader's files: they are made
 here (a corpus, JSON Lines records, chats, a tiny Llama folder); a sweep's points are each value's first
 combination. The README's own commands run whole (tests/test_readme_examples.py)."""
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 
-from orchestrator.config.command import check_experiment
+from orchestrator.phases import check
 from orchestrator.config.errors import ConfigError
 from plugins.data.indexed_dataset import write_index
 from tests.conftest import ROOT, make_cfg
@@ -129,6 +129,6 @@ def test_every_docs_command_passes_its_checks(page, args, readers_files, monkeyp
     overrides = as_run_here(args, readers_files)
     cfg = make_cfg(*overrides, runs_dir=readers_files / "runs")
     try:
-        check_experiment(cfg, overrides)
+        check(cfg, overrides)
     except ConfigError as e:
         pytest.fail(f"{page}: python -m orchestrator {' '.join(args)}\n{e}")

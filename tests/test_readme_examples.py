@@ -85,19 +85,24 @@ def test_the_offline_fine_tuning_walk_through_runs_as_pasted(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "data.tokenizer=auto: hf:tiny-llama (train.init_from's own)" in done.stdout  # the folder's, not bytes
     assert re.search(r"aggregate\s+│ ran", done.stdout), done.stdout[-3000:]
-    # docs/preference.md's recipe goes on from this fine-tune: its pairs made, then DPO from the fine-tune's hf/
-    # folder (the start and the reference), scored on the shipped chat task
+    # docs/preference.md's recipe goes on from this fine-tune: its pairs made, then the experiment of three phases in
+    # one command (conf/experiment/sft_dpo.yaml): the same fine-tune, DPO from its hf/ folder (the start and the
+    # reference), and arith_chat on the DPO's model
     page = (ROOT / "docs" / "preference.md").read_text()
     block = page.split("## Offline: tiny model, SFT, then DPO, then a score\n", 1)[1].split("```shell\n", 1)[1]
-    steps = re.sub(r"\\\n\s*", " ", block.split("```", 1)[0]).strip().splitlines()
-    assert steps[0] == lines[0] + " --pairs pairs.jsonl" and steps[1] == lines[2], steps
+    steps = block.split("```", 1)[0].strip().splitlines()
+    assert steps == [lines[0] + " --pairs pairs.jsonl", "python -m orchestrator experiment=sft_dpo"], steps
     made = subprocess.run([sys.executable, str(ROOT / steps[0].split()[1]), *shlex.split(steps[0])[2:]],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert made.returncode == 0 and (tmp_path / "pairs.jsonl").is_file(), made.stderr[-2000:]
-    run_dir = re.search(r"^outputs: (\S+)", done.stdout, re.M).group(1)
-    args = [a.replace("runs/outputs/<date>/<time>", run_dir) for a in shlex.split(steps[2])[3:]
-            if not a.startswith("train.steps=")]
-    preferred = run_cli(args + SHORT + ["cluster=debug", "evaluate.limit=8"], tmp_path, timeout=600)
-    assert preferred.returncode == 0, preferred.stdout[-3000:] + preferred.stderr[-3000:]
-    assert "objective: dpo (sigmoid, beta 0.1)" in preferred.stdout and "reward acc" in preferred.stdout
-    assert re.search(r"reference\s+│ ran", preferred.stdout) and re.search(r"evaluate\s+│ ran", preferred.stdout)
+    few = ["phases.sft.train.steps=2", "phases.dpo.train.steps=2", "++phases.score.evaluate.limit=8"]
+    recipe = run_cli(shlex.split(steps[1])[3:] + few + [a for a in SHORT if not a.startswith("train.steps=")]
+                     + ["cluster=debug"], tmp_path, timeout=600)
+    out = recipe.stdout
+    assert recipe.returncode == 0, out[-3000:] + recipe.stderr[-3000:]
+    assert "objective: dpo (sigmoid, beta 0.1)" in out and "reward acc" in out
+    # its SFT phase trains as the command above did (the model folder made again: its files' times are new, so the
+    # phase runs again, to the same losses)
+    fine_tune = re.search(r"│ train\s+│ ran\s+│[^│]*│ (loss [\d.]+, eval [\d.]+)", done.stdout).group(1)
+    assert re.search(rf"sft/train\s+│ ran\s+│[^│]*│ {fine_tune}", out), (fine_tune, out[-9000:])
+    assert re.search(r"dpo/reference\s+│ ran", out) and re.search(r"score/evaluate\s+│ ran .*arith_chat/acc", out)

@@ -2,8 +2,8 @@
 namespace of its own; started here if needed).
 
 A failing stage's dependants cancelled and the rerun resuming there, a 2-point sweep with per-point resources and one
-shared export, a layout tune whose trials are jobs submitted together, and requests the scheduler refuses reported
-with their key. The five stages as jobs on both nodes (preempted, and ending with one process's losses) and a lost
+shared export, a layout tune whose trials are jobs submitted together, an experiment's three phases submitted at once
+and chained by afterok, and requests the scheduler refuses reported with their key. The five stages as jobs on both nodes (preempted, and ending with one process's losses) and a lost
 node: test_slurm_recovery.py.
 """
 from __future__ import annotations
@@ -14,6 +14,7 @@ import mlflow
 import pytest
 
 from tests.conftest import run_cli
+from tests.test_experiment import make_recipe_files
 from tests.slurm_support import SMALL, jobs_of, our_queued_jobs, run_dirs, sacct, slurm  # noqa: F401
 
 pytestmark = pytest.mark.slurm
@@ -110,3 +111,29 @@ def test_oversized_request_is_refused_at_submission_and_nothing_stays_queued(slu
     assert "fix:  cluster.cpus_per_task=" in result.stderr
     assert next((workdir / "runs").rglob("plan.json"))  # planned, submitted in part, then cancelled:
     assert not our_queued_jobs(workdir)
+
+
+def test_an_experiment_submits_its_phases_at_once_each_waiting_on_the_model_it_starts_from(slurm, workdir):
+    """experiment=sft_dpo (docs/experiments.md): SFT, DPO and a score submitted by one command before any job ran;
+    the stages that read a phase's start wait on the job of the aggregate that writes it, the others do not."""
+    make_recipe_files(workdir)
+    args = ["experiment=sft_dpo", "cluster=slurm", "phases.sft.train.steps=2", "phases.dpo.train.steps=2",
+            "++phases.score.evaluate.limit=4", "train.batch_size=4", "train.seq_len=32", "train.eval_every=0",
+            "train.checkpoint_every=0"]
+    result = run_cli(args, workdir, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    jobs = {d.name: {j["stage"]: j for j in jobs_of(d)} for d in run_dirs(workdir)}
+    assert set(jobs) == {"sft", "dpo", "score"}
+    sft, dpo, score = jobs["sft"], jobs["dpo"], jobs["score"]
+    assert sft["aggregate"]["job_id"] in dpo["train"]["after"] and sft["aggregate"]["job_id"] in dpo["reference"]["after"]
+    assert dpo["aggregate"]["job_id"] in score["train"]["after"]
+    assert not dpo["tokenize"]["after"]  # what does not read the start runs beside the earlier phase
+    states = sacct([j["job_id"] for phase in jobs.values() for j in phase.values()])
+    assert {s["state"] for s in states.values()} == {"COMPLETED"}, states
+    assert "arith_chat/acc" in result.stdout
+    client = mlflow.MlflowClient(f"sqlite:///{workdir}/runs/mlflow.db")
+    exp = client.get_experiment_by_name("orchestrator")
+    (experiment,) = client.search_runs([exp.experiment_id], "tags.`orchestrator.kind` = 'experiment'")
+    phases = client.search_runs([exp.experiment_id], f"tags.`mlflow.parentRunId` = '{experiment.info.run_id}'")
+    assert experiment.info.status == "FINISHED" and sorted(p.data.tags["orchestrator.phase"] for p in phases) == \
+        ["dpo", "score", "sft"]

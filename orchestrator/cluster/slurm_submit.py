@@ -99,6 +99,7 @@ def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, L
     job_of: dict[str, str] = {}
     submitted: list[SubmittedStage] = []
     cached: list[str] = []
+    start_job = _queued_start(cfg, cache)
     try:
         for ps in plan:
             if cache.is_complete(ps.name, ps.key):  # cached when planned, or finished since
@@ -106,7 +107,8 @@ def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, L
                     tracking.record_cached(ps.name, ps.key, cache.record(ps.name, ps.key).get("mlflow_run_id", ""))
                 cached.append(ps.name)
                 continue
-            after = [job_of[u] for u in ps.stage.after if u in job_of]
+            after = [job_of[u] for u in ps.stage.after if u in job_of] + ([start_job] if ps.stage.starts and
+                                                                          start_job else [])
             with cache.lock(ps.name, ps.key):
                 record_path = cache.work(ps.name, ps.key) / JOB_RECORD
                 queued = read_json(record_path) if record_path.is_file() else None
@@ -136,6 +138,23 @@ def submit_plan(cfg: DictConfig, plan: list[PlannedStage], launches: dict[str, L
         "tracking": {"uri": cfg.tracking.uri, "parent": tracking.parent} if tracking else None,
         "poll_s": cfg.cluster.poll_s})
     return submitted
+
+
+def _queued_start(cfg: DictConfig, cache: Cache) -> Optional[str]:
+    """The job in the queue that writes the weights train.init_from names (an experiment's earlier phase's aggregate,
+    submitted just before: orchestrator/phases.py), which the stages that read them wait on; None: none queued."""
+    from storage import hf
+    from storage.init_from import in_entry
+
+    entry = in_entry(hf.folder_of(cfg.train.init_from) or cfg.train.init_from, str(cache.root))
+    if not entry:
+        return None
+    stage, key = entry.split("/")[:2]
+    record_path = cache.work(stage, key) / JOB_RECORD
+    if cache.is_complete(stage, key) or not record_path.is_file():
+        return None
+    job_id = read_json(record_path)["job_id"]
+    return job_id if is_active(job_id) else None
 
 
 def _submit_stage(cfg, ps: PlannedStage, launch: Launch, cache: Cache, folder: Path, after: list[str],

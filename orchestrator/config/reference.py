@@ -66,13 +66,16 @@ def reference_markdown(conf: Path = CONF) -> str:
     lines = ["| group | options (default first) |", "| --- | --- |"]
     for group in GROUP_SCHEMAS:
         lines.append(f"| `{group}` | " + ", ".join(f"`{o}`" for o in options_of(group, conf)) + " |")
+    lines.append("| `experiment` | none; " + ", ".join(f"`{p.stem}`" for p in sorted((conf / "experiment").glob(
+        "*.yaml"))) + " (phases run in order: docs/experiments.md) |")
     default_cfg = _compose(conf)
     hints = typing.get_type_hints(Config)  # every section without a config group (train, ..., evaluate, sweep)
     own = [(f.name, {f.name: hints[f.name]}) for f in dataclasses.fields(Config)
            if f.name not in GROUP_SCHEMAS and dataclasses.is_dataclass(hints[f.name])]
     for section, schemas in [*GROUP_SCHEMAS.items(), *own]:
         lines += _table(conf, default_cfg, section, schemas)
-    top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir", "cache_verify")]
+    top = [f for f in dataclasses.fields(Config) if f.name in ("dry_run", "runs_dir", "cache_dir", "cache_verify",
+                                                                "phases")]
     lines += ["", "**top level**", "", "| key | default | meaning |", "| --- | --- | --- |"]
     lines += [f"| `{f.name}` | `{_show(default_cfg[f.name])}` | {f.metadata['help']}{_rules(f.metadata)} |"
               for f in top]

@@ -360,7 +360,8 @@ def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
     is_list = isinstance(value, (list, ListConfig))
     items = list(value) if is_list else [value]
     if any(isinstance(v, float) and not math.isfinite(v) for v in items):
-        return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={_default(f)}")]
+        default = "null" if _default(f) is None else _default(f)  # as an override writes it
+        return [Problem(full, value, f"{full} must be a finite number ({meta['help']})", f"{full}={default}")]
     nested = [v for v in items if isinstance(v, (list, tuple, dict, ListConfig, DictConfig))] if is_list else []
     if nested and f.name != "mix":
         flat = [w for v in items for w in (v if isinstance(v, (list, tuple, ListConfig)) else [v])

@@ -218,7 +218,8 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
     lines = [f"sweep: {what}; {at_once} run at a time here (sweep.parallelism)"]
     plans = plans or [None] * len(points)
     timed = [(p, timing_of(p, planned.n_parameters if planned else partition_plan(p)["n_parameters"]))
-             for p, planned in zip(points, plans) if p.cluster.name != "slurm" and not p.dry_run and not p.data.preview]
+             for p, planned in zip(points, plans) if p.cluster.name != "slurm" and not p.dry_run and not p.data.preview
+             and not isinstance(planned, list)]  # an experiment's points: each phase's plan times it, as it runs
     if timed:  # each point's train stage as its own plan times it: by a comparable run measured here, else its floor
         trains = [expected_times(p, timing, ["train"], Path(p.cache_dir).resolve())["train"] for p, timing in timed]
         seconds = [e.seconds for e in trains]
@@ -337,8 +338,9 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
                   every_combination: bool) -> tuple[list[DictConfig], list]:
     """Compose and validate the points: every combination (the basic sweeper will run exactly those), or each
     value of each key with the others at their first (a sweeper that picks its points). order: the overrides as
-    given, a swept key standing for its value. -> the points, and each one's plan (check_experiment's)."""
-    from orchestrator.config.command import check_experiment, experiment, explain
+    given, a swept key standing for its value. -> the points, and each one's plan (orchestrator/phases.py check's)."""
+    from orchestrator.config.command import experiment, explain
+    from orchestrator.phases import check
     from orchestrator.sweeps.launcher import SweepConfigError, _check_direction
 
     keys = list(spaces)
@@ -360,7 +362,7 @@ def _check_points(config: DictConfig, order: list[str], spaces: dict[str, list[s
             loaded = loader.load_sweep_config(config, overrides)
             _check_folder(loaded, len(seen) - 1, overrides, folders)
             cfg = experiment(loaded)
-            planned = check_experiment(cfg, overrides)
+            planned = check(cfg, overrides)
             try:  # the sweeper's direction against the objective's: one problem for the sweep, said once
                 _check_direction(cfg, config)
             except ConfigError as e:

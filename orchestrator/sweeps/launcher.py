@@ -191,7 +191,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
     (its ranks save, its stages end interrupted), no further point starts, and KeyboardInterrupt goes up to the
     command (the sweeper, Optuna's included, stops with it; the summary says interrupted and not run)."""
     from orchestrator.cluster.follow import follow
-    from orchestrator.run import orchestrate
+    from orchestrator.experiment import conduct
 
     stopped = threading.Event()
 
@@ -199,7 +199,7 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
         if stopped.is_set() or interrupt.requested():  # a point queued behind others (sweep.parallelism)
             return
         try:
-            p.report = orchestrate(p.cfg, p.run_dir, p.overrides, sweep_run, follow_jobs=follow_jobs,
+            p.report = conduct(p.cfg, p.run_dir, p.overrides, sweep_run, follow_jobs=follow_jobs,
                                    heading=f"point {p.index}: {' '.join(p.overrides) or '(no overrides)'}")
         except ConfigError as e:  # e.g. SLURM refused a job: that point is reported, the others go on
             p.error = str(e)

@@ -118,7 +118,25 @@ def _rules(cfg) -> list[Problem]:
     if cfg.engine.name != "torch":
         p.append(Problem("engine.name", cfg.engine.name, "objective=kto is built and checked against TRL on the "
                          f"torch engine only; engine={cfg.engine.name} is not yet", "engine=torch"))
+    # The weights: a negative one is refused by its key's bounds (min 0: it would push that side's records the wrong
+    # way, which TRL's KTOTrainer, multiplying each side's losses by its weight unchecked, would do). Both 0 leaves
+    # nothing to learn. One 0 is a choice, said in the plan's objective line (_describe), not refused: the other
+    # side is still learned against z, as from a file of one side's records only, which TRL and data=unpaired accept.
+    if o.desirable_weight == 0 and o.undesirable_weight == 0:
+        p.append(Problem("objective.desirable_weight", o.desirable_weight, "objective.undesirable_weight is 0 too: "
+                         "every record's loss is weighted 0, so the loss is 0 whatever the policy does and no step "
+                         "learns anything", "objective.desirable_weight=1.0 objective.undesirable_weight=1.0 (the "
+                         "defaults; with more records of one side, the other's weight higher)"))
     return p
+
+
+def _describe(o) -> str:
+    """The plan's words for it, and the side it does not learn where one weight is 0 (both 0 is refused)."""
+    sides = (("desirable", o.desirable_weight, "undesirable"), ("undesirable", o.undesirable_weight, "desirable"))
+    return (f"kto ({o.loss_type}, beta {o.beta:g}, weights {o.desirable_weight:g}/{o.undesirable_weight:g}"
+            + "".join(f": the {side} records weigh 0, only the {other} ones are learned"
+                      for side, weight, other in sides if weight == 0)
+            + ") on unpaired records, reference online")
 
 
 def _at_reference(o):
@@ -134,8 +152,7 @@ register_objective("kto", ObjectiveSpec(
     mismatched=lambda o: o.loss_type == "kto",  # (apo_zero_unpaired has no z: no rows to score)
     row_inputs=(REFERENCE, LABEL),
     rules=_rules,
-    describe=lambda o: f"kto ({o.loss_type}, beta {o.beta:g}, weights {o.desirable_weight:g}/"
-                       f"{o.undesirable_weight:g}) on unpaired records, reference online",
+    describe=_describe,
     sweep_objectives={"eval_reward_margin": ("final_eval_rewards/margins", "maximize")},
     at_reference=_at_reference,
 ))

@@ -66,6 +66,10 @@ class Config:
                                     "and its stage runs again", choices=("hash", "full", "size"), content=False)
     cache_dir: str = key("${runs_dir}/cache", "the content-addressed store of every stage's outputs (also ORT's cache "
                                               "directory: exported and transformed graphs live here)", content=False)
+    phases: dict = key({}, "an experiment of phases, run in order by one command (docs/experiments.md): name -> the "
+                           "phase's overrides in the config's shape, `choices` picking config group options "
+                           "({choices: {objective: dpo}, objective: {beta: 0.1}}); train.init_from=phase:<name> "
+                           "starts from an earlier phase's model", content=False)
 
 
 # group name -> {option-schema name: dataclass}; YAML options start with `defaults: [<option-schema name>]`

@@ -1,0 +1,172 @@
+"""One command for a run or an experiment of phases (orchestrator/phases.py): every phase planned first, its plan
+printed under its own heading, then the phases run in order, each as a run of its own (orchestrator/run.py) in its
+own folder of the experiment's (`<run folder>/<phase>`).
+
+What is shared is the cache: a phase whose stages are cached is a hit, an interrupted one resumes from its
+checkpoint, and a sweep's points share the phases they have in common. On SLURM every phase is submitted at once:
+a stage that reads an earlier phase's model waits for its aggregate's job (`afterok`: orchestrator/cluster/
+slurm_submit.py). In MLflow the experiment is a run with a child run per phase, each tagged with the phase it
+started from (`orchestrator.started_from`).
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+from rich.text import Text
+
+from orchestrator.phases import Phase, compose, has_phases
+from orchestrator.report import Report, StageResult, console, result_table
+from orchestrator.run import orchestrate, plan_point, run_planned
+from orchestrator.run_plan import RunPlan
+
+
+def conduct(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
+            follow_jobs: bool = True, heading: Optional[str] = None) -> Report:
+    """Run what the command describes: one run (orchestrate), or an experiment's phases in order."""
+    if not has_phases(cfg):
+        return orchestrate(cfg, run_dir, overrides, sweep_run_id, follow_jobs, heading=heading)
+    return _experiment(cfg, run_dir, overrides, sweep_run_id, follow_jobs, heading)
+
+
+@dataclass
+class ExperimentReport(Report):
+    """The phases' reports, their stages named by phase (sft/train); the experiment's scores are its last scoring
+    phase's, its train summary its last training phase's (what a sweep over a later phase optimises)."""
+    phases: list[tuple[Phase, Report]] = field(default_factory=list)
+
+    def scores(self, cfg) -> dict:
+        return next((s for p, r in reversed(self.phases) if (s := r.scores(p.cfg))), {})
+
+    def train_summary(self, cfg) -> dict:
+        return next((s for p, r in reversed(self.phases) if (s := r.train_summary(p.cfg))), {})
+
+
+def _experiment(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str],
+                follow_jobs: bool, heading: Optional[str]) -> ExperimentReport:
+    t0 = time.perf_counter()
+    phases = compose(cfg, overrides)
+    if heading:
+        console.rule(Text(heading))
+    report = ExperimentReport(run_dir)
+    parent = _experiment_run(cfg, run_dir, overrides, sweep_run_id, phases)
+    try:
+        return _phases(cfg, phases, run_dir, report, parent, follow_jobs, t0)
+    except KeyboardInterrupt:
+        inv = _OPEN.pop(parent, None) if parent else None
+        if inv is not None:
+            inv.end_run(inv.parent, "KILLED")
+        raise
+
+
+def _phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: ExperimentReport, parent: Optional[str],
+            follow_jobs: bool, t0: float) -> ExperimentReport:
+    """Plan every phase, then run them in order (submit them all, on SLURM)."""
+    planned: list[tuple[Phase, RunPlan]] = []
+    for i, phase in enumerate(phases, 1):
+        title = f"phase {phase.name} ({i} of {len(phases)})" + (f": from phase {phase.start}" if phase.start else "")
+        run = plan_point(_planned_config(phase), run_dir / phase.name, phase.overrides, parent, kind="phase",
+                         heading=title)
+        if isinstance(run, Report):  # a dry run, a preview, a calibration that failed: nothing of it runs
+            _add(report, phase, run)
+            continue
+        planned.append((phase, run))
+    if len(planned) != len(phases):
+        return _finish(report, parent, t0)
+    _totals(planned)
+    on_slurm = cfg.cluster.name == "slurm"
+    started_from: dict[str, str] = {}
+    for phase, run in planned:
+        if report.exit_code:  # an earlier phase failed or was interrupted: the later ones start from nothing
+            _add(report, phase, Report(run.run_dir, {ps.name: StageResult(ps.name, ps.key, "not run", summary=(
+                f"needs phase {phase.start}" if phase.start else "an earlier phase did not finish"))
+                for ps in run.plan}))
+            continue
+        tags = {"orchestrator.phase": phase.name,
+                **({"orchestrator.started_from": started_from.get(phase.start, phase.start)} if phase.start else {})}
+        done = run_planned(run, phase.overrides, parent, follow_jobs=follow_jobs and not on_slurm, kind="phase",
+                           tags=tags, name=f"phase {phase.name}")
+        started_from[phase.name] = f"phase {phase.name}" + (f" (run {done.parent_run_id})" if done.parent_run_id
+                                                            else "")
+        _add(report, phase, done)
+    if on_slurm and follow_jobs and cfg.cluster.wait:
+        from orchestrator.cluster.follow import follow
+
+        for (phase, _), followed in zip(planned, follow([run.run_dir for _, run in planned])):
+            _add(report, phase, followed)
+    return _finish(report, parent, t0)
+
+
+def _planned_config(phase: Phase) -> DictConfig:
+    """A phase's config for its plan: one that starts from a model not written yet is not calibrated (its first
+    steps cannot be timed before the model exists; its plan gives the train time's floor)."""
+    from storage import hf
+    from storage.init_from import PROMISED
+
+    folder = hf.folder_of(phase.cfg.train.init_from)
+    if not (phase.start and folder and str(folder) in PROMISED and not folder.is_dir() and
+            phase.cfg.plan.calibrate_steps):
+        return phase.cfg
+    cfg = copy.deepcopy(phase.cfg)
+    cfg.plan.calibrate_steps = 0
+    return cfg
+
+
+def _add(report: ExperimentReport, phase: Phase, done: Report) -> None:
+    """A phase's report into the experiment's (a later one, of the same phase, replaces it: SLURM's follow)."""
+    report.phases = [(p, r) for p, r in report.phases if p.name != phase.name] + [(phase, done)]
+    for name, result in done.results.items():
+        report.results[f"{phase.name}/{name}"] = StageResult(f"{phase.name}/{name}", result.key, result.status,
+                                                             result.seconds, result.summary, result.error,
+                                                             result.waited_s)
+    report.submitted = any(r.submitted for _, r in report.phases)  # jobs left running (SLURM, cluster.wait=false)
+
+
+def _totals(planned: list[tuple[Phase, RunPlan]]) -> None:
+    """The experiment's plan in one line: its phases, the stages each runs, the time they are expected to take."""
+    parts, floor = [], False
+    total = 0.0
+    for phase, run in planned:
+        expected = [e for name, e in run.planned.items() if name in run.to_run and e is not None]
+        floor = floor or any(e.floor for e in expected)
+        total += sum(e.seconds for e in expected)
+        parts.append(f"{phase.name}: {len(run.to_run)} of {len(run.plan)} stages to run")
+    console.print(f"experiment: {len(planned)} phases ({'; '.join(parts)}); expected "
+                  f"{'at least ' if floor else 'about '}{total:,.0f} s in all", soft_wrap=True)
+
+
+def _experiment_run(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str],
+                    phases: list[Phase]) -> Optional[str]:
+    """The experiment's MLflow run, the phases' parent (None: not tracked, or a dry run that starts nothing)."""
+    if cfg.tracking.name != "mlflow" or cfg.dry_run or cfg.data.preview:
+        return sweep_run_id
+    from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, run_name
+
+    inv = Invocation(cfg, f"experiment {run_name(overrides)}", {
+        "orchestrator.kind": "experiment", "orchestrator.run_dir": str(run_dir.resolve()),
+        "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],
+        "orchestrator.phases": " ".join(p.name for p in phases),
+        **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}, log_config=False)
+    _OPEN[inv.parent] = inv
+    return inv.parent
+
+
+_OPEN: dict[str, object] = {}  # the experiments' MLflow runs this process opened, closed by _finish
+
+
+def _finish(report: ExperimentReport, parent: Optional[str], t0: float) -> ExperimentReport:
+    total = time.perf_counter() - t0
+    if len(report.phases) > 1 and report.results:
+        console.print(result_table(list(report.results.values()), total, "experiment"))
+    inv = _OPEN.pop(parent, None) if parent else None
+    if inv is not None:
+        interrupted = any(r.status == "interrupted" for r in report.results.values())
+        status = "RUNNING" if report.submitted else "KILLED" if interrupted else \
+            "FAILED" if report.exit_code else "FINISHED"
+        if status != "RUNNING":
+            inv.end_run(inv.parent, status, {"wall_s": total})
+    return report
