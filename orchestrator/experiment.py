@@ -14,7 +14,7 @@ import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from omegaconf import DictConfig
 from rich.text import Text
@@ -23,6 +23,7 @@ from orchestrator.phases import Phase, compose, has_phases
 from orchestrator.report import Report, StageResult, console, result_table
 from orchestrator.run import orchestrate, plan_point, run_planned
 from orchestrator.run_plan import RunPlan
+from planning.stage_time import Expected
 
 
 def conduct(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
@@ -44,6 +45,17 @@ class ExperimentReport(Report):
 
     def train_summary(self, cfg) -> dict:
         return next((s for p, r in reversed(self.phases) if (s := r.train_summary(p.cfg))), {})
+
+    @property
+    def job_dirs(self) -> list[Path]:
+        return [d for _, r in self.phases for d in r.job_dirs]
+
+    def with_followed(self, followed: list[Report]) -> "ExperimentReport":
+        reports = iter(followed)
+        for phase, report in list(self.phases):
+            for _ in report.job_dirs:
+                _add(self, phase, next(reports))
+        return self
 
 
 def _experiment(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str],
@@ -76,8 +88,13 @@ def _phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: Experim
             continue
         planned.append((phase, run))
     if len(planned) != len(phases):
+        if cfg.dry_run:  # every phase planned and nothing run: the experiment's plan in one line all the same
+            console.print(_totals([(p, r.to_run, len(r.plan), r.planned.values()) for p, r in planned] + [
+                (p, [s["stage"] for s in plan if not s["cached"]], len(plan), []) for p, r in report.phases
+                if (plan := _plan_file(r.run_dir))]), soft_wrap=True)
         return _finish(report, parent, t0)
-    _totals(planned)
+    console.print(_totals([(p, r.to_run, len(r.plan), [r.planned[n] for n in r.to_run]) for p, r in planned]),
+                  soft_wrap=True)
     on_slurm = cfg.cluster.name == "slurm"
     started_from: dict[str, str] = {}
     for phase, run in planned:
@@ -93,11 +110,10 @@ def _phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: Experim
         started_from[phase.name] = f"phase {phase.name}" + (f" (run {done.parent_run_id})" if done.parent_run_id
                                                             else "")
         _add(report, phase, done)
-    if on_slurm and follow_jobs and cfg.cluster.wait:
+    if on_slurm and follow_jobs and cfg.cluster.wait and report.job_dirs:
         from orchestrator.cluster.follow import follow
 
-        for (phase, _), followed in zip(planned, follow([run.run_dir for _, run in planned])):
-            _add(report, phase, followed)
+        report.with_followed(follow(report.job_dirs))
     return _finish(report, parent, t0)
 
 
@@ -126,17 +142,23 @@ def _add(report: ExperimentReport, phase: Phase, done: Report) -> None:
     report.submitted = any(r.submitted for _, r in report.phases)  # jobs left running (SLURM, cluster.wait=false)
 
 
-def _totals(planned: list[tuple[Phase, RunPlan]]) -> None:
-    """The experiment's plan in one line: its phases, the stages each runs, the time they are expected to take."""
-    parts, floor = [], False
-    total = 0.0
-    for phase, run in planned:
-        expected = [e for name, e in run.planned.items() if name in run.to_run and e is not None]
-        floor = floor or any(e.floor for e in expected)
-        total += sum(e.seconds for e in expected)
-        parts.append(f"{phase.name}: {len(run.to_run)} of {len(run.plan)} stages to run")
-    console.print(f"experiment: {len(planned)} phases ({'; '.join(parts)}); expected "
-                  f"{'at least ' if floor else 'about '}{total:,.0f} s in all", soft_wrap=True)
+def _totals(phases: list[tuple[Phase, list[str], int, Iterable[Optional[Expected]]]]) -> str:
+    """The experiment's plan in one line: its phases, the stages each runs and the time they are expected to take
+    (phases: each one's stages to run, its count of stages, their expected times where known)."""
+    expected = [e for *_, times in phases for e in times if e is not None]
+    time = f"; expected {'at least ' if any(e.floor for e in expected) else 'about '}" \
+        f"{sum(e.seconds for e in expected):,.0f} s in all" if expected else ""
+    return f"experiment: {len(phases)} phases (" + "; ".join(f"{p.name}: {len(to_run)} of {n} stages to run"
+                                                             for p, to_run, n, _ in phases) + f"){time}"
+
+
+def _plan_file(run_dir: Path) -> list:
+    from storage.fsio import read_json
+
+    try:
+        return read_json(run_dir / "plan.json")
+    except (OSError, ValueError):
+        return []
 
 
 def _experiment_run(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str],

@@ -54,6 +54,15 @@ class Report:
         statuses = {r.status for r in self.results.values()}
         return interrupt.exit_code() if "interrupted" in statuses else 1 if statuses & {"failed", "not run"} else 0
 
+    @property
+    def job_dirs(self) -> list[Path]:
+        """The run folders whose SLURM jobs this report waits on (python -m orchestrator.follow reads them)."""
+        return [self.run_dir] if (self.run_dir / "slurm_jobs.json").is_file() else []
+
+    def with_followed(self, followed: list["Report"]) -> "Report":
+        """This report once its jobs are followed to their end (followed: one report per job_dirs' folder)."""
+        return followed[0]
+
     def scores(self, cfg) -> dict:
         """The evaluate stage's `<task>/<metric>` values ({} when it did not run or finish)."""
         return self._output(cfg, "evaluate", "metrics.json").get("metrics", {})

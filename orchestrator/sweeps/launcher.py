@@ -224,16 +224,17 @@ def _run_points(points: list[Point], sweep_run: Optional[str]) -> None:
             run(p, True)
     if stopped.is_set() or interrupt.requested():
         raise KeyboardInterrupt
-    submitted = [p for p in on_slurm if p.report and p.report.submitted and (p.run_dir / "slurm_jobs.json").is_file()]
+    submitted = [p for p in on_slurm if p.report and p.report.submitted and p.report.job_dirs]
     waiting = [p for p in submitted if p.cfg.cluster.wait]
     if waiting:
         t0 = time.perf_counter()
-        for p, report in zip(waiting, follow([p.run_dir for p in waiting])):
-            p.report = report
-            console.print(result_table(list(report.results.values()), time.perf_counter() - t0,
+        followed = iter(follow([d for p in waiting for d in p.report.job_dirs]))  # an experiment's: a folder a phase
+        for p in waiting:
+            p.report = p.report.with_followed([next(followed) for _ in p.report.job_dirs])
+            console.print(result_table(list(p.report.results.values()), time.perf_counter() - t0,
                                        f"point {p.index} ({p.run_dir})"))
     elif submitted:
-        dirs = " ".join(str(p.run_dir) for p in submitted)
+        dirs = " ".join(str(d) for p in submitted for d in p.report.job_dirs)
         console.print(f"submitted; follow the jobs with: python -m orchestrator.follow {dirs}", soft_wrap=True)
 
 
