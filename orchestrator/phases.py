@@ -244,8 +244,11 @@ def _compose_with(overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    if GlobalHydra.instance().is_initialized():
-        return compose(config_name="config", overrides=overrides)
+    if GlobalHydra.instance().is_initialized():  # the command's search path and primary config (--config-name)
+        from hydra.core.hydra_config import HydraConfig
+
+        name = HydraConfig.get().job.config_name if HydraConfig.initialized() else "config"
+        return compose(config_name=name, overrides=overrides)
     conf = Path(__file__).resolve().parents[1] / "conf"
     with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
         return compose(config_name="config", overrides=overrides)

@@ -4,7 +4,8 @@ Only files are read and written (config.json, safetensors, sharded as save_pretr
 needs neither `transformers` nor a network; the tests check both directions against `transformers` itself. Both
 directions go one tensor at a time: a rank imports only what it holds, and an export holds one shard. Names map one to one, except GPT-2's
 Conv1D layers, which store (in, out) where a Linear stores (out, in), and its fused q/k/v projection `c_attn`.
-Llama's q/k projections are stored by Hugging Face in the layout its rotate-half RoPE expects, which is ours.
+Llama's q/k projections are stored by Hugging Face in the layout its rotate-half RoPE expects, which is ours; Llama
+3.1's rope_scaling (rope_type llama3) is model.rope_scaling=llama3 with its four numbers; other scalings are refused.
 """
 from __future__ import annotations
 
@@ -70,9 +71,9 @@ def read_config(folder: Path) -> tuple[str, dict]:
                         "max_seq_len": c["n_positions"], "activation": GPT2_ACTIVATIONS[act], "bias": True,
                         "tie_embeddings": c.get("tie_word_embeddings", True)}
     rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise HFError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported (only the default "
-                      "rotary embedding)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "llama3"):
+        raise HFError(f"rope scaling {kind!r} is not supported (the default rotary embedding, and llama3's)")
     if c.get("attention_bias") or c.get("mlp_bias"):
         raise HFError("Llama with attention_bias or mlp_bias is not supported")
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -83,7 +84,23 @@ def read_config(folder: Path) -> tuple[str, dict]:
                     "d_model": c["hidden_size"], "d_ff": c["intermediate_size"],
                     "max_seq_len": c["max_position_embeddings"], "norm_eps": c.get("rms_norm_eps", 1e-6),
                     "rope_theta": float(rope.get("rope_theta", c.get("rope_theta", 10000.0))),
-                    "tie_embeddings": c.get("tie_word_embeddings", False), "bias": False}
+                    "tie_embeddings": c.get("tie_word_embeddings", False), "bias": False,
+                    "rope_scaling": "none" if kind == "default" else kind,
+                    **(_llama3_rope(rope, c["max_position_embeddings"]) if kind == "llama3" else {})}
+
+
+# model.rope_* of llama3 scaling -> (its name in Hugging Face's rope_scaling / rope_parameters, its type)
+LLAMA3_ROPE = {"rope_factor": ("factor", float), "rope_low_freq_factor": ("low_freq_factor", float),
+               "rope_high_freq_factor": ("high_freq_factor", float),
+               "rope_original_max_seq_len": ("original_max_position_embeddings", int)}
+
+
+def _llama3_rope(rope: dict, positions: int) -> dict:
+    """Our model.rope_* of a llama3 rope_scaling (the original context defaults to the model's, as in transformers)."""
+    missing = [theirs for theirs in ("factor", "low_freq_factor", "high_freq_factor") if theirs not in rope]
+    if missing:
+        raise HFError(f"rope scaling 'llama3' without {', '.join(missing)}: the frequencies are not defined")
+    return {k: cast(rope.get(theirs, positions)) for k, (theirs, cast) in LLAMA3_ROPE.items()}
 
 
 def differences(model_cfg, folder: Path) -> dict[str, tuple]:
@@ -255,12 +272,16 @@ def folder_plan(model_cfg, ours: Mapping[str, object]) -> Union[str, tuple[dict[
             for theirs, mine in LLAMA_NAMES.items():
                 recipes[f"model.layers.{i}.{theirs}.weight"] = plain(f"layers.{i}.{mine}.weight")
         theta = float(model_cfg.rope_theta)
+        rope = {"rope_type": "default"}
+        if model_cfg.get("rope_scaling", "none") == "llama3":  # as Llama 3.1's config.json says it, for 4.x too
+            rope = {"rope_type": "llama3", **{theirs: cast(model_cfg[k]) for k, (theirs, cast) in LLAMA3_ROPE.items()}}
         config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": model_cfg.vocab_size,
                   "hidden_size": d, "intermediate_size": model_cfg.d_ff, "num_hidden_layers": n,
                   "num_attention_heads": model_cfg.n_heads,
                   "num_key_value_heads": model_cfg.n_kv_heads or model_cfg.n_heads,
                   "max_position_embeddings": model_cfg.max_seq_len, "rms_norm_eps": model_cfg.norm_eps,
-                  "rope_theta": theta, "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+                  "rope_theta": theta, "rope_parameters": {**rope, "rope_theta": theta},
+                  **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),
                   "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
                   "tie_word_embeddings": bool(model_cfg.tie_embeddings), "bos_token_id": None, "eos_token_id": None}
     if not model_cfg.tie_embeddings:

@@ -106,8 +106,9 @@ def context(group: str, option: str) -> tuple[str, ...]:
 
 
 def _smallest(group: str, option: str) -> str:
-    """The tiny option of a schema where there is one (llama_tiny, not llama_1b, whose size this machine refuses)."""
-    tiny = option.split("_")[0] + "_tiny"
+    """The tiny option of a schema where there is one (llama_tiny, not llama2_70b or llama_1b, whose sizes this
+    machine refuses)."""
+    tiny = option.split("_")[0].rstrip("0123456789") + "_tiny"  # llama2_70b, llama3_8b: llama_tiny
     return tiny if tiny in options_of(group) else option
 
 

@@ -1,4 +1,5 @@
-"""Llama (Llama 2/3's architecture): rotary positions, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases.
+"""Llama (Llama 2/3's architecture): rotary positions, RMSNorm, a SwiGLU MLP, grouped-query attention, no biases;
+Llama 3.1's long-context rotary scaling with model.rope_scaling=llama3.
 
 Parameter names follow the GPT family's (wq/wk/wv/wo, fc1 = gate, fc3 = up, fc2 = down, ln1/ln2/ln_f), so the
 decoder's layouts, engine units and checkpoints serve both; storage/hf.py maps them to Hugging Face's names.
@@ -45,12 +46,22 @@ def kv_heads(cfg) -> int:
     return cfg.n_kv_heads or cfg.n_heads
 
 
+def rope_scaling(cfg):
+    """model.rope_scaling=llama3's (factor, low_freq_factor, high_freq_factor, original context) (Llama 3.1's
+    long-context frequencies), or None (the plain rotary embedding)."""
+    if cfg.get("rope_scaling", "none") == "none":
+        return None
+    return (float(cfg.rope_factor), float(cfg.rope_low_freq_factor), float(cfg.rope_high_freq_factor),
+            int(cfg.rope_original_max_seq_len))
+
+
 def build(cfg) -> Decoder:
     def norm():
         return RMSNorm(cfg.d_model, cfg.norm_eps)
 
     def block():
-        attn = Attention(cfg.d_model, cfg.n_heads, kv_heads(cfg), cfg.bias, rope_theta=cfg.rope_theta)
+        attn = Attention(cfg.d_model, cfg.n_heads, kv_heads(cfg), cfg.bias, rope_theta=cfg.rope_theta,
+                         rope_scaling=rope_scaling(cfg))
         return Block(norm(), attn, norm(), SwiGLU(cfg), cfg.dropout)
 
     return Decoder(cfg, block, norm, learned_positions=False)

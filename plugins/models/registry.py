@@ -103,6 +103,11 @@ def check(cfg) -> list:
         problems.append(Problem("model.n_kv_heads", kv, f"grouped-query attention shares each key/value head among "
                                 f"model.n_heads/n_kv_heads query heads: model.n_heads={m.n_heads} must be divisible "
                                 "by it", f"model.n_kv_heads in {{{', '.join(map(str, divisors(m.n_heads)))}}}"))
+    if m.get("rope_scaling") == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        problems.append(Problem("model.rope_high_freq_factor", m.rope_high_freq_factor, "llama3 rotary scaling "
+                                "blends the frequencies between the two factors' wavelengths: model.rope_high_freq_"
+                                f"factor must exceed model.rope_low_freq_factor={m.rope_low_freq_factor}",
+                                f"model.rope_high_freq_factor={4 * m.rope_low_freq_factor} (Llama 3.1's ratio)"))
     if cfg.export.sample_seq > m.max_seq_len:
         problems.append(Problem("export.sample_seq", cfg.export.sample_seq, f"the export traces sequences of this "
                                 f"length; the model holds positions up to model.max_seq_len={m.max_seq_len}",

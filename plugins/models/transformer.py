@@ -32,12 +32,30 @@ from runtime.sdpa import document_block_mask, flex
 from storage.weights import set_constant, set_full
 
 
-def rotary(x: torch.Tensor, theta: float, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+def frequencies(hd: int, theta: float, device, scaling: Optional[tuple] = None) -> torch.Tensor:
+    """The rotary embedding's inverse frequencies (hd/2,), fp32. scaling: Llama 3.1's (factor, low_freq_factor,
+    high_freq_factor, original context): wavelengths longer than original/low_freq_factor are stretched by factor,
+    those shorter than original/high_freq_factor kept, those between blended (Hugging Face's rope_type llama3, the
+    same operations in the same order: the same numbers)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    if scaling is None:
+        return inv_freq
+    factor, low, high, original = scaling
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelen >= original / high) & (wavelen <= original / low)  # transformers: ~(<) * ~(>), the same
+    return torch.where(between, blended, scaled)
+
+
+def rotary(x: torch.Tensor, theta: float, positions: Optional[torch.Tensor] = None,
+           scaling: Optional[tuple] = None) -> torch.Tensor:
     """Rotary position embedding of (B, heads, T, head_dim) at positions 0..T-1, or at `positions` (B, T) (the
     rotate-half convention of Hugging Face's Llama: its weights load unchanged). Angles in fp32, as Llama computes
-    them."""
+    them. scaling: frequencies' (Llama 3.1's long-context scaling), or None."""
     T, hd = x.shape[-2], x.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd))
+    inv_freq = frequencies(hd, theta, x.device, scaling)
     at = torch.arange(T, device=x.device) if positions is None else positions[:, None, :]  # (T) or (B, 1, T)
     angles = at.to(torch.float32)[..., None] * inv_freq
     emb = torch.cat((angles, angles), dim=-1)
@@ -64,11 +82,12 @@ def document_view(documents: torch.Tensor, kernel: str = "sdpa") -> tuple:
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, rope_theta: Optional[float] = None):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, rope_theta: Optional[float] = None,
+                 rope_scaling: Optional[tuple] = None):
         super().__init__()
         self.head_dim = d_model // n_heads
         self.group = n_heads // n_kv_heads      # query heads per key/value head (1: plain multi-head attention)
-        self.rope_theta = rope_theta
+        self.rope_theta, self.rope_scaling = rope_theta, rope_scaling  # rotary's (scaling: frequencies')
         self.wq = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.wk = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
         self.wv = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
@@ -84,7 +103,8 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         mask, positions = documents if documents is not None else (None, None)
         if self.rope_theta is not None:
-            q, k = rotary(q, self.rope_theta, positions), rotary(k, self.rope_theta, positions)
+            q = rotary(q, self.rope_theta, positions, self.rope_scaling)
+            k = rotary(k, self.rope_theta, positions, self.rope_scaling)
         if self.group > 1:  # each key/value head serves `group` query heads
             k = k.unsqueeze(2).expand(-1, -1, self.group, -1, -1).flatten(1, 2)
             v = v.unsqueeze(2).expand(-1, -1, self.group, -1, -1).flatten(1, 2)

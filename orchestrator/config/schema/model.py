@@ -6,6 +6,8 @@ from typing import List, Optional
 
 from orchestrator.config.schema.keys import key, MAX_LAYERS, MAX_WIDTH, MAX_VOCAB, MAX_TOKENS, LORA
 
+LLAMA3_ROPE = ("model.rope_scaling", ("llama3",))  # the keys of Llama 3.1's rotary scaling
+
 
 @dataclass
 class ModelConfig:
@@ -34,6 +36,19 @@ class LlamaConfig(ModelConfig):
                                           "model.n_heads); each serves n_heads/n_kv_heads query heads", min=1)
     rope_theta: float = key(10000.0, "base of the rotary position embedding's frequencies (Llama 3: 500000)",
                             min=1.0)
+    rope_scaling: str = key("none", "the rotary frequencies' scaling for long contexts: none, or llama3 (Llama 3.1's "
+                                    "and 3.2's: the low frequencies divided by model.rope_factor, the high ones "
+                                    "kept, those between blended; Hugging Face's rope_type llama3)",
+                            choices=("none", "llama3"))
+    rope_factor: float = key(8.0, "llama3 scaling: what the low frequencies are divided by (Llama 3.1: 8, 3.2: 32)",
+                             min=1.0, read_when=LLAMA3_ROPE)
+    rope_low_freq_factor: float = key(1.0, "llama3 scaling: wavelengths over rope_original_max_seq_len / this are "
+                                           "scaled in full", min=1e-6, read_when=LLAMA3_ROPE)
+    rope_high_freq_factor: float = key(4.0, "llama3 scaling: wavelengths under rope_original_max_seq_len / this are "
+                                            "kept (must exceed rope_low_freq_factor)", min=1e-6, read_when=LLAMA3_ROPE)
+    rope_original_max_seq_len: int = key(8192, "llama3 scaling: the context the model was pretrained at (Hugging "
+                                               "Face's original_max_position_embeddings)", min=1, max=MAX_TOKENS,
+                                         read_when=LLAMA3_ROPE)
     norm_eps: float = key(1e-5, "RMSNorm's epsilon", min=0.0)
     activation: str = key("silu", "MLP activation (Llama's MLP is SwiGLU: silu(gate) * up)", choices=("silu",))
     tie_embeddings: bool = key(False, "share the token embedding with the output projection")
