@@ -26,9 +26,11 @@ def options_of(group: str, conf: Path = CONF) -> list[str]:
 
 def option_using(group: str, schema_name: str, conf: Path = CONF) -> str:
     """An option file of a group built on the given schema (e.g. optimizer/sgd.yaml on sgd_schema): the group's
-    default when it is (data=stdlib, which runs as it is, not data=chat, which needs files), else the first."""
+    default when it is (data=stdlib, which runs as it is, not data=chat, which needs files), else a `*_tiny` one
+    (model=llama_tiny runs anywhere, llama2_70b does not), else the first."""
     default = defaults(conf).get(group)
-    paths = sorted((conf / group).glob("*.yaml"), key=lambda p: (p.stem != default, p.stem))
+    paths = sorted((conf / group).glob("*.yaml"), key=lambda p: (p.stem != default, not p.stem.endswith("_tiny"),
+                                                                  p.stem))
     for path in paths:
         if schema_name in (yaml.safe_load(path.read_text()) or {}).get("defaults", []):
             return path.stem
