@@ -121,7 +121,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             if stopped is not None:
                 return stopped
         to_run = [ps.name for ps in plan if not ps.cached]
-        timing = stage_time.timing_of(cfg, figures.n_parameters)  # what the stages' times are kept and found by
+        timing = stage_time.timing_of(cfg, figures)  # what the stages' times are kept and found by
         if calibration.wanted(cfg, to_run, cache.root, until, timing):
             timed = calibrate(cfg, run_dir, overrides, cache)
             if timed.exit_code:

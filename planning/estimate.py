@@ -177,10 +177,8 @@ def estimate(cfg, plan: dict) -> Estimate:
 
 def _online_reference(cfg) -> bool:
     """A frozen reference model beside the policy: objective.reference=online, unless the policy with its adapters
-    off is the reference (planning/partition.adapters_are_the_difference)."""
-    from planning.partition import adapters_are_the_difference
-
-    from plugins.objectives.reference import online
+    off is the reference (plugins/objectives/reference.adapters_are_the_difference)."""
+    from plugins.objectives.reference import adapters_are_the_difference, online
 
     return online(cfg) and not adapters_are_the_difference(cfg)
 

@@ -66,12 +66,6 @@ def build_plan(model_cfg, parallel_cfg, peft_cfg=None) -> dict:
     }
 
 
-def adapters_are_the_difference(cfg) -> bool:
-    """Whether the policy with its adapters off is the reference model (peft=lora training nothing else: the
-    online reference then needs no second model)."""
-    return cfg.peft.name == "lora" and not list(cfg.peft.trainable)
-
-
 def without_adapters(cfg) -> tuple:
     """(a copy of the config with peft=none, its partition plan in the run's layout): the model a preference
     objective's reference is built as (stages/reference.py, and the train stage's online reference), LoRA's base

@@ -1,7 +1,8 @@
 """The planning pass: once per experiment point, the partition plan, the memory estimate per train rank and per
-stage, what a rank and a one-process stage may use, and the bytes written. Validation refuses what the plan says
-cannot fit; the printed plan shows the same figures. They are computed once a point, by plan_of: validation
-makes the Plan and returns it, and the orchestrator passes that one to the printout, tune and the run.
+stage, what a rank and a one-process stage may use, the bytes written, and the objective with its reference model.
+Validation refuses what the plan says cannot fit; the printed plan shows the same figures. They are computed once a
+point, by plan_of: validation makes the Plan and returns it, and the orchestrator passes that one to the printout,
+the stages' timing, tune and the run.
 
 The lines on time are planning/plan_time.py's: they measure this machine's matmul rate and disk speed, which only
 a run needs."""
@@ -11,6 +12,7 @@ import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
@@ -19,6 +21,8 @@ from planning.estimate import STAGE_RUNTIME, Estimate, StageCost, available_byte
 from plugins.data.corpus import corpus_layouts
 from plugins.data.tokenize_cost import memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
+from plugins.objectives import ObjectiveSpec, objective_of
+from plugins.objectives.reference import Reference, reference_taken
 from runtime.threads import usable_cores
 
 GB = 2**30
@@ -34,6 +38,8 @@ class Plan:
     aggregate_without_onnx: StageCost
     host_limit: int                  # what a one-process stage may use (0: unknown) ...
     host_limit_where: str
+    objective: ObjectiveSpec         # what the train stage minimises (plugins/objectives: sft's where none is named)
+    reference: Optional[Reference]   # the reference model it scores rows with; None: it takes none
 
     @property
     def n_parameters(self) -> int:
@@ -65,8 +71,10 @@ def plan_of(cfg) -> Plan:
     printout, tune and the run read that one. Raises what building the partition plan raised, or EstimatesFailed."""
     partition = partition_plan(cfg)
     try:
+        objective = objective_of(cfg)
+        reference = reference_taken(cfg, objective)  # a continued checkpoint's manifest read here, once a point
         return Plan(partition, estimate(cfg, partition), *available_bytes(cfg), stage_costs(cfg, partition),
-                    stage_costs(cfg, partition, onnx=False)["aggregate"], *host_bytes(cfg))
+                    stage_costs(cfg, partition, onnx=False)["aggregate"], *host_bytes(cfg), objective, reference)
     except Exception as e:  # noqa: BLE001 (said by validation as the plan check's; the partition goes with it)
         raise EstimatesFailed(partition) from e
 
@@ -102,35 +110,24 @@ def peft_line(peft, params: dict) -> list[str]:
 def objective_line(cfg, p: Plan) -> list[str]:
     """An objective other than the default's: what it minimises (its spec's words), and where the reference model's
     log-probabilities come from, at what cost (from the point's plan, p), where it takes them."""
-    o = cfg.get("objective")
-    if o is None:
-        return []
-    from planning.partition import adapters_are_the_difference
-    from plugins.objectives import get_objective
-    from plugins.objectives.reference import cached, needs_reference
-
-    spec = get_objective(o.name)
+    spec, reference, o = p.objective, p.reference, cfg.get("objective")
     if spec.loss is None:
         return []  # next-token cross-entropy: the compute line says how
     loss = f"objective: {spec.describe(o)}"
-    if not needs_reference(cfg):
+    if reference is None:
         return [loss]
-    online = not cached(cfg)
-    policy_is_reference = adapters_are_the_difference(cfg)  # LoRA training nothing else: no second model online
     mismatched = " and of its mismatched rows, which the policy scores too (no gradient)" if spec.mismatched(o) \
         else ""
     from planning.estimate import reference_bytes
     from plugins.parallel import world_size
-    from storage import adapters
 
-    source = adapters.reference_of(cfg)
-    model = (f"{source}'s weights" + (": LoRA's base, the adapters off" if cfg.peft.name == "lora" else "")) \
-        if source else f"train.seed={cfg.train.seed}'s initialisation"
+    model = (f"{reference.model}'s weights" + (": LoRA's base, the adapters off" if cfg.peft.name == "lora" else "")) \
+        if reference.model else f"train.seed={cfg.train.seed}'s initialisation"
     weights = reference_bytes(cfg, p.partition)
-    if online and policy_is_reference:
+    if reference.where == "online" and reference.is_the_policy:  # LoRA training nothing else: no second model
         return [f"{loss}; the reference model ({model}) online: the policy with its adapters off, one more "
                 f"forward of every batch's rows{mismatched} (no second model)"]
-    if online:
+    if reference.where == "online":
         return [f"{loss}; the reference model ({model}) online: a frozen copy beside the policy on every "
                 f"rank ({_size(weights)}, in the memory line), one more forward of every batch's rows{mismatched}"]
     rank = weights + p.rank.activations + p.rank.runtime
@@ -231,7 +228,8 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
     if evaluate is not None and evaluate.peak > avail:
         problems.append(Problem("evaluate.batch_size", cfg.evaluate.batch_size, f"the evaluate stage needs about "
                                 f"{evaluate.peak / GB:,.1f} GB ({evaluate.what}), more than the {avail / GB:,.1f} GB "
-                                f"it may use ({where})", f"a smaller evaluate.batch_size, evaluate.onnx=false, or {more}"))
+                                f"it may use ({where})",
+                                f"a smaller evaluate.batch_size, evaluate.onnx=false, or {more}"))
     return problems
 
 

@@ -50,10 +50,10 @@ class Timing:
     step_flops: float    # a train step's, which scales a measured step
 
 
-def timing_of(cfg, n_parameters: int) -> Timing:
-    """The point's Timing; n_parameters: its plan's."""
-    kind, said, flops = train_kind(cfg), where(cfg), step_flops(cfg, n_parameters)
-    return Timing(machine(cfg), kind, said, n_parameters, flops)
+def timing_of(cfg, plan) -> Timing:
+    """The point's Timing, from its plan (planning/plan.py's Plan: the model's parameters, its objective)."""
+    kind, said, flops = train_kind(cfg, plan), where(cfg), step_flops(cfg, plan.n_parameters)
+    return Timing(machine(cfg), kind, said, plan.n_parameters, flops)
 
 
 def machine(cfg) -> str:
@@ -80,17 +80,14 @@ def where(cfg) -> str:
     return f"on SLURM partition {cfg.cluster.partition or '(the default)'}" if cfg.cluster.name == "slurm" else "here"
 
 
-def train_kind(cfg) -> str:
-    """What makes a step of the same FLOPs faster or slower on the same machine."""
-    from plugins.objectives.reference import online
-    from plugins.objectives.spec import objective_of
-
+def train_kind(cfg, plan) -> str:
+    """What makes a step of the same FLOPs faster or slower on the same machine (plan: the point's)."""
     p = cfg.parallel
     kind = (f"dp{p.dp} hp{p.hp} pp{p.pp} {p.dp_mode} microbatches {p.microbatches} {p.pp_schedule}, memory level "
             f"{cfg.memory.level}, {cfg.precision.name}, {cfg.engine.name}, compiled {bool(cfg.triton.enabled)}")
-    spec = objective_of(cfg)  # an objective of rows runs more forwards a step (a reference online, mismatched rows)
-    if spec.loss is not None:
-        kind += f", objective {cfg.objective.name}" + (" online" if online(cfg) else "") + \
+    spec, online = plan.objective, plan.reference is not None and plan.reference.where == "online"
+    if spec.loss is not None:  # an objective of rows runs more forwards a step (a reference online, mismatched rows)
+        kind += f", objective {cfg.objective.name}" + (" online" if online else "") + \
             (" mismatched" if spec.mismatched(cfg.objective) else "")
     return kind
 

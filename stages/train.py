@@ -18,14 +18,15 @@ from plugins.data.preview import passes_line
 from plugins.data.packing import whole_documents
 from plugins.data.corpus import TOKENIZER_DIR
 from plugins.data.tokenizer import CARRIED
-from planning.partition import adapters_are_the_difference, without_adapters
+from planning.partition import without_adapters
 from plugins.engines import get_engine
 from plugins.models import get_model
 from plugins.models.lora import adapters_off, is_adapter
 from plugins.models.registry import vocab_rows
 from plugins.objectives import loss_of, objective_of
 from plugins.objectives.providers import row_inputs_of
-from plugins.objectives.reference import ReferenceRows, cached, needs_reference, reference_values
+from plugins.objectives.reference import (ReferenceRows, adapters_are_the_difference, cached, needs_reference,
+                                         reference_values)
 from plugins.parallel import world_size
 from plugins.parallel.layout import build_layout
 from plugins.parallel.mesh import pick_device

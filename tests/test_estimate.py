@@ -105,7 +105,7 @@ def _timing(cfg):
     """What cfg's stage times are kept and found by, as a run works it out (orchestrator/run_plan.py)."""
     from planning.stage_time import timing_of
 
-    return timing_of(cfg, partition_plan(cfg)["n_parameters"])
+    return timing_of(cfg, plan_of(cfg))
 
 
 def _expected(cfg, stages: list[str], store: Path, first_step: int = 0) -> dict:

@@ -221,12 +221,12 @@ def _record_times(f: Followed, report: Report) -> None:
     from omegaconf import OmegaConf
 
     from planning import stage_time
-    from planning.plan import partition_plan
+    from planning.plan import plan_of
 
     ran = [r for r in report.results.values() if r.status == "ran" and r.seconds > 0]
     try:
         cfg = OmegaConf.load(f.run_dir / "config.yaml") if ran else None
-        timing = stage_time.timing_of(cfg, partition_plan(cfg)["n_parameters"]) if ran else None
+        timing = stage_time.timing_of(cfg, plan_of(cfg)) if ran else None
         for r in ran:
             stage_time.record(timing, cfg.train, r.name, r.seconds, f.cache.entry(r.name, r.key), f.cache.root)
     except Exception as e:  # noqa: BLE001 (a config or record that cannot be read: the next plan has no figure)

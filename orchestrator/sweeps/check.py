@@ -201,7 +201,7 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
     least, and this process's own memory beside the points' ranks (each point's plan gives theirs). plans: each
     point's plan (planning/plan.py) as validation made it, or None (tune=layout: its trials are planned one by one)."""
     from orchestrator.run_plan import orchestrator_bytes
-    from planning.plan import GB, partition_plan
+    from planning.plan import GB, plan_of
     from planning.plan_time import duration, expected_times
     from planning.stage_time import timing_of
 
@@ -217,7 +217,7 @@ def plan_lines(config: DictConfig, points: list[DictConfig], basic: bool, study=
     at_once = points[0].sweep.parallelism if points else 1
     lines = [f"sweep: {what}; {at_once} run at a time here (sweep.parallelism)"]
     plans = plans or [None] * len(points)
-    timed = [(p, timing_of(p, planned.n_parameters if planned else partition_plan(p)["n_parameters"]))
+    timed = [(p, timing_of(p, planned or plan_of(p)))
              for p, planned in zip(points, plans) if p.cluster.name != "slurm" and not p.dry_run and not p.data.preview
              and not isinstance(planned, list)]  # an experiment's points: each phase's plan times it, as it runs
     if timed:  # each point's train stage as its own plan times it: by a comparable run measured here, else its floor

@@ -11,8 +11,9 @@ from one of two places, chosen by its `objective.reference` key (reference_key):
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from common.keys import key
 
@@ -43,11 +44,40 @@ def needs_reference(cfg) -> bool:
 
 def cached(cfg) -> bool:
     """Whether the reference stage computes them (objective.reference=cached)."""
-    return needs_reference(cfg) and cfg.objective.get("reference", "cached") == "cached"
+    return needs_reference(cfg) and _where(cfg.objective) == "cached"
 
 
 def online(cfg) -> bool:
     return needs_reference(cfg) and not cached(cfg)
+
+
+def _where(objective) -> str:
+    """`objective.reference` of an objective that takes the reference: cached or online."""
+    return objective.get("reference", "cached")
+
+
+def adapters_are_the_difference(cfg) -> bool:
+    """Whether the policy with its adapters off is the reference model (peft=lora training nothing else: the
+    online reference then needs no second model)."""
+    return cfg.peft.name == "lora" and not list(cfg.peft.trainable)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The reference model of a point whose objective takes one, as its plan says and sizes it: worked out once, where
+    the plan is made (planning/plan.py's Plan.reference), instead of by each line that names it."""
+    where: str            # "cached": the reference stage scores the rows once; "online": the train step, each batch
+    is_the_policy: bool   # the policy with its adapters off (adapters_are_the_difference): no second model online
+    model: Optional[str]  # what its weights are read from (storage/adapters.reference_of); None: train.seed's init
+
+
+def reference_taken(cfg, spec) -> Optional[Reference]:
+    """The point's reference model, None where its objective (spec: its ObjectiveSpec) takes none."""
+    from storage import adapters
+
+    if REFERENCE not in spec.row_inputs:
+        return None
+    return Reference(_where(cfg.objective), adapters_are_the_difference(cfg), adapters.reference_of(cfg))
 
 
 def ReferenceRows():  # noqa: N802  (made as the class it was)
