@@ -19,10 +19,11 @@ from typing import Iterable, Optional
 from omegaconf import DictConfig
 from rich.text import Text
 
-from orchestrator.phases import Phase, compose, has_phases
+from orchestrator import interrupt
+from orchestrator.phases import Phase, compose, has_phases, retarget, trains
 from orchestrator.report import Report, StageResult, console, result_table
 from orchestrator.run import orchestrate, plan_point, run_planned
-from orchestrator.run_plan import RunPlan
+from orchestrator.run_plan import PLANNING, RunPlan
 from planning.stage_time import Expected
 
 
@@ -44,7 +45,7 @@ class ExperimentReport(Report):
         return next((s for p, r in reversed(self.phases) if (s := r.scores(p.cfg))), {})
 
     def train_summary(self, cfg) -> dict:
-        return next((s for p, r in reversed(self.phases) if (s := r.train_summary(p.cfg))), {})
+        return next((s for p, r in reversed(self.phases) if trains(p.cfg) and (s := r.train_summary(p.cfg))), {})
 
     @property
     def job_dirs(self) -> list[Path]:
@@ -60,41 +61,55 @@ class ExperimentReport(Report):
 
 def _experiment(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str],
                 follow_jobs: bool, heading: Optional[str]) -> ExperimentReport:
+    """Plan every phase, then run them in order (submit them all, on SLURM), under the experiment's MLflow run."""
     t0 = time.perf_counter()
-    phases = compose(cfg, overrides)
+    with PLANNING:  # Hydra's composition, one sweep point at a time (orchestrator/run_plan.py says why)
+        phases = compose(cfg, overrides)
     if heading:
         console.rule(Text(heading))
     report = ExperimentReport(run_dir)
+    planned = _plan_phases(cfg, phases, run_dir, report, sweep_run_id)
+    if planned is None:  # a dry run, a preview, a calibration that failed: nothing runs
+        return _finish(report, None, t0)
     parent = _experiment_run(cfg, run_dir, overrides, sweep_run_id, phases)
     try:
-        return _phases(cfg, phases, run_dir, report, parent, follow_jobs, t0)
-    except KeyboardInterrupt:
-        inv = _OPEN.pop(parent, None) if parent else None
-        if inv is not None:
-            inv.end_run(inv.parent, "KILLED")
+        _run_phases(cfg, planned, report, parent, follow_jobs)
+    except BaseException:
+        _close(parent, "KILLED" if interrupt.requested() else "FAILED")
         raise
+    return _finish(report, parent, t0)
 
 
-def _phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: ExperimentReport, parent: Optional[str],
-            follow_jobs: bool, t0: float) -> ExperimentReport:
-    """Plan every phase, then run them in order (submit them all, on SLURM)."""
+def _plan_phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: ExperimentReport,
+                 sweep_run_id: Optional[str]) -> Optional[list[tuple[Phase, RunPlan]]]:
+    """Each phase's plan, printed under its heading, then the experiment's line of totals (None: a phase's plan
+    ended the run: a dry run, a preview, a calibration that failed)."""
     planned: list[tuple[Phase, RunPlan]] = []
     for i, phase in enumerate(phases, 1):
         title = f"phase {phase.name} ({i} of {len(phases)})" + (f": from phase {phase.start}" if phase.start else "")
-        run = plan_point(_planned_config(phase), run_dir / phase.name, phase.overrides, parent, kind="phase",
+        run = plan_point(_planned_config(phase), run_dir / phase.name, phase.overrides, sweep_run_id, kind="phase",
                          heading=title)
-        if isinstance(run, Report):  # a dry run, a preview, a calibration that failed: nothing of it runs
+        if isinstance(run, Report):
             _add(report, phase, run)
             continue
         planned.append((phase, run))
-    if len(planned) != len(phases):
-        if cfg.dry_run:  # every phase planned and nothing run: the experiment's plan in one line all the same
-            console.print(_totals([(p, r.to_run, len(r.plan), r.planned.values()) for p, r in planned] + [
-                (p, [s["stage"] for s in plan if not s["cached"]], len(plan), []) for p, r in report.phases
-                if (plan := _plan_file(r.run_dir))]), soft_wrap=True)
-        return _finish(report, parent, t0)
-    console.print(_totals([(p, r.to_run, len(r.plan), [r.planned[n] for n in r.to_run]) for p, r in planned]),
-                  soft_wrap=True)
+        aggregate = next((ps.key for ps in run.plan if ps.name == "aggregate"), None)
+        if aggregate:  # the key its plan gave it (train.epochs counted into steps changes it): what later ones read
+            retarget(phases, phase, aggregate, run.cache.root)
+    if len(planned) == len(phases):
+        console.print(_totals([(p, r.to_run, len(r.plan), [r.planned[n] for n in r.to_run]) for p, r in planned]),
+                      soft_wrap=True)
+        return planned
+    if cfg.dry_run:  # every phase planned and nothing run: the experiment's plan in one line all the same
+        console.print(_totals([(p, r.to_run, len(r.plan), r.planned.values()) for p, r in planned] + [
+            (p, [s["stage"] for s in plan if not s["cached"]], len(plan), []) for p, r in report.phases
+            if (plan := _plan_file(r.run_dir))]), soft_wrap=True)
+    return None
+
+
+def _run_phases(cfg: DictConfig, planned: list[tuple[Phase, RunPlan]], report: ExperimentReport,
+                parent: Optional[str], follow_jobs: bool) -> None:
+    """The phases in order, each a run of its own; after one that fails, the later ones are "not run"."""
     on_slurm = cfg.cluster.name == "slurm"
     started_from: dict[str, str] = {}
     for phase, run in planned:
@@ -114,7 +129,6 @@ def _phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: Experim
         from orchestrator.cluster.follow import follow
 
         report.with_followed(follow(report.job_dirs))
-    return _finish(report, parent, t0)
 
 
 def _planned_config(phase: Phase) -> DictConfig:
@@ -147,7 +161,7 @@ def _totals(phases: list[tuple[Phase, list[str], int, Iterable[Optional[Expected
     (phases: each one's stages to run, its count of stages, their expected times where known)."""
     expected = [e for *_, times in phases for e in times if e is not None]
     time = f"; expected {'at least ' if any(e.floor for e in expected) else 'about '}" \
-        f"{sum(e.seconds for e in expected):,.0f} s in all" if expected else ""
+        f"{sum(e.seconds for e in expected):,.0f} s in all" if sum(e.seconds for e in expected) >= 1 else ""
     return f"experiment: {len(phases)} phases (" + "; ".join(f"{p.name}: {len(to_run)} of {n} stages to run"
                                                              for p, to_run, n, _ in phases) + f"){time}"
 
@@ -184,11 +198,15 @@ def _finish(report: ExperimentReport, parent: Optional[str], t0: float) -> Exper
     total = time.perf_counter() - t0
     if len(report.phases) > 1 and report.results:
         console.print(result_table(list(report.results.values()), total, "experiment"))
+    interrupted = any(r.status == "interrupted" for r in report.results.values())
+    _close(parent, "KILLED" if interrupted else "FAILED" if report.exit_code else "FINISHED", {"wall_s": total},
+           "submitted" if report.submitted else None)
+    return report
+
+
+def _close(parent: Optional[str], status: str, metrics: Optional[dict] = None, said: Optional[str] = None) -> None:
+    """The experiment's MLflow run ended (jobs left on SLURM: FINISHED, tagged submitted; their outcomes are the
+    phases' runs')."""
     inv = _OPEN.pop(parent, None) if parent else None
     if inv is not None:
-        interrupted = any(r.status == "interrupted" for r in report.results.values())
-        status = "RUNNING" if report.submitted else "KILLED" if interrupted else \
-            "FAILED" if report.exit_code else "FINISHED"
-        if status != "RUNNING":
-            inv.end_run(inv.parent, status, {"wall_s": total})
-    return report
+        inv.end_run(inv.parent, status, metrics, {"orchestrator.status": said} if said else None)

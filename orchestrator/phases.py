@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from orchestrator.config.errors import ConfigError, Problem, from_hydra, unknown_key_problem
+from common.problem import _show
 
 PREFIX = "phase:"     # train.init_from=phase:<name>
 CHOICES = "choices"   # a phase's config group options
@@ -37,6 +38,12 @@ class Phase:
     overrides: list[str]          # the command's and the phase's, as one command would give them
     start: Optional[str] = None   # the earlier phase it starts from
     sets: frozenset = frozenset()  # the config paths the phase sets itself (its choices' groups among them)
+    waiting: bool = False         # its start's phase was refused: it is checked once that one is fixed
+
+
+# What the experiment as a whole runs with, which no phase may set: where it runs and is kept, what the command does
+RUN_KEYS = ("cluster", "tracking", "tune", "sweep", "dry_run", "data.preview", "runs_dir", "cache_dir",
+            "cache_verify", "phases")
 
 
 def has_phases(cfg: DictConfig) -> bool:
@@ -51,13 +58,16 @@ def compose(cfg: DictConfig, overrides: list[str]) -> list[Phase]:
     from storage.init_from import PROMISED
 
     phases, problems, models = [], [], {}
-    for name, tree in cfg.phases.items():
-        phase, found = _phase(cfg, str(name), tree, overrides, [p.name for p in phases])
+    declared = [str(name) for name in cfg.phases.keys()]
+    for i, (name, tree) in enumerate(cfg.phases.items()):
+        phase, found = _phase(cfg, str(name), tree, overrides, declared[:i])
         problems += found
         if phase is None:
             continue
         if phase.start in models:
             problems += _start(phase, *models[phase.start], PROMISED)
+        elif phase.start is not None:  # its start's phase was refused above: this one is checked once that is fixed
+            phase.waiting = True
         resolved = copy.deepcopy(phase.cfg)
         try:
             resolve_auto(resolved)  # the keys of the runs' resolved configs: what a later phase starts from
@@ -67,7 +77,27 @@ def compose(cfg: DictConfig, overrides: list[str]) -> list[Phase]:
         phases.append(phase)
     if problems:
         raise ConfigError(problems)
+    _objective_read_once(phases)
     return phases
+
+
+def _objective_read_once(phases: list[Phase]) -> None:
+    """sweep.objective is the experiment's: read from the last phase that scores (a task's metric) or trains (a
+    train stage's measure), as ExperimentReport reads it; the other phases are not checked against it."""
+    from orchestrator.config.schema import SweepConfig
+
+    wanted = phases[-1].cfg.sweep.objective if phases else None
+    if wanted is None:
+        return
+    reads = [p for p in phases if (p.cfg.evaluate.tasks if "/" in wanted else trains(p.cfg))]
+    for p in phases:
+        if not reads or p is not reads[-1]:
+            p.cfg.sweep.objective = SweepConfig().objective
+
+
+def trains(cfg: DictConfig) -> bool:
+    """A phase that takes optimizer steps (not a step-0 phase, which saves and scores its start)."""
+    return cfg.train.steps != 0 or bool(OmegaConf.select(cfg, "train.epochs"))
 
 
 def _phase(cfg: DictConfig, name: str, tree: Any, overrides: list[str], earlier: list[str]
@@ -78,7 +108,8 @@ def _phase(cfg: DictConfig, name: str, tree: Any, overrides: list[str], earlier:
     where = f"phases.{name}"
     if not NAME.fullmatch(name):
         return None, [Problem(where, name, "a phase's name names its run folder and its stages (sft/train): lower "
-                              "case letters, digits and _, starting with a letter", "rename it, e.g. phases.sft")]
+                              "case letters, digits and _, starting with a letter",
+                              f"rename it: phases.{_name_like(name)}")]
     if tree is not None and not isinstance(tree, DictConfig):
         return None, [Problem(where, tree, "a phase is a subtree of overrides in the config's own shape",
                               f"{where}: {{{CHOICES}: {{objective: dpo}}, objective: {{beta: 0.1}}}}")]
@@ -89,9 +120,16 @@ def _phase(cfg: DictConfig, name: str, tree: Any, overrides: list[str], earlier:
         return None, [Problem(f"{where}.{CHOICES}", _override(choices), "a phase's choices pick an option of a "
                               f"config group: {', '.join(GROUP_SCHEMAS)}", f"{where}.{CHOICES}: {{objective: dpo, "
                               "data: preference}")]
-    chosen = [f"{g}={o}" for g, o in choices.items()]
+    chosen = [f"{g}={_override(o)}" for g, o in choices.items()]
     leaves = _leaves(values)
     problems = _overridden(name, overrides, {**{g: f"{CHOICES}.{g}" for g in choices}, **{p: p for p, _ in leaves}})
+    run_level = [(f"{CHOICES}.{g}", g, o) for g, o in choices.items() if g in RUN_KEYS] + \
+        [(p, p, v) for p, v in leaves if any(p == k or p.startswith(k + ".") for k in RUN_KEYS)]
+    if run_level:
+        return None, [Problem(f"{where}.{path}", _override(v), f"{key} is the experiment's: every phase runs with it "
+                              "(where the stages run and are kept, what the command does)", f"{key}={_override(v)} "
+                              f"outside the phases (the command line, or the experiment's top level), and "
+                              f"~{where}.{path}") for path, key, v in run_level]
     try:
         composed = _compose_with([*(o for o in overrides if _key(o) not in choices), *chosen])
     except Exception as e:  # noqa: BLE001 (Hydra's words for a missing option, said as this phase's key)
@@ -129,6 +167,12 @@ def _phase(cfg: DictConfig, name: str, tree: Any, overrides: list[str], earlier:
 _ABSENT = object()
 
 
+def _name_like(name: str) -> str:
+    """A phase name the rule takes, as close to `name` as it can be."""
+    like = re.sub(r"[^a-z0-9_]", "_", name.lower()).lstrip("0123456789_")
+    return like or "phase"
+
+
 def _key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
@@ -156,7 +200,7 @@ def _start(phase: Phase, earlier_cfg: DictConfig, earlier_keys: dict[str, str], 
         return [Problem(f"phases.{phase.start}.data.tokenizer", "bpe", f"phase {phase.name} starts from phase "
                         f"{phase.start}'s model, whose BPE is learned on {phase.start}'s corpus only as it runs",
                         f"++phases.{phase.start}.data.tokenizer=hf:<a tokenizer folder> (or bytes)")]
-    folder = Path(earlier_cfg.cache_dir).expanduser().absolute() / "aggregate" / earlier_keys["aggregate"] / "hf"
+    folder = start_folder(Path(earlier_cfg.cache_dir).expanduser().resolve(), earlier_keys["aggregate"])
     promised[str(folder)] = f"phase {phase.start}'s aggregate"
     phase.cfg.train.init_from = f"hf:{folder}"
     if phase.cfg.data.tokenizer == AUTO:
@@ -172,6 +216,23 @@ def check(cfg: DictConfig, overrides: list[str]):
     return check_phases(cfg, overrides) if has_phases(cfg) else check_experiment(cfg, overrides)
 
 
+def start_folder(cache_root: Path, aggregate_key: str) -> Path:
+    """The folder a phase's start names: the aggregate's hf/ in the cache entry of that key."""
+    return cache_root / "aggregate" / aggregate_key / "hf"
+
+
+def retarget(phases: list[Phase], planned: Phase, aggregate_key: str, cache_root: Path) -> None:
+    """The phases that start from `planned` named by the key its plan gave its aggregate: where it counted
+    train.epochs into train.steps as it was planned, the key differs from the one worked out when it was composed."""
+    from storage.init_from import PROMISED
+
+    folder = start_folder(cache_root, aggregate_key)
+    for p in phases:
+        if p.start == planned.name and p.cfg.train.init_from != f"hf:{folder}":
+            PROMISED[str(folder)] = f"phase {planned.name}'s aggregate"
+            p.cfg.train.init_from = f"hf:{folder}"
+
+
 def check_phases(cfg: DictConfig, overrides: list[str]) -> list:
     """Every phase composed and checked as its run will be, its problems said under its own keys; a phase that starts
     from another has that phase's model. -> the phases' plans."""
@@ -183,6 +244,8 @@ def check_phases(cfg: DictConfig, overrides: list[str]) -> list:
                                    "command line), then set the layout it chose in the experiment")])
     phases, plans, problems = compose(cfg, overrides), {}, []
     for phase in phases:
+        if phase.waiting:
+            continue
         try:
             plans[phase.name] = check_experiment(copy.deepcopy(phase.cfg), phase.overrides)
         except ConfigError as e:
@@ -191,7 +254,7 @@ def check_phases(cfg: DictConfig, overrides: list[str]) -> list:
         if phase.start in plans and phase.name in plans:
             problems += _same_model(phase, plans[phase.start].parameters, plans[phase.name].parameters)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(said_once(problems))
     return list(plans.values())
 
 
@@ -215,12 +278,24 @@ def in_phase(name: str, p: Problem, sets: frozenset | set) -> Problem:
     which the phase takes), its fix as the override that sets the value in that phase."""
     from orchestrator.config.schema import GROUP_SCHEMAS
 
-    key = p.key if p.key.startswith("phases.") else f"phases.{name}.{CHOICES}.{p.key}" \
-        if p.key in GROUP_SCHEMAS and p.key in sets else f"phases.{name}.{p.key}" if p.key in sets else p.key
+    def here(path: str) -> str:  # where the phase sets it
+        return f"phases.{name}.{CHOICES + '.' if path in GROUP_SCHEMAS else ''}{path}"
+
+    key = p.key if p.key.startswith("phases.") else here(p.key) if p.key in sets else p.key
     fix = re.sub(r"(?<![\w.+/~-])([a-z_]+(?:\.[A-Za-z_0-9]+)*)=(?!=)",
-                 lambda m: f"++phases.{name}.{CHOICES + '.' if m.group(1) in GROUP_SCHEMAS else ''}{m.group(1)}=",
-                 p.fix)
+                 lambda m: f"++{here(m.group(1))}=" if m.group(1) in sets else m.group(0), p.fix)
     return Problem(key, p.value, f"in phase {name}: {p.rule}", fix)
+
+
+def said_once(problems: list[Problem]) -> list[Problem]:
+    """The same problem of several phases (a key of the experiment's that each reads) said once, naming them."""
+    said: dict[tuple, list] = {}
+    for p in problems:
+        m = re.match(r"in phase (\w+): (.*)", p.rule, re.S)
+        phase, rule = (m.group(1), m.group(2)) if m else (None, p.rule)
+        said.setdefault((p.key, _show(p.value), rule, p.fix), []).append(phase)
+    return [Problem(key, value, (f"in phase{'s' if len(names) > 1 else ''} {', '.join(names)}: " if names[0] else "")
+                    + rule, fix) for (key, value, rule, fix), names in said.items()]
 
 
 def _leaves(values: dict, prefix: str = "") -> list[tuple[str, Any]]:

@@ -2,6 +2,7 @@
 this project), or `hf:<folder>`, a Hugging Face folder of a supported architecture with model.*'s sizes."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -124,11 +125,14 @@ def fingerprint(init_from, cache_dir: Optional[str] = None) -> Optional[str]:
 
 
 def in_entry(path, cache_dir: Optional[str]) -> Optional[str]:
-    """`<stage>/<key>/<the rest>` of a path in an entry of the cache at cache_dir (None for a path elsewhere)."""
+    """`<stage>/<key>/<the rest>` of a path in a published entry of the cache at cache_dir (None for a path elsewhere,
+    or in what may change: a stage's work folder `<key>.work`, its `.damaged` entries). Both resolved: a cache reached
+    through a link is the same cache."""
     if not path or not cache_dir:
         return None
     try:
-        parts = Path(path).expanduser().absolute().relative_to(Path(cache_dir).expanduser().absolute()).parts
+        parts = Path(path).expanduser().resolve().relative_to(Path(cache_dir).expanduser().resolve()).parts
     except ValueError:
         return None
-    return "/".join(parts) if len(parts) >= 2 and not parts[0].startswith(".") else None
+    entry = len(parts) >= 2 and not parts[0].startswith(".") and re.fullmatch(r"[0-9a-f]{16,64}", parts[1])
+    return "/".join(parts) if entry else None

@@ -406,6 +406,7 @@ CATALOGUE = [
     (["train.init_from=phase:sft"], "train.init_from", "this run has no phases"),
     (["++phases.a.train.steps=5", "++phases.b.train.init_from=phase:a", "++phases.b.model.n_layers=3"],
      "phases.b.model", "its model differs"),
+    (["++phases.a.dry_run=true"], "phases.a.dry_run", "dry_run is the experiment's: every phase runs with it"),
 ]
 
 

@@ -33,6 +33,8 @@ FIX_NOT_APPLIED = {
     "cluster=slurm +cluster.time_min.eval=5": "the fix's key replaces the one given (eval is no stage): it is not added",
     "++phases.a.train.steps=5 train.steps=7": "the fix moves the command's value into the phase: the command's own "
                                              "override goes, which a key=value alone cannot say",
+    "++phases.a.dry_run=true": "the fix moves the phase's value out of it: the phase's own goes (~), which a key=value "
+                               "alone cannot say",
 }
 ROOTS = set(make_cfg().keys())
 

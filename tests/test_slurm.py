@@ -3,8 +3,8 @@ namespace of its own; started here if needed).
 
 A failing stage's dependants cancelled and the rerun resuming there, a 2-point sweep with per-point resources and one
 shared export, a layout tune whose trials are jobs submitted together, an experiment's three phases submitted at once
-and chained by afterok, and requests the scheduler refuses reported with their key. The five stages as jobs on both nodes (preempted, and ending with one process's losses) and a lost
-node: test_slurm_recovery.py.
+and chained by afterok, and requests the scheduler refuses reported with their key. The five stages as jobs on both
+nodes (preempted, and ending with one process's losses) and a lost node: test_slurm_recovery.py.
 """
 from __future__ import annotations
 
@@ -125,7 +125,8 @@ def test_an_experiment_submits_its_phases_at_once_each_waiting_on_the_model_it_s
     jobs = {d.name: {j["stage"]: j for j in jobs_of(d)} for d in run_dirs(workdir)}
     assert set(jobs) == {"sft", "dpo", "score"}
     sft, dpo, score = jobs["sft"], jobs["dpo"], jobs["score"]
-    assert sft["aggregate"]["job_id"] in dpo["train"]["after"] and sft["aggregate"]["job_id"] in dpo["reference"]["after"]
+    made_by_sft = sft["aggregate"]["job_id"]
+    assert made_by_sft in dpo["train"]["after"] and made_by_sft in dpo["reference"]["after"]
     assert dpo["aggregate"]["job_id"] in score["train"]["after"]
     assert not dpo["tokenize"]["after"]  # what does not read the start runs beside the earlier phase
     states = sacct([j["job_id"] for phase in jobs.values() for j in phase.values()])
