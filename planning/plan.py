@@ -183,6 +183,10 @@ def _rank_problems(cfg, plan: Plan) -> list[Problem]:
     m = cfg.model
     model = f"model.n_layers={m.n_layers}, model.d_model={m.d_model}, model.d_ff={m.d_ff}, " \
             f"model.vocab_size={m.vocab_size}"
+    if m.max_seq_len not in (m.d_model, m.d_ff, m.vocab_size) and any(  # learned positions: a row per position
+            m.max_seq_len in q["shape"] for q in plan.parameters.values()):
+        model += f", model.max_seq_len={m.max_seq_len}"
+        fixes.append("a smaller model.max_seq_len (its learned position embedding holds a row per position)")
     return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"the estimated peak per rank ({model}), "
                     f"{plan.rank.describe()}, "
                     f"exceeds the {plan.rank_limit / GB:,.1f} GB a rank may use ({plan.rank_limit_where})",
