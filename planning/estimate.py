@@ -212,6 +212,11 @@ def available_bytes(cfg) -> tuple[int, str]:
     """What one rank may use, and where the figure comes from."""
     import psutil
 
+    from planning.devices import device_of
+
+    device = device_of(cfg.cluster.get("device"))
+    if device is not None:  # declared: what the ranks will hold, wherever the plan is made
+        return int(device.memory_gib * 2**30), f"{device.what}'s memory (cluster.device={cfg.cluster.device})"
     if cfg.cluster.name == "slurm":
         gb = cfg.cluster.get("mem_per_task_gb")
         return (int(gb * 2**30), "cluster.mem_per_task_gb") if gb else (0, "unknown on SLURM (cluster.mem_per_task_gb)")

@@ -177,14 +177,20 @@ def _rank_problems(cfg, plan: Plan) -> list[Problem]:
     if cfg.memory.level == 0:
         fixes.append("memory=level1 (recompute activations)")
     fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
+    if cfg.cluster.get("device") is not None:  # a plan for a declared device: the one that holds it, if any
+        from planning.devices import DEVICES
+
+        holds = sorted((d.memory_gib, name) for name, d in DEVICES.items() if d.memory_gib * 2**30 >= plan.rank.total)
+        fixes += [f"cluster.device={holds[0][1]} ({holds[0][0]:g} GiB)"] if holds else []
     lora = _lora_fits(cfg, plan.rank_limit)
     if lora:
         fixes.insert(0, lora)
     m = cfg.model
     model = f"model.n_layers={m.n_layers}, model.d_model={m.d_model}, model.d_ff={m.d_ff}, " \
             f"model.vocab_size={m.vocab_size}"
-    if m.max_seq_len not in (m.d_model, m.d_ff, m.vocab_size) and any(  # learned positions: a row per position
-            m.max_seq_len in q["shape"] for q in plan.parameters.values()):
+    positions = sum(math.prod(q["shape"]) for q in plan.parameters.values()  # learned ones: a row per position
+                    if m.max_seq_len not in (m.d_model, m.d_ff, m.vocab_size) and m.max_seq_len in q["shape"])
+    if positions >= 0.1 * plan.n_parameters:  # a tenth of the model or more: worth naming
         model += f", model.max_seq_len={m.max_seq_len}"
         fixes.append("a smaller model.max_seq_len (its learned position embedding holds a row per position)")
     return [Problem("parallel", f"dp{p.dp} hp{p.hp} pp{p.pp}", f"the estimated peak per rank ({model}), "

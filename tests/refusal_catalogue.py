@@ -92,6 +92,8 @@ CATALOGUE = [
     (["model=llama_tiny", "model.n_kv_heads=1", "parallel=megatron_hp2"], "parallel.hp",
      "model.n_kv_heads=1 not divisible by parallel.hp=2"),
     (["cluster.nprocs=3"], "cluster.nprocs", "one process per rank"),
+    (["cluster.device=h100", "dry_run=true"], "cluster.device", "a device the plan knows (h100_80gb"),
+    (["cluster.device=h100_80gb"], "cluster.device", "a declared device is for the plan of a run elsewhere"),
     (["parallel=pipeline_pp4_interleaved", "model.n_layers=12"], "parallel.pp_chunks", "pipeline stages"),
     (["parallel=pipeline_pp2", "parallel.microbatches=1"], "parallel.microbatches", "at least 2 microbatches"),
     (["parallel.pp=2", "parallel.microbatches=2", "parallel.pp_schedule=interleaved_1f1b"], "parallel.pp_chunks",

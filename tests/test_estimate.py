@@ -59,6 +59,22 @@ def test_lora_s_frozen_base_is_counted_without_gradients_or_state_and_offered_wh
     assert lora.gradients < full.gradients / 100 and check(lora_cfg, plan_of(lora_cfg), disk=False) == []
 
 
+def test_a_plan_for_a_declared_device_answers_whether_a_rank_fits_it():
+    """cluster.device on a CPU: llama_1b's full fine-tune (29 GB a rank) fits an H100's 79.2 GiB and not an A100
+    40GB's, whose refusal offers the device that holds it; the memory line names the device."""
+    from planning.plan import check
+
+    args = ("model=llama_1b", "train.init_from=hf:/x", "cluster=slurm", "dry_run=true")
+    h100 = make_cfg(*args, "cluster.device=h100_80gb")
+    plan = plan_of(h100)
+    assert plan.rank_limit == int(79.2 * 2**30) and check(h100, plan, disk=False) == []
+    assert "of 79.2 GB (NVIDIA H100 SXM 80GB's memory (cluster.device=h100_80gb))" in memory_line(plan, 0)
+    a100 = make_cfg(*args, "cluster.device=a100_40gb", "train.batch_size=64")
+    (refused,) = [p for p in check(a100, plan_of(a100), disk=False) if p.key == "parallel"]
+    assert "exceeds the 39.4 GB a rank may use (NVIDIA A100 40GB's memory" in refused.rule
+    assert "cluster.device=a100_80gb (79.2 GiB)" in refused.fix or "cluster.device=h100_80gb" in refused.fix
+
+
 def test_the_plan_states_floors_on_time_for_the_steps_and_the_saves(tmp_path):
     cache = tmp_path / "cache"
     cfg = make_cfg("model=gpt_small", "train.steps=1000", "train.checkpoint_every=300", f"cache_dir={cache}")

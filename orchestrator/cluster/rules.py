@@ -25,6 +25,7 @@ def check(cfg) -> list[Problem]:
                                 "inside this process, in its main thread (where signals and the stage's state live): "
                                 "points cannot run side by side", "sweep.parallelism=1, or cluster=local to run "
                                 f"{cfg.sweep.parallelism} points at once"))
+    problems += _device(cfg)
     if c.name == "local":
         problems += _local_gpus(cfg, world)
     if c.name == "slurm":
@@ -155,3 +156,22 @@ def _partition(cfg) -> list[Problem]:
                                 f"(sinfo's generic resources: {', '.join(sorted({g for _, _, g in nodes})) or 'none'})",
                                 "cluster.gpus_per_task=0, or cluster.partition= a partition with GPUs"))
     return problems
+
+
+def _device(cfg) -> list[Problem]:
+    """cluster.device: a known device or a memory in GiB; on this machine (local, debug) only for a plan, since the
+    ranks of a run here hold what this machine has, which the plan measures itself."""
+    from planning.devices import DEVICES, device_of
+
+    c = cfg.cluster
+    value = c.get("device")
+    if value is None:
+        return []
+    if device_of(value) is None:
+        return [Problem("cluster.device", value, f"a device the plan knows ({', '.join(DEVICES)}) or its memory in "
+                        "GiB, a positive number", "cluster.device=h100_80gb, or cluster.device=24 for a 24 GiB one")]
+    if c.name != "slurm" and not cfg.dry_run:
+        return [Problem("cluster.device", value, f"a run on cluster={c.name} gets this machine's memory, which the "
+                        "plan measures; a declared device is for the plan of a run elsewhere",
+                        "dry_run=true to plan for it here, or cluster=slurm to run on it")]
+    return []

@@ -29,6 +29,10 @@ class ClusterConfig:
                                           "(under 0.1 s each); exec: a fresh `python -m orchestrator.worker` each "
                                           "(1-3 s of imports per process; for a library that misbehaves after fork)",
                             choices=("forkserver", "exec"), content=False)
+    device: Optional[str] = key(None, "what each rank holds, for the plan's memory per rank: h100_80gb, h100_94gb, "
+                                      "h200, a100_80gb, a100_40gb, or its memory in GiB (e.g. 24); null: the "
+                                      "machine's own (its GPU, its RAM, or cluster.mem_per_task_gb on SLURM). A plan "
+                                      "on a CPU for the GPUs a run will get (planning/devices.py)", content=False)
 
 
 STAGE_TIMES_MIN = {"tokenize": 60, "reference": 60, "export": 10, "transform": 10, "train": 60, "checkpoint": 10,
