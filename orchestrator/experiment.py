@@ -11,10 +11,11 @@ started from (`orchestrator.started_from`).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 from omegaconf import DictConfig
 from rich.text import Text
@@ -25,6 +26,9 @@ from orchestrator.report import Report, StageResult, console, result_table
 from orchestrator.run import orchestrate, plan_point, run_planned
 from orchestrator.run_plan import PLANNING, RunPlan
 from planning.stage_time import Expected
+
+if TYPE_CHECKING:
+    from orchestrator.tracking.tracker import Invocation
 
 
 def conduct(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str] = None,
@@ -71,13 +75,13 @@ def _experiment(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_
     planned = _plan_phases(cfg, phases, run_dir, report, sweep_run_id)
     if planned is None:  # a dry run, a preview, a calibration that failed: nothing runs
         return _finish(report, None, t0)
-    parent = _experiment_run(cfg, run_dir, overrides, sweep_run_id, phases)
+    tracked = _experiment_run(cfg, run_dir, overrides, sweep_run_id, phases)
     try:
-        _run_phases(cfg, planned, report, parent, follow_jobs)
+        _run_phases(cfg, planned, report, tracked.parent if tracked else sweep_run_id, follow_jobs)
     except BaseException:
-        _close(parent, "KILLED" if interrupt.requested() else "FAILED")
+        _close(tracked, "KILLED" if interrupt.requested() else "FAILED")
         raise
-    return _finish(report, parent, t0)
+    return _finish(report, tracked, t0)
 
 
 def _plan_phases(cfg: DictConfig, phases: list[Phase], run_dir: Path, report: ExperimentReport,
@@ -150,9 +154,7 @@ def _add(report: ExperimentReport, phase: Phase, done: Report) -> None:
     """A phase's report into the experiment's (a later one, of the same phase, replaces it: SLURM's follow)."""
     report.phases = [(p, r) for p, r in report.phases if p.name != phase.name] + [(phase, done)]
     for name, result in done.results.items():
-        report.results[f"{phase.name}/{name}"] = StageResult(f"{phase.name}/{name}", result.key, result.status,
-                                                             result.seconds, result.summary, result.error,
-                                                             result.waited_s)
+        report.results[f"{phase.name}/{name}"] = dataclasses.replace(result, name=f"{phase.name}/{name}")
     report.submitted = any(r.submitted for _, r in report.phases)  # jobs left running (SLURM, cluster.wait=false)
 
 
@@ -176,37 +178,32 @@ def _plan_file(run_dir: Path) -> list:
 
 
 def _experiment_run(cfg: DictConfig, run_dir: Path, overrides: list[str], sweep_run_id: Optional[str],
-                    phases: list[Phase]) -> Optional[str]:
-    """The experiment's MLflow run, the phases' parent (None: not tracked, or a dry run that starts nothing)."""
-    if cfg.tracking.name != "mlflow" or cfg.dry_run or cfg.data.preview:
-        return sweep_run_id
+                    phases: list[Phase]) -> Optional["Invocation"]:
+    """The experiment's MLflow run (its `parent`: the phases' parent), or None: not tracked."""
+    if cfg.tracking.name != "mlflow":
+        return None
     from orchestrator.tracking.tracker import OVERRIDES_TAG_CHARS, Invocation, run_name
 
-    inv = Invocation(cfg, f"experiment {run_name(overrides)}", {
+    return Invocation(cfg, f"experiment {run_name(overrides)}", {
         "orchestrator.kind": "experiment", "orchestrator.run_dir": str(run_dir.resolve()),
         "orchestrator.overrides": " ".join(overrides)[:OVERRIDES_TAG_CHARS],
         "orchestrator.phases": " ".join(p.name for p in phases),
         **({"mlflow.parentRunId": sweep_run_id} if sweep_run_id else {})}, log_config=False)
-    _OPEN[inv.parent] = inv
-    return inv.parent
 
 
-_OPEN: dict[str, object] = {}  # the experiments' MLflow runs this process opened, closed by _finish
-
-
-def _finish(report: ExperimentReport, parent: Optional[str], t0: float) -> ExperimentReport:
+def _finish(report: ExperimentReport, tracked: Optional["Invocation"], t0: float) -> ExperimentReport:
     total = time.perf_counter() - t0
     if len(report.phases) > 1 and report.results:
         console.print(result_table(list(report.results.values()), total, "experiment"))
     interrupted = any(r.status == "interrupted" for r in report.results.values())
-    _close(parent, "KILLED" if interrupted else "FAILED" if report.exit_code else "FINISHED", {"wall_s": total},
+    _close(tracked, "KILLED" if interrupted else "FAILED" if report.exit_code else "FINISHED", {"wall_s": total},
            "submitted" if report.submitted else None)
     return report
 
 
-def _close(parent: Optional[str], status: str, metrics: Optional[dict] = None, said: Optional[str] = None) -> None:
+def _close(tracked: Optional["Invocation"], status: str, metrics: Optional[dict] = None,
+           said: Optional[str] = None) -> None:
     """The experiment's MLflow run ended (jobs left on SLURM: FINISHED, tagged submitted; their outcomes are the
     phases' runs')."""
-    inv = _OPEN.pop(parent, None) if parent else None
-    if inv is not None:
-        inv.end_run(inv.parent, status, metrics, {"orchestrator.status": said} if said else None)
+    if tracked is not None:
+        tracked.end_run(tracked.parent, status, metrics, {"orchestrator.status": said} if said else None)

@@ -55,7 +55,6 @@ def compose(cfg: DictConfig, overrides: list[str]) -> list[Phase]:
     from orchestrator.config.resolve import resolve_auto
     from orchestrator.dag import keys
     from stages import all_stages
-    from storage.init_from import PROMISED
 
     phases, problems, models = [], [], {}
     declared = [str(name) for name in cfg.phases.keys()]
@@ -65,7 +64,7 @@ def compose(cfg: DictConfig, overrides: list[str]) -> list[Phase]:
         if phase is None:
             continue
         if phase.start in models:
-            problems += _start(phase, *models[phase.start], PROMISED)
+            problems += _start(phase, *models[phase.start])
         elif phase.start is not None:  # its start's phase was refused above: this one is checked once that is fixed
             phase.waiting = True
         resolved = copy.deepcopy(phase.cfg)
@@ -186,7 +185,7 @@ def _overridden(name: str, overrides: list[str], set_here: dict[str, str]) -> li
                     f"{o} (the phase's own value, on the command line)") for o in overrides if _key(o) in set_here]
 
 
-def _start(phase: Phase, earlier_cfg: DictConfig, earlier_keys: dict[str, str], promised: dict) -> list[Problem]:
+def _start(phase: Phase, earlier_cfg: DictConfig, earlier_keys: dict[str, str]) -> list[Problem]:
     """The phase's start made concrete: the earlier phase's aggregate hf/ folder, by that stage's key, and its
     tokenizer (the one the earlier phase trained with, which its aggregate ships) where data.tokenizer=auto."""
     from plugins.data.tokenizer import AUTO
@@ -200,9 +199,7 @@ def _start(phase: Phase, earlier_cfg: DictConfig, earlier_keys: dict[str, str], 
         return [Problem(f"phases.{phase.start}.data.tokenizer", "bpe", f"phase {phase.name} starts from phase "
                         f"{phase.start}'s model, whose BPE is learned on {phase.start}'s corpus only as it runs",
                         f"++phases.{phase.start}.data.tokenizer=hf:<a tokenizer folder> (or bytes)")]
-    folder = start_folder(Path(earlier_cfg.cache_dir).expanduser().resolve(), earlier_keys["aggregate"])
-    promised[str(folder)] = f"phase {phase.start}'s aggregate"
-    phase.cfg.train.init_from = f"hf:{folder}"
+    _start_at(phase, start_folder(Path(earlier_cfg.cache_dir).expanduser().resolve(), earlier_keys["aggregate"]))
     if phase.cfg.data.tokenizer == AUTO:
         phase.cfg.data.tokenizer = tokenizer
     return []
@@ -224,13 +221,19 @@ def start_folder(cache_root: Path, aggregate_key: str) -> Path:
 def retarget(phases: list[Phase], planned: Phase, aggregate_key: str, cache_root: Path) -> None:
     """The phases that start from `planned` named by the key its plan gave its aggregate: where it counted
     train.epochs into train.steps as it was planned, the key differs from the one worked out when it was composed."""
-    from storage.init_from import PROMISED
-
     folder = start_folder(cache_root, aggregate_key)
     for p in phases:
-        if p.start == planned.name and p.cfg.train.init_from != f"hf:{folder}":
-            PROMISED[str(folder)] = f"phase {planned.name}'s aggregate"
-            p.cfg.train.init_from = f"hf:{folder}"
+        if p.start == planned.name:
+            _start_at(p, folder)
+
+
+def _start_at(phase: Phase, folder: Path) -> None:
+    """The phase's train.init_from: the folder its start's aggregate writes, promised to the checks that would
+    otherwise look for its files (storage/init_from.py PROMISED)."""
+    from storage.init_from import PROMISED
+
+    PROMISED[str(folder)] = f"phase {phase.start}'s aggregate"
+    phase.cfg.train.init_from = f"hf:{folder}"
 
 
 def check_phases(cfg: DictConfig, overrides: list[str]) -> list:
@@ -249,10 +252,11 @@ def check_phases(cfg: DictConfig, overrides: list[str]) -> list:
         try:
             plans[phase.name] = check_experiment(copy.deepcopy(phase.cfg), phase.overrides)
         except ConfigError as e:
-            problems += [in_phase(phase.name, p, phase.sets) for p in e.problems]
+            problems += [(phase.name, _rekeyed(phase.name, p, phase.sets)) for p in e.problems]
     for phase in phases:
         if phase.start in plans and phase.name in plans:
-            problems += _same_model(phase, plans[phase.start].parameters, plans[phase.name].parameters)
+            problems += [(None, p) for p in _same_model(phase, plans[phase.start].parameters,
+                                                        plans[phase.name].parameters)]
     if problems:
         raise ConfigError(said_once(problems))
     return list(plans.values())
@@ -274,7 +278,16 @@ def _same_model(phase: Phase, theirs: dict, ours: dict) -> list[Problem]:
 
 
 def in_phase(name: str, p: Problem, sets: frozenset | set) -> Problem:
-    """A phase's problem, under the phase's key where the phase sets it (else the command's or the experiment's key,
+    """A phase's problem, said as the phase's (_rekeyed), the phase named."""
+    return _named(_rekeyed(name, p, sets), [name])
+
+
+def _named(p: Problem, phases: list[str]) -> Problem:
+    return Problem(p.key, p.value, f"in phase{'s' if len(phases) > 1 else ''} {', '.join(phases)}: {p.rule}", p.fix)
+
+
+def _rekeyed(name: str, p: Problem, sets: frozenset | set) -> Problem:
+    """A phase's problem under the phase's key where the phase sets it (else the command's or the experiment's key,
     which the phase takes), its fix as the override that sets the value in that phase."""
     from orchestrator.config.schema import GROUP_SCHEMAS
 
@@ -284,18 +297,17 @@ def in_phase(name: str, p: Problem, sets: frozenset | set) -> Problem:
     key = p.key if p.key.startswith("phases.") else here(p.key) if p.key in sets else p.key
     fix = re.sub(r"(?<![\w.+/~-])([a-z_]+(?:\.[A-Za-z_0-9]+)*)=(?!=)",
                  lambda m: f"++{here(m.group(1))}=" if m.group(1) in sets else m.group(0), p.fix)
-    return Problem(key, p.value, f"in phase {name}: {p.rule}", fix)
+    return Problem(key, p.value, p.rule, fix)
 
 
-def said_once(problems: list[Problem]) -> list[Problem]:
-    """The same problem of several phases (a key of the experiment's that each reads) said once, naming them."""
+def said_once(problems: list[tuple[Optional[str], Problem]]) -> list[Problem]:
+    """The same problem of several phases (a key of the experiment's that each reads) said once, naming them;
+    problems: (the phase it is in, or None for the experiment's own, the problem)."""
     said: dict[tuple, list] = {}
-    for p in problems:
-        m = re.match(r"in phase (\w+): (.*)", p.rule, re.S)
-        phase, rule = (m.group(1), m.group(2)) if m else (None, p.rule)
-        said.setdefault((p.key, _show(p.value), rule, p.fix), []).append(phase)
-    return [Problem(key, value, (f"in phase{'s' if len(names) > 1 else ''} {', '.join(names)}: " if names[0] else "")
-                    + rule, fix) for (key, value, rule, fix), names in said.items()]
+    for phase, p in problems:
+        said.setdefault((p.key, _show(p.value), p.rule, p.fix), []).append(phase)
+    return [_named(Problem(key, value, rule, fix), names) if names[0] else Problem(key, value, rule, fix)
+            for (key, value, rule, fix), names in said.items()]
 
 
 def _leaves(values: dict, prefix: str = "") -> list[tuple[str, Any]]:
@@ -307,9 +319,11 @@ def _leaves(values: dict, prefix: str = "") -> list[tuple[str, Any]]:
 
 
 def _override(value: Any) -> str:
-    """A value as a command-line override gives it (for the phase's recorded overrides)."""
-    if isinstance(value, (list, dict)):
-        return str(OmegaConf.to_container(OmegaConf.create({"v": value}))["v"]).replace("'", "")
+    """A value as a command-line override writes it (the phase's recorded overrides, a refusal's value and fix)."""
+    if isinstance(value, list):
+        return "[" + ",".join(_override(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_override(v)}" for k, v in value.items()) + "}"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
