@@ -6,8 +6,8 @@ backward. Activations per token and layer are counted tensor by tensor for this 
 norm inputs, q/k/v, attention output, MLP inputs and hidden units; SDPA keeps no attention matrix, the math kernel
 does), times the tokens in flight (one microbatch without a pipeline; up to pp of them at the first stage of
 1F1B, every microbatch under GPipe), plus the head's and the loss's on the last stage (`_head_bytes`).
-Recomputation (memory level 1, 2) keeps a layer's input (level 1) or the unit inputs (level 2) and one layer's worth
-during backward.
+Recomputation (memory level 1, 2, 3) keeps a layer's input (level 1), the unit inputs (level 2), or the layer's input
+and the outputs of its costly operators (level 3: `op_kept_per_token`), and one layer's worth during backward.
 
 On a GPU the peak comes at the start of backward, when every activation is alive and no gradient yet (gradients
 appear as activations are freed, and the caching allocator gives their blocks to the gradients): parameters +
@@ -120,6 +120,16 @@ def activation_bytes_per_token(m, hp: int, sp: bool, compute: int) -> float:
     return (norms + inputs + attention + mlp) * compute + masks
 
 
+def op_kept_per_token(m, hp: int, sp: bool) -> float:
+    """Elements per token a layer keeps under memory level 3 (runtime/recompute.py): its input, the outputs of the
+    first, third, ... of its matmuls in the order they run (q, k, v, the attention's output projection, then fc1,
+    fc3 for SwiGLU, fc2; an output projection's is a full-width partial sum under tensor parallelism), the attention
+    kernel's output, and with sequence parallelism the two reduce-scatters'."""
+    h, kv = m.d_model, m.d_model // m.n_heads * (m.get("n_kv_heads") or m.n_heads)
+    matmuls = [h / hp, kv / hp, kv / hp, h] + ([m.d_ff / hp] * (2 if m.name == "llama" else 1)) + [h]
+    return h / (hp if sp else 1) + sum(matmuls[::2]) + h / hp + (2 * h / hp if sp else 0)
+
+
 def estimate(cfg, plan: dict) -> Estimate:
     """The worst rank of the layout in cfg.parallel for the model in cfg.model (plan: build_plan's)."""
     p, m, t = cfg.parallel, cfg.model, cfg.train
@@ -156,9 +166,12 @@ def estimate(cfg, plan: dict) -> Estimate:
         per_token += 2 * m.n_heads / hp * seq * compute
     level = cfg.memory.level
     if level == 1:
-        layer_bytes = layers * m.d_model * compute + per_token        # each layer's input, one layer recomputed
+        # each layer's input (sharded along the sequence with SP), one layer recomputed
+        layer_bytes = layers * m.d_model / (hp if p.sequence_parallel else 1) * compute + per_token
     elif level == 2:
         layer_bytes = layers * 4 * m.d_model / hp * compute + per_token  # unit inputs and outputs, one recomputed
+    elif level == 3:  # each layer's input and the outputs runtime/recompute.py keeps, one layer recomputed
+        layer_bytes = layers * op_kept_per_token(m, hp, p.sequence_parallel) * compute + per_token
     else:
         layer_bytes = layers * per_token
     # rows with their documents (whole documents, or padded rows packed by their rank): SDPA's document mask, a byte

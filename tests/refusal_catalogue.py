@@ -48,7 +48,7 @@ CATALOGUE = [
     # ranges and choices
     (["train.steps=0"], "train.steps", "without it they would be a random initialisation"),
     (["model.dropout=1.5"], "model.dropout", "between 0.0 and 0.95"),
-    (["memory.level=3"], "memory.level", "one of 0, 1, 2"),
+    (["memory.level=4"], "memory.level", "one of 0, 1, 2, 3"),
     (["engine.opset=18"], "engine.opset", "between 14 and 17"),
     (["parallel.dp_mode=foo"], "parallel.dp_mode", "one of replicate, shard"),
     (["parallel.pp_schedule=foo"], "parallel.pp_schedule", "one of gpipe"),
@@ -198,6 +198,7 @@ CATALOGUE = [
     (["engine=ort", "precision=bf16"], "precision.name", "fp32 ONNX graph"),
     (["engine=ort", "precision=fp16"], "precision.name", "no mixed precision"),
     (["engine=ort", "data.packing_strategy=bfd"], "data.packing_strategy", "document mask"),
+    (["engine=ort", "memory=level3"], "memory.level", "never show it"),
     # data
     (["data=text"], "data.paths", "needs files"),
     (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths", "does not exist"),

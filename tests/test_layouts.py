@@ -48,8 +48,9 @@ LAYOUTS = {
     "pipeline_pp4_interleaved": ["parallel=pipeline_pp4_interleaved"],
     "dp2_hp2_pp2-replicate": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=replicate"],
     "dp2_hp2_pp2-shard": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=shard"],
-    # no data parallelism: the tied embedding's vocab-parallel gradient arrives Replicate (FSDP reshards it otherwise)
-    "hp2_pp2": ["parallel=dp2_hp2_pp2", "parallel.dp=1"],
+    # no data parallelism: the tied embedding's vocab-parallel gradient arrives Replicate (FSDP reshards it otherwise);
+    # and recomputation by operator (memory=level3: runtime/recompute.py) under tensor parallelism and a pipeline
+    "hp2_pp2-recompute-ops": ["parallel=dp2_hp2_pp2", "parallel.dp=1", "memory=level3"],
     "megatron_hp2-sp-lp-recompute-layers": ["parallel=megatron_hp2", "parallel.sequence_parallel=true",
                                             "parallel.loss_parallel=true", "memory=level1"],
     "ddp2-shard-recompute-selective": ["parallel=ddp2", "parallel.dp_mode=shard", "memory=level2"],

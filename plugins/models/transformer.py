@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from plugins.models.head_loss import head_loss, row_logprobs
 from plugins.models.registry import EngineUnit, ModelSpec, Partition, vocab_rows
+from runtime.recompute import op_policy
 from runtime.sdpa import document_block_mask, flex
 from storage.weights import set_constant, set_full
 
@@ -132,7 +133,7 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn, self.ln2, self.mlp = ln1, attn, ln2, mlp
         self.drop = nn.Dropout(dropout)
-        self.recompute = "none"  # none | layer | selective, set by apply_memory (an attribute keeps names stable)
+        self.recompute = "none"  # none | layer | selective | op, set by apply_memory (an attribute keeps names stable)
         self.engine = None  # callable (unit name, block, x) -> unit output, set by an engine other than torch
 
     def _forward(self, x, documents=None):
@@ -154,6 +155,8 @@ class Block(nn.Module):
         """documents: document_view's (mask, positions) when rows hold whole documents."""
         if self.recompute == "layer" and torch.is_grad_enabled():
             return checkpoint(self._forward, x, documents, use_reentrant=False)
+        if self.recompute == "op" and torch.is_grad_enabled():  # the costly operators' outputs kept (runtime/recompute)
+            return checkpoint(self._forward, x, documents, use_reentrant=False, context_fn=op_policy)
         return self._forward(x, documents)
 
 
@@ -249,7 +252,7 @@ def init_weights(model: nn.Module, cfg, seed: int) -> None:
 
 
 def apply_memory(model: nn.Module, level: int) -> nn.Module:
-    mode = {0: "none", 1: "layer", 2: "selective"}[level]
+    mode = {0: "none", 1: "layer", 2: "selective", 3: "op"}[level]
     for layer in model.layers.values():
         layer.recompute = mode
     return model

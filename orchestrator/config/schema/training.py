@@ -57,7 +57,9 @@ class SGDConfig(OptimizerConfig):
 @dataclass
 class MemoryConfig:
     level: int = key(0, "activation memory optimisation: 0 none, 1 recompute each layer, "
-                        "2 selective recompute (attention and MLP internals)", choices=(0, 1, 2))
+                        "2 selective recompute (attention and MLP internals), 3 selective recompute by operator "
+                        "(every other matmul's and the attention kernel's outputs kept: TorchTitan's op policy)",
+                     choices=(0, 1, 2, 3))
 
 
 @dataclass

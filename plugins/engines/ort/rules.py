@@ -1,6 +1,6 @@
 """engine=ort's rules: ONNX Runtime's training build is installed (with CUDA where the ranks run on a GPU), and the
-settings it cannot honour (mixed precision, sequence parallelism, Triton kernels without CUDA, rows of whole
-documents) are refused."""
+settings it cannot honour (mixed precision, sequence parallelism, Triton kernels without CUDA, recomputation by
+operator, rows of whole documents) are refused."""
 from __future__ import annotations
 
 import sys
@@ -27,6 +27,11 @@ def check(cfg) -> list[Problem]:
                                 "row-parallel matmul) as one graph, but sequence parallelism needs a collective "
                                 "between the LayerNorm and the matmuls", "parallel.sequence_parallel=false, or "
                                 "engine=torch"))
+    if cfg.memory.level == 3:
+        problems.append(Problem("memory.level", 3, "engine=ort runs each unit as an ONNX graph, but memory level 3 "
+                                "keeps the outputs of torch's own matmul and attention operators, which those graphs "
+                                "never show it (it would recompute the whole layer, as level 1)",
+                                "memory=level1 or memory=level2, or engine=torch"))
     if whole_documents(cfg.data) is not None:
         problems.append(Problem("data.packing_strategy", cfg.data.get("packing_strategy", "auto"),
                                 "engine=ort runs each unit as an ONNX graph exported with the hidden states as its "
