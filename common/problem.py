@@ -1,11 +1,13 @@
 """A problem found before launch, in the user's language: the config key, its value, the rule and a fix.
 
 Every owner of a rule (a model, a data source, the layout, an engine, a cluster executor, the plan) returns a list
-of these from its `check(cfg)`; validation collects them all and raises them together."""
+of these from its `check(cfg)`; validation collects them all and raises them together. A check that reads inputs to
+judge them (the data's: the corpus's layout, its first records) returns them as `Found`, its problems with what it
+read, so that what prints the plan is handed those facts instead of reading the inputs again."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,15 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.key}={_show(self.value)}\n      rule: {self.rule}\n      fix:  {self.fix}"
+
+
+class Found(list):
+    """A check's problems (it is their list), and `facts`: what the check read to find them (None: nothing to hand
+    on)."""
+
+    def __init__(self, problems: Iterable = (), facts: Any = None):
+        super().__init__(problems)
+        self.facts = facts
 
 
 class InputFault(ValueError):

@@ -11,14 +11,43 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional
 
 from omegaconf import DictConfig
 
 from common.problem import Problem
+from orchestrator.cache.store import Cache
+from orchestrator.config.errors import ConfigError
+from orchestrator.dag import PlannedStage, plan as make_plan
+from plugins.data.corpus import TOKENS_DIR
+from stages import all_stages
+
+if TYPE_CHECKING:
+    from orchestrator.report import Report
 
 
 def wanted(cfg: DictConfig) -> bool:
     return bool(cfg.train.get("epochs", 0))
+
+
+def count(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], plan: list[PlannedStage],
+          cache: Cache, tokenize_first: Optional[Callable[[DictConfig, Path, list[str]], "Report"]]
+          ) -> tuple[list[str], Optional["Report"]]:
+    """train.epochs counted into train.steps before the run (plan: its stages, planned with the steps not counted),
+    the tokenize stage run first (tokenize_first) where it is not cached; the caller then checks and plans the
+    counted steps (wanted(cfg) is false once they are counted). -> (the plan's line on epochs, the tokenize run's
+    Report where it failed)."""
+    tokenize = next(ps for ps in plan if ps.name == "tokenize")
+    if not tokenize.cached:
+        if cfg.dry_run or cfg.data.preview or tokenize_first is None:
+            return [not_counted(cfg)], None
+        if not cfg.cluster.get("wait", True):  # the rest would be submitted with steps that nothing counted
+            raise ConfigError([needs_wait(cfg)])
+        tokenized = tokenize_first(cfg, run_dir, overrides)
+        if tokenized.exit_code:
+            return [], tokenized
+        tokenize = next(ps for ps in make_plan(cfg, all_stages(until), cache) if ps.name == "tokenize")
+    return [resolve(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)], None
 
 
 def resolve(cfg: DictConfig, tokens: Path) -> str:

@@ -22,12 +22,12 @@ from orchestrator.cluster import fork_server
 from orchestrator.cluster.launch import Launch, write_spec
 from orchestrator.cluster.local import DebugExecutor, LocalExecutor
 from orchestrator.config.resolve import resolve_auto
-from orchestrator.config.validate import refusing, validate, warnings
+from orchestrator.config.validate import refusing, validate
 from orchestrator.dag import PlannedStage, plan as make_plan
 from orchestrator.report import Report, console, plan_table, plan_text
 from orchestrator.tracking.tracker import absolute_uri
 from planning import stage_time
-from planning.plan import Plan, compute_line, memory_line, objective_line, peft_line
+from planning.plan import compute_line, memory_line, objective_line, peft_line
 from planning.plan_time import continued_from, expected_times, planned_lines, time_line
 from planning.stage_time import Expected, Timing
 from plugins.data.corpus import TOKENS_DIR
@@ -62,29 +62,6 @@ class RunPlan:
     timing: Timing  # what the stages' times are recorded by (planning/stage_time.py), worked out once a run
 
 
-def _count_epochs(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], plan: list, cache: Cache,
-                  figures: Plan, tokenize_first) -> tuple[list, Plan, list[str], Optional[Report]]:
-    """train.epochs counted into train.steps from the tokenized split (orchestrator/epochs.py), the tokenize stage run
-    first where it is not cached; then the counted steps validated and the run planned again (train's key is the
-    steps'). -> (the stages, the point's plan (figures, where no steps were counted), the plan's line on epochs, the
-    tokenize run's Report where it failed)."""
-    tokenize = next(ps for ps in plan if ps.name == "tokenize")
-    if not tokenize.cached:
-        if cfg.dry_run or cfg.data.preview or tokenize_first is None:
-            return plan, figures, [epochs.not_counted(cfg)], None
-        if not cfg.cluster.get("wait", True):  # the rest would be submitted with steps that nothing counted
-            from orchestrator.config.errors import ConfigError
-
-            raise ConfigError([epochs.needs_wait(cfg)])
-        tokenized = tokenize_first(cfg, run_dir, overrides)
-        if tokenized.exit_code:
-            return plan, figures, [], tokenized
-        tokenize = next(ps for ps in make_plan(cfg, all_stages(until), cache) if ps.name == "tokenize")
-    line = epochs.resolve(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
-    figures = validate(cfg, overrides)  # the counted steps against every rule (cadences, warm-up, their saves' disk)
-    return make_plan(cfg, all_stages(until), cache), figures, [line], None
-
-
 def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Optional[str], kind: str,
              heading: Optional[str], calibrate: Callable[[DictConfig, Path, list[str], Cache], Report],
              tokenize_first: Optional[Callable[[DictConfig, Path, list[str]], Report]] = None
@@ -101,7 +78,8 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             console.rule(Text(heading))
         fresh = not Path(cfg.cache_dir).exists()  # before validation and planning, which may make the folder
         choices = resolve_auto(cfg)  # first: validation and its plan see the values that will run (one plan, not two)
-        figures = validate(cfg, overrides)  # the point's plan, made once: the printout and the run read this one
+        checked = validate(cfg, overrides)  # the point's plan and what the checks read, made once: the printout and
+        # the run read these, not the config again
         startup = (cfg.cluster.name == "local" and cfg.cluster.start_method == "forkserver"
                    and not fork_server.running())
         executor = _executor(cfg.cluster)
@@ -116,10 +94,14 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         _check_cache_writable(cfg, plan, cache)
         counted: list[str] = []
         if epochs.wanted(cfg) and any(ps.name == "train" for ps in plan):
-            plan, figures, counted, stopped = _count_epochs(cfg, run_dir, overrides, until, plan, cache, figures,
-                                                            tokenize_first)
+            counted, stopped = epochs.count(cfg, run_dir, overrides, until, plan, cache, tokenize_first)
             if stopped is not None:
                 return stopped
+            if not epochs.wanted(cfg):  # counted into train.steps: they are checked against every rule (cadences,
+                # warm-up, their saves' disk) and planned (train's key is the steps')
+                checked = validate(cfg, overrides)
+                plan = make_plan(cfg, all_stages(until), cache)
+        figures = checked.plan
         to_run = [ps.name for ps in plan if not ps.cached]
         timing = stage_time.timing_of(cfg, figures)  # what the stages' times are kept and found by
         if calibration.wanted(cfg, to_run, cache.root, until, timing):
@@ -129,7 +111,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
             fresh, plan = False, make_plan(cfg, all_stages(until), cache)  # the stages before train are cached now
             to_run = [ps.name for ps in plan if not ps.cached]
         tokenize = next((ps for ps in plan if ps.name == "tokenize"), None)
-        estimating = "the plan's estimates (planning/plan.py, plan_time.py, plugins/data/corpus.py)"
+        estimating = "the plan's estimates (planning/plan.py, plan_time.py, plugins/data/tokenize_cost.py)"
         with refusing("overrides", " ".join(overrides), estimating):  # the lines read the point's plan (figures)
             train = next((ps for ps in plan if ps.name == "train"), None)
             first_step, continuing = continued_from(cfg, train.resumes_at if train else None)
@@ -138,7 +120,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
                      *planned_lines(planned, timing.where)]
             memory, objective = memory_line(figures, orchestrator_bytes(cfg)), objective_line(cfg, figures)
             estimates = [*peft_line(cfg.peft, figures.parameters), *objective, memory, compute_line(cfg), *times]
-            data = plan_lines(cfg, tokenize.resources.tasks, usable_cores()) if tokenize else []
+            data = plan_lines(cfg, checked.data, tokenize.resources.tasks, usable_cores()) if tokenize else []
             if tokenize and tokenize.cached and "train" in to_run:  # its counts are known: what the steps draw
                 data += passes_line(cfg, cache.entry("tokenize", tokenize.key) / TOKENS_DIR)
 
@@ -151,7 +133,7 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         commands = {name: executor.command(launches[name]) for name in to_run}
         _write_plan(run_dir, plan, where, commands)
         console.print(plan_table(plan, where))
-        said = [*choices, *counted, *estimates, *data, *(data_preview(cfg) if tokenize else []), *warnings(cfg)]
+        said = [*choices, *counted, *estimates, *data, *(data_preview(cfg) if tokenize else []), *checked.warnings]
         for line in [*_new_store(cfg, fresh), *(said if kind != "calibration" else [])]:  # the run's plan says them
             console.print(line, soft_wrap=True)
         if cfg.data.preview:

@@ -18,8 +18,7 @@ from omegaconf import OmegaConf
 
 from common.problem import Problem
 from planning.estimate import STAGE_RUNTIME, Estimate, StageCost, available_bytes, host_bytes, estimate, stage_costs
-from plugins.data.corpus import corpus_layouts
-from plugins.data.tokenize_cost import memory_problem, tokenize_tasks
+from plugins.data.tokenize_cost import DataRead, memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
 from plugins.objectives import ObjectiveSpec, objective_of
 from plugins.objectives.reference import Reference, reference_taken
@@ -97,14 +96,15 @@ def _size(n: int) -> str:
 
 def peft_line(peft, params: dict) -> list[str]:
     """peft=lora: what trains, and what stays frozen (no gradient, no optimizer state, not in the checkpoints);
-    params: the partition plan's parameters."""
-    from plugins.models.lora import describe
-
+    params: the partition plan's parameters, which hold the adapters where the model has them (a group of
+    peft.targets names Linears a family may not have: GPT has no fc3), so the line names those."""
+    if peft.name != "lora":
+        return []
     trained = sum(math.prod(p["shape"]) for p in params.values() if p.get("trainable", True) and not p["tied_to"])
-    adapted = {name.rsplit(".", 2)[-2] for name in params if name.endswith(".lora_A")}
-    line = describe(peft, trained, sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"]),
-                    adapted)
-    return [line] if line else []
+    total = sum(math.prod(p["shape"]) for p in params.values() if not p["tied_to"])
+    adapted = ", ".join(sorted({name.rsplit(".", 2)[-2] for name in params if name.endswith(".lora_A")}))
+    return [f"peft: LoRA r={peft.rank} alpha={peft.alpha:g} on {adapted}: {trained:,} of {total:,} parameters train "
+            f"({100 * trained / max(total, 1):.2f}%), the rest frozen"]
 
 
 def objective_line(cfg, p: Plan) -> list[str]:
@@ -160,10 +160,11 @@ def compute_line(cfg) -> str:
     return f"{head}; {rows}"
 
 
-def check(cfg, p: Plan, disk: bool = True) -> list[Problem]:
-    """What the point's plan (p) knows cannot fit: a train rank, a one-process stage, the disk (disk=False where the
+def check(cfg, p: Plan, read: Optional[DataRead] = None, disk: bool = True) -> list[Problem]:
+    """What the point's plan (p) knows cannot fit: a train rank, a one-process stage (the tokenize tasks from the
+    corpus as the data's check read it, `read`; None: it read none, the data refused), the disk (disk=False where the
     folders themselves are refused)."""
-    return _rank_problems(cfg, p) + _stage_problems(cfg, p) + (_disk_problems(cfg, p) if disk else [])
+    return _rank_problems(cfg, p) + _stage_problems(cfg, p, read) + (_disk_problems(cfg, p) if disk else [])
 
 
 def _rank_problems(cfg, plan: Plan) -> list[Problem]:
@@ -210,7 +211,7 @@ def _lora_fits(cfg, limit: int) -> str:
            "have no gradients and no optimizer state)" if need <= limit else ""
 
 
-def _stage_problems(cfg, plan: Plan) -> list[Problem]:
+def _stage_problems(cfg, plan: Plan, read: Optional[DataRead]) -> list[Problem]:
     """A stage around training whose one process cannot fit the memory it may use is refused before training
     starts, not found out after the GPU hours are spent."""
     avail, where = plan.host_limit, plan.host_limit_where
@@ -218,7 +219,7 @@ def _stage_problems(cfg, plan: Plan) -> list[Problem]:
         return []
     more = "a node with more memory (cluster.mem_per_task_gb on SLURM)"
     problems = []
-    tokenize = _tokenize_problem(cfg, avail, where)
+    tokenize = _tokenize_problem(cfg, read, avail, where)
     if tokenize:
         problems.append(Problem(*tokenize))
     problems += _example_problems(cfg, avail, where)
@@ -266,16 +267,12 @@ def _example_problems(cfg, avail: int, where: str) -> list[Problem]:
     return problems
 
 
-def _tokenize_problem(cfg, avail: int, where: str):
-    """The tokenize tasks against the memory they may use (a source or a corpus the data's own rules refuse is
-    theirs to name)."""
-    if cfg.data.name not in source_names() or get_source(cfg.data.name).tokens is not None:
+def _tokenize_problem(cfg, read: Optional[DataRead], avail: int, where: str):
+    """The tokenize tasks against the memory they may use, from the corpus the data's check read (a source or a corpus
+    the data's own rules refuse is theirs to name: then there is no `read`)."""
+    if read is None or get_source(cfg.data.name).tokens is not None:
         return None
-    try:
-        corpora = corpus_layouts(cfg)
-    except OSError:  # a missing or unreadable file: the data's check says which
-        return None
-    return memory_problem(cfg, tokenize_tasks(cfg, corpora, usable_cores()), avail, where)
+    return memory_problem(cfg, tokenize_tasks(cfg, read.layouts, usable_cores()), avail, where)
 
 
 def checkpoint_saves(train) -> int:

@@ -204,9 +204,9 @@ def _summary(out) -> str:
 
 def _resources(cfg) -> Resources:
     """data.tasks or its default (tokenize_cost.tokenize_tasks); a local time limit three times the estimate."""
-    corpora = corpus_layouts(cfg)
-    tasks = tokenize_tasks(cfg, corpora, usable_cores())
-    minutes = estimate_seconds(cfg, corpora, tasks, usable_cores()) / 60
+    layouts = [lay for _, lay in corpus_layouts(cfg)]
+    tasks = tokenize_tasks(cfg, layouts, usable_cores())
+    minutes = estimate_seconds(cfg, layouts, tasks, usable_cores()) / 60
     return Resources(tasks=tasks, timeout_min=max(60, math.ceil(3 * minutes)))  # a big corpus is no hang
 
 

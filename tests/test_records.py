@@ -107,12 +107,13 @@ def test_a_file_named_twice_is_read_once(tmp_path):
     once = documents(tokenized(make_cfg(*BASE, f"data.paths=[{corpus}]", runs_dir=tmp_path)))
     twice = make_cfg(*BASE, f"data.paths=[{corpus}/*.txt,{corpus}/*0.txt,{corpus},{tmp_path}/link.txt]",
                      runs_dir=tmp_path)
-    assert check(twice) == []
+    checked = check(twice)
+    assert checked == []
     assert documents(tokenized(twice)) == once
     from plugins.data.tokenize_cost import plan_lines
 
     assert "data: data.paths names 6 file(s) more than once (overlapping globs, a folder and a file in it, links): " \
-        "each is read once" in plan_lines(twice, 1, 1)
+        "each is read once" in plan_lines(twice, checked.facts, 1, 1)
 
 
 @pytest.mark.parametrize("record,words", [
@@ -184,8 +185,9 @@ def test_bad_records_are_listed_all_at_once_or_skipped_with_their_count(tmp_path
                                 "plan and in the tokenize stage's log)")
 
     skip = make_cfg(*base, "data.bad_records=skip", runs_dir=tmp_path)
-    assert check(skip) == []
-    (line,) = [x for x in plan_lines(skip, 1, 1) if "bad_records" in x]
+    checked = check(skip)  # the plan's line names what the check read: the records are not read again
+    assert checked == []
+    (line,) = [x for x in plan_lines(skip, checked.facts, 1, 1) if "bad_records" in x]
     assert line.startswith(f"warning: data.bad_records=skip: {len(said)} bad record(s) among the 90 read") and \
         "pairs.jsonl: line 3: the pair's chosen and rejected completions are the same" in line
     index = tokenize_into(skip, tmp_path / "skipped")

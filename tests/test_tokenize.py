@@ -14,6 +14,7 @@ import sysconfig
 
 from plugins.data import build_batcher, corpus as corpora, reading, shards, tokenize_cost
 from plugins.data.batcher import Batcher, tokenized
+from plugins.data.rules import check
 from plugins.data.tokenizer import _bytes_backend, encode
 from tests.conftest import QUICK, cache_entry, make_cfg, run_cli, run_debug as run, run_folder
 
@@ -207,15 +208,15 @@ def test_a_bad_line_deep_in_a_big_jsonl_is_named_by_the_stage_and_nothing_is_pub
 def test_the_plan_says_what_tokenize_reads_and_what_max_bytes_leaves_out(corpus):
     cfg = make_cfg("data=text", f"data.paths=[{corpus}]", "data.text_field=body", "data.max_bytes=100000")
     size = sum(p.stat().st_size for p in corpus.iterdir())
-    lines = tokenize_cost.plan_lines(cfg, tasks=2, cores=2)
+    lines = tokenize_cost.plan_lines(cfg, check(cfg).facts, tasks=2, cores=2)
     assert lines[0].startswith("data: tokenize reads ") and "2 task(s)" in lines[0]
     assert lines[1].startswith(f"warning: data.max_bytes=100000 leaves out {(size - 100000) / 1e6:,.1f} MB")
     assert "data.max_bytes=0 reads all of it" in lines[1]
     key, tasks, rule, fix = tokenize_cost.memory_problem(cfg, 100, 8 << 30, "available RAM")  # all tasks on one host
     assert (key, tasks, fix) == ("data.tasks", 100, "data.tasks=17 or fewer") and "46.88 GB" in rule
     assert tokenize_cost.memory_problem(cfg, 2, 8 << 30, "available RAM") is None
-    assert len(tokenize_cost.plan_lines(make_cfg("data=text", f"data.paths=[{corpus}]", "data.text_field=body",
-                                           "data.max_bytes=0"), tasks=1, cores=2)) == 1
+    whole = make_cfg("data=text", f"data.paths=[{corpus}]", "data.text_field=body", "data.max_bytes=0")
+    assert len(tokenize_cost.plan_lines(whole, check(whole).facts, tasks=1, cores=2)) == 1
 
 
 def test_an_untouched_corpus_is_fingerprinted_by_its_stamps(corpus, tmp_path, monkeypatch):

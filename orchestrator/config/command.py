@@ -40,7 +40,7 @@ def check_experiment(cfg: DictConfig, overrides: list[str]):
             raise ConfigError(problems)
         return None
     resolve_auto(cfg)
-    return validate(cfg, overrides, remember=True)
+    return validate(cfg, overrides, remember=True).plan
 
 
 def explain(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[ConfigError]:

@@ -49,8 +49,8 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
 
 
 def with_tokenizer(cfg: DictConfig) -> DictConfig:
-    """cfg, or a copy with data.tokenizer=auto made concrete: what validation checks where nothing resolved it yet (a
-    sweep's points and a tune's trials are checked before each runs, and runs resolve it)."""
+    """cfg, or a copy with data.tokenizer=auto made concrete: what validation is handed where nothing resolved it yet
+    (a sweep's points and a tune's trials are checked before each runs; a run resolves it in place, resolve_auto)."""
     import copy
 
     from plugins.data.tokenizer import AUTO

@@ -4,7 +4,9 @@ This module walks the schema (known keys, choices, bounds) and collects the rule
 lives with what it constrains and returns `Problem`s from its `check(cfg)`. The owners' rules read fields as
 numbers they divide by, so they run once every field is valid on its own (`parallel.hp=0` is reported as the
 field's rule, >= 1, not as a crash of a rule that divides by it); the plan's (memory, disk) and train.init_from's
-run once the model and the layout are sound, since they build the partition plan."""
+run once the model and the layout are sound, since they build the partition plan. What the checks found is handed
+on (Checked): the plan, what the data's check read of the corpus, the warnings, so that what prints or runs the
+point reads those instead of going back to the config."""
 from __future__ import annotations
 
 import contextlib
@@ -16,10 +18,11 @@ from typing import TYPE_CHECKING, Iterable, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
-from common.problem import _show
+from common.problem import Found, _show
 
 if TYPE_CHECKING:
     from planning.plan import Plan
+    from plugins.data.tokenize_cost import DataRead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,15 +32,17 @@ class Check:
     module: str
     function: str = "check"
 
-    def __call__(self, cfg: DictConfig, *args) -> list[Problem]:
-        """The owner's problems; an exception in the check itself is one more problem, naming the check, its key
-        and what it raised (its traceback saved): a check never crashes the command."""
+    def __call__(self, cfg: DictConfig, *args) -> Found:
+        """The owner's problems, with what it read to find them where it hands that on (Found.facts); an exception
+        in the check itself is one more problem, naming the check, its key and what it raised (its traceback saved):
+        a check never crashes the command."""
         import importlib
 
         try:
-            return list(getattr(importlib.import_module(self.module), self.function)(cfg, *args))
+            found = getattr(importlib.import_module(self.module), self.function)(cfg, *args)
+            return found if isinstance(found, Found) else Found(found)
         except Exception as e:  # noqa: BLE001 (whatever a check meets is said as a refusal, not a traceback)
-            return [self.failed(cfg, e)]
+            return Found([self.failed(cfg, e)])
 
     def failed(self, cfg: DictConfig, e: BaseException) -> Problem:
         """The problem an exception in this check amounts to; also where what it reads was made for it and stopped
@@ -79,79 +84,76 @@ def refusing(key: str, value, what: str):
         raise ConfigError([check_failed(key, value, what, e)]) from None
 
 
-def objective_problems(cfg: DictConfig) -> list[Problem]:
-    """sweep.objective: one of the train stage's, or a metric an evaluate task produces."""
-    from orchestrator.config.schema import TRAIN_OBJECTIVES
-
-    from plugins.objectives import get_objective, objective_names
-    from plugins.objectives.spec import sweep_objectives
-
-    offered = get_objective(cfg.objective.name).sweep_objectives
-    if cfg.sweep.objective in sweep_objectives() and cfg.sweep.objective not in offered:
-        by = [n for n in objective_names() if cfg.sweep.objective in get_objective(n).sweep_objectives]
-        return [Problem("sweep.objective", cfg.sweep.objective, f"{cfg.sweep.objective} is measured by objective="
-                        f"{' or '.join(by)}; objective={cfg.objective.name} has none",
-                        f"objective={by[0]}, or sweep.objective=eval_loss")]
-    if cfg.sweep.objective in TRAIN_OBJECTIVES:
-        return []
-    from plugins.evaluate.harness import objective_problems as evaluate_objective
-
-    return evaluate_objective(cfg.sweep.objective, cfg.evaluate, TRAIN_OBJECTIVES)
-
-
 # The owners' checks: the model and its layout first (the partition plan is built from them), then everything
 # else in the order a reader meets the config: data, training, the cluster, the engine, the machine. Imported when
 # the schema holds: they bring torch (1.5 s), which a config refused by its schema never waits for.
 STRUCTURAL = (Check("model", "plugins.models.registry"), Check("parallel", "plugins.parallel.rules"),
               Check("peft", "plugins.models.lora_rules"))
-OTHERS = (Check("data", "plugins.data.rules"), Check("objective", "plugins.objectives.rules"),
+DATA = Check("data", "plugins.data.rules")  # hands on what it read of the corpus (plugins/data/tokenize_cost.DataRead)
+OTHERS = (DATA, Check("objective", "plugins.objectives.rules"),
           Check("engine", "plugins.onnx.rules"),
           Check("optimizer", "runtime.optim"), Check("train.profile", "runtime.profiling"),
           Check("cluster", "orchestrator.cluster.rules"), Check("engine", "plugins.engines"),
           Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),
           Check("tracking", "orchestrator.tracking.store_check"), Check("cache_dir", "orchestrator.cache.store"),
           Check("evaluate", "plugins.evaluate.rules"), Check("plan", "orchestrator.calibration"),
-          Check("sweep.objective", __name__, "objective_problems"))
+          Check("sweep.objective", "orchestrator.sweeps.objective"))
+FOLDERS = Check("runs_dir", __name__, "_folder_problems")  # the plan's disk check is left out where they fail
 INIT_FROM = Check("train.init_from", "storage.init_from")  # with the partition plan's parameters
-PLAN = Check("train", "planning.plan")  # memory and disk, from the partition plan
-CHECKS = (*STRUCTURAL, *OTHERS, INIT_FROM, PLAN)
+PLAN = Check("train", "planning.plan")  # memory and disk, from the partition plan (and the corpus the data's read)
+CHECKS = (*STRUCTURAL, *OTHERS, FOLDERS, INIT_FROM, PLAN)
 
 
-# The plans of the configs the command's pre-check validated (orchestrator/boundary.py, before Hydra writes anything):
-# the run that follows validates the same config in this process, and reads the plan from here instead of checking
-# and planning it again. Only `remember=True` adds to it: a sweep's points and tune's trials are checked afresh.
-_PASSED: dict[str, "Plan"] = {}
+@dataclasses.dataclass(frozen=True)
+class Checked:
+    """What validation found in a config that passed, made once a point and handed on to whatever prints or runs it:
+    the point's plan (planning/plan.py), what the data's check read of the corpus (None where it read none), and the
+    warnings (legal but unwise settings: the run goes ahead, and the plan says each in a line)."""
+    plan: "Plan"
+    data: Optional["DataRead"]
+    warnings: list[str]
 
 
-def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = False) -> "Plan":
-    """Raise ConfigError with every problem, else return the experiment point's plan (planning/plan.py), made once
-    here for the checks and handed on to whatever prints or reads it. remember: a config that passes is not checked
-    again in this process (orchestrator/boundary.py checks the command before Hydra writes anything; the run that
-    follows is the same)."""
-    from orchestrator.config.resolve import with_tokenizer
+# What the configs the command's pre-check validated found (orchestrator/boundary.py, before Hydra writes anything):
+# the run that follows validates the same config in this process, and reads it from here instead of checking and
+# planning it again. Only `remember=True` adds to it: a sweep's points and tune's trials are checked afresh.
+_PASSED: dict[str, Checked] = {}
 
-    overrides, cfg = list(overrides), with_tokenizer(cfg)
+
+def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = False) -> Checked:
+    """Raise ConfigError with every problem, else return what the checks found (Checked), made once here and handed
+    on to whatever prints or reads it. cfg is checked as it runs: its `auto` values made concrete first
+    (orchestrator/config/resolve.py: a run resolves them before it is checked; a sweep's points and tune's trials,
+    checked before they run, with with_tokenizer). remember: a config that passes is not checked again in this
+    process (orchestrator/boundary.py checks the command before Hydra writes anything; the run that follows is the
+    same)."""
+    overrides = list(overrides)
     seen = OmegaConf.to_yaml(cfg) + "\0".join(overrides)
     if seen in _PASSED:
         return _PASSED[seen]
     problems, planned = schema_problems(cfg, overrides), None
+    read = None  # what the data's check read of the corpus, where it passed
     if not problems:
         structure = [p for check in STRUCTURAL for p in check(cfg)]
-        folders = _folder_problems(cfg)
-        problems = structure + [p for check in OTHERS for p in check(cfg)] + folders
+        folders = FOLDERS(cfg)
+        others = {check: check(cfg) for check in OTHERS}
+        read = others[DATA].facts
+        problems = structure + [p for found in others.values() for p in found] + folders
         if not structure:  # a plan check that stops on an input another check refused says nothing more
-            found, planned = _plan_problems(cfg, bool(folders))
+            found, planned = _plan_problems(cfg, bool(folders), read)
             problems += [p for p in found if not (problems and isinstance(p, CheckFailed))]
     if problems:
         raise ConfigError(problems)
+    checked = Checked(planned, read, warnings(cfg))
     if remember:
-        _PASSED[seen] = planned
-    return planned
+        _PASSED[seen] = checked
+    return checked
 
 
-def _plan_problems(cfg: DictConfig, folders_refused: bool) -> tuple[list[Problem], Optional["Plan"]]:
+def _plan_problems(cfg: DictConfig, folders_refused: bool, read: Optional["DataRead"]
+                   ) -> tuple[list[Problem], Optional["Plan"]]:
     """The point's plan (None where it cannot be made), and what it refuses: train.init_from's shapes against the
-    partition plan, the memory and disk of the plan's estimates."""
+    partition plan, the memory and disk of the plan's estimates (read: the corpus as the data's check read it)."""
     from planning import plan
 
     try:
@@ -161,7 +163,7 @@ def _plan_problems(cfg: DictConfig, folders_refused: bool) -> tuple[list[Problem
     except Exception as e:  # noqa: BLE001 (the partition plan's: said as a check's, not raised)
         return [check_failed("model", OmegaConf.select(cfg, "model.name"), "the partition plan (planning/plan.py)",
                              e)], None
-    return INIT_FROM(cfg, planned.parameters) + PLAN(cfg, planned, not folders_refused), planned
+    return INIT_FROM(cfg, planned.parameters) + PLAN(cfg, planned, read, not folders_refused), planned
 
 
 def warnings(cfg: DictConfig) -> list[str]:

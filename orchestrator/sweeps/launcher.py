@@ -102,6 +102,7 @@ class SweepLauncher(Launcher):
         self.config, self.hydra_context = config, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from orchestrator.config.resolve import with_tokenizer
         from orchestrator.config.validate import validate
 
         setup_globals()
@@ -109,7 +110,7 @@ class SweepLauncher(Launcher):
         points = [self._compose(initial_job_idx + i, list(o), sweep_dir) for i, o in enumerate(job_overrides)]
         for p in points:
             try:
-                validate(p.cfg, p.overrides)
+                validate(with_tokenizer(p.cfg), p.overrides)  # as the point's run resolves it first
                 _check_direction(p.cfg, self.config)
             except ConfigError as e:  # a point the sampler picked: a failed trial (the batch's others run)
                 p.rejected = InvalidPoint(p.overrides, e)

@@ -23,6 +23,7 @@ from orchestrator.cache.store import Cache
 from orchestrator.config.command import kept_beside_tune, tune_problems
 from orchestrator.config.errors import ConfigError, Problem
 from orchestrator.config.schema import TuneConfig
+from orchestrator.config.resolve import with_tokenizer
 from orchestrator.config.validate import validate
 from plugins.parallel.schedules import SCHEDULES
 from orchestrator.report import console, styled
@@ -104,7 +105,7 @@ def _check(cfg: DictConfig, trial: Trial) -> Optional[DictConfig]:
         settings = {**trial.settings, "memory.level": level}
         trial_cfg = _trial_cfg(cfg, settings)
         try:
-            planned = validate(trial_cfg)  # the trial's plan: its estimate below
+            planned = validate(with_tokenizer(trial_cfg)).plan  # the trial's plan: its estimate below
         except ConfigError as e:
             if level == 0 and all(p.key == "parallel" and "exceeds" in p.rule for p in e.problems):
                 continue  # does not fit: try it with recomputation

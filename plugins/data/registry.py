@@ -46,7 +46,9 @@ class DataSource:
     """(cfg.data, model vocab size) -> Corpus, for sources that are tokens already (no tokenizer)."""
     check: Optional[Callable[[object], list[tuple]]] = None
     """the whole cfg -> problems found before launch, each (config key, value, rule, fix): files missing,
-    unreadable, binary or not UTF-8, too little text for one batch and the held-out split."""
+    unreadable, binary or not UTF-8, too little text for one batch and the held-out split. A common.problem.Found
+    hands on the bad records among the first records it read (the files source's), which the plan names under
+    data.bad_records=skip."""
     files: Optional[Callable[[object], list[tuple[str, Path]]]] = None
     """cfg.data -> the corpus's files ((name, path), in order): text, JSON Lines, Parquet. Such a source is read in
     pieces (plugins/data/reading.py), by as many tokenize tasks as data.tasks says."""

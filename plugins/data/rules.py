@@ -1,5 +1,6 @@
 """The data's rules: a registered source (built in, or added through the `orchestrator.data` entry points), a
-tokenizer we know whose ids the model's embedding holds, and the source's own checks (files, amounts)."""
+tokenizer we know whose ids the model's embedding holds, and the source's own checks (files, amounts). What they read
+of the corpus is handed on with their verdict (tokenize_cost.DataRead), for the plan to weigh and say."""
 from __future__ import annotations
 
 import math
@@ -7,7 +8,8 @@ import math
 import difflib
 from pathlib import Path
 
-from common.problem import Problem
+from common.problem import Found, Problem
+from plugins.data.bad_records import BadRecords, skips
 from plugins.data.formats.spec import format_of
 from plugins.data import tokenizer as tokenizers
 from plugins.data.chat import NotExtending, compiled, has_generation_tags, templates_of
@@ -16,20 +18,38 @@ from plugins.data.corpus import corpus_layouts, sources_of
 from plugins.data.longer_rows import longer_rows
 from plugins.data.packing import whole_documents
 from plugins.data.registry import get_source, source_names
+from plugins.data.tokenize_cost import DataRead
 from storage.fsio import why_not_a_file
 
 
 def check(cfg) -> list[Problem]:
+    """The data's problems; where there are none, a Found whose facts are what was read of the corpus (DataRead):
+    its layouts, and the bad records that data.bad_records=skip leaves out among the first records the source's check
+    read. The plan weighs and says those instead of reading the corpus again."""
+    problems, bad = _problems(cfg)
+    if problems:
+        return problems
+    return Found([], DataRead([lay for _, lay in corpus_layouts(cfg)], bad if skips(cfg.data) else None))
+
+
+def _bad_read(found) -> BadRecords:
+    """The bad records a source's check read, where it hands them on (the files source's: a Found)."""
+    return (found.facts if isinstance(found, Found) else None) or BadRecords()
+
+
+def _problems(cfg) -> tuple[list[Problem], BadRecords]:
+    """(the data's problems, the bad records among the first records its source's check read)."""
     d = cfg.data
     if d.name not in source_names():
         return [Problem("data.name", d.name, "the data source must be registered (plugins/data, or a package's "
-                        "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")]
+                        "orchestrator.data entry point)", f"one of: {', '.join(source_names())}")], BadRecords()
     source = get_source(d.name)
     problems = _tokenizer_problems(cfg, source)
     if not source.carries(d.format):
         return problems + [Problem("data.format", d.format, f"{d.format} records are read from JSON Lines or "
                                    f"Parquet files by data=text; data={d.name} has none",
-                                   "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")]
+                                   "data=text 'data.paths=[/path/to/records.jsonl]', or data.format=text")], \
+            BadRecords()
     if {"prompt_field", "completion_field"} <= set(format_of(d).fields(d)) and d.prompt_field == d.completion_field:
         problems.append(Problem("data.prompt_field", d.prompt_field, f"the prompt and the completion would both be "
                                 f"read from the field {d.prompt_field!r} (data.completion_field): every record would "
@@ -42,16 +62,17 @@ def check(cfg) -> list[Problem]:
             problems.append(Problem("train.epochs", cfg.train.epochs, "a data.mix draws each row's source by weight, "
                                     "so the run has no epochs of one split's examples to count steps from",
                                     "train.steps= the steps to train, or one corpus"))
-        return problems + _mix_problems(cfg, source)
-    if source.check is not None:
-        problems += [p if isinstance(p, Problem) else Problem(*p) for p in source.check(cfg)]
+        mixed, bad = _mix_problems(cfg, source)
+        return problems + mixed, bad
+    found = source.check(cfg) if source.check is not None else []
+    problems += [p if isinstance(p, Problem) else Problem(*p) for p in found]
     if not problems:
         problems += _long_text_problems(cfg)
     if d.text_field != "text" and not source.fields:
         problems.append(Problem("data.text_field", d.text_field, f"data.text_field names the field of JSON Lines or "
                                 f"Parquet records, which data=text reads; data={d.name} has no fields and would "
                                 "ignore it", "data=text with data.paths, or leave data.text_field unset"))
-    return problems
+    return problems, _bad_read(found)
 
 
 def _long_text_problems(cfg) -> list[Problem]:
@@ -154,14 +175,14 @@ def _model_tokenizer_problems(cfg) -> list[Problem]:
                     "were not trained on", fix)]
 
 
-def _mix_problems(cfg, source) -> list[Problem]:
+def _mix_problems(cfg, source) -> tuple[list[Problem], BadRecords]:
     """data.mix: sources of files (data=text), data.paths left empty, a positive weight each, and each source's own
-    checks under its own key (data.mix[i].paths)."""
+    checks under its own key (data.mix[i].paths). -> (the problems, the bad records the sources' checks read)."""
     d = cfg.data
     if source.files is None and source.indexed is None:
         return [Problem("data.mix", "[...]", f"data.mix mixes sources of files (or of Megatron corpora); data={d.name} "
-                        "has none", "data=text with data.mix, or data.mix=[] for this source")]
-    problems = []
+                        "has none", "data=text with data.mix, or data.mix=[] for this source")], BadRecords()
+    problems, bad = [], BadRecords()
     if d.paths:
         problems.append(Problem("data.paths", list(d.paths), "with data.mix every source names its own paths; "
                                 "data.paths would be a source without a weight", "data.paths=[] (move them into a "
@@ -178,11 +199,13 @@ def _mix_problems(cfg, source) -> list[Problem]:
         problems.append(Problem("data.mix", weights, "the weights' sum overflows (each source's share is its weight "
                                 "over the sum)", "weights such as 0.7 and 0.3 (relative: they need not sum to 1)"))
     for i, sub in enumerate(sources_of(cfg)):
-        for p in source.check(sub) if source.check else []:
+        found = source.check(sub) if source.check else []
+        bad = bad.merge(_bad_read(found))
+        for p in found:
             p = p if isinstance(p, Problem) else Problem(*p)
             key = p.key.replace("data.", f"data.mix[{i}].", 1) if p.key in ("data.paths", "data.text_field") else p.key
             problems.append(Problem(key, p.value, p.rule, p.fix.replace(p.key, key)))
-    return problems
+    return problems, bad
 
 
 def _chat_problems(d) -> list[Problem]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -157,13 +157,3 @@ def init_adapters(model: nn.Module, seed: int) -> None:
             set_full(p, initial_A(name, tuple(p.shape), seed).to(p.dtype))
         elif name.endswith(".lora_B"):
             set_constant(p, 0.0)
-
-
-def describe(peft_cfg, trained: int, total: int, adapted: Optional[set[str]] = None) -> Optional[str]:
-    """adapted: the Linear names the model has adapters on (a group names Linears a family may not have: GPT has
-    no fc3)."""
-    if peft_cfg.name != "lora":
-        return None
-    names = sorted(target_names(peft_cfg) if adapted is None else adapted)
-    return (f"peft: LoRA r={peft_cfg.rank} alpha={peft_cfg.alpha:g} on {', '.join(names)}: "
-            f"{trained:,} of {total:,} parameters train ({100 * trained / max(total, 1):.2f}%), the rest frozen")

@@ -10,7 +10,7 @@ import glob
 import os
 from pathlib import Path
 
-from plugins.data.bad_records import BadRecords
+from common.problem import Found
 from plugins.data.compressed import suffix_of
 from plugins.data.file_corpus import check_amount, fingerprint_files
 from plugins.data.file_heads import SNIFF_BYTES, field_missing, not_text
@@ -142,7 +142,10 @@ def _check_text(cfg) -> list[tuple]:
                          "remove them from data.paths, or repair them (UTF-8 text; in a .jsonl file, one JSON object "
                          "per line)" + (f"; data.format={d.format} reads .jsonl and .parquet files only"
                                         if by_record else "")))
-    return problems or _first_records_problems(files, cfg) or check_amount(files, cfg)
+    if problems:
+        return problems
+    first = _first_records_problems(files, cfg)
+    return first if first else Found(check_amount(files, cfg), first.facts)
 
 
 def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> list[tuple]:
@@ -160,17 +163,14 @@ def _unread_keys(d, files: list[tuple[str, Path]], datasets_folder: bool) -> lis
     return problems
 
 
-def _first_records_problems(files: list[tuple[str, Path]], cfg) -> list[tuple]:
+def _first_records_problems(files: list[tuple[str, Path]], cfg) -> Found:
     """The first records of each records file (its first piece: SNIFF_BYTES of JSON Lines, a Parquet row group, a
     run of Arrow batches) read as the tokenize stage reads them: a mistake in their types, messages or template is
     refused now, naming the file and record, not after the stages before tokenize ran; every bad record among them
-    in one refusal (plugins/data/bad_records.py)."""
-    return read_first_records(files, cfg, SNIFF_BYTES)[0]
-
-
-def bad_records_read(cfg) -> BadRecords:
-    """The bad records among those the check before launch reads (for the plan, under data.bad_records=skip)."""
-    return read_first_records(_text_files(cfg.data), cfg, SNIFF_BYTES)[1]
+    in one refusal (plugins/data/bad_records.py). The bad records read are handed on with the refusals (Found.facts):
+    under data.bad_records=skip the plan names them (plugins/data/rules.py)."""
+    refusals, bad = read_first_records(files, cfg, SNIFF_BYTES)
+    return Found(refusals, bad)
 
 
 def _is_glob(entry: str) -> bool:
