@@ -29,6 +29,7 @@ from typing import Optional
 from plugins.data.packing import document_rows
 from plugins.models.lora import in_compute_dtype
 from plugins.parallel import world_size
+from plugins.parallel.parallelize import split_backward
 from plugins.parallel.schedules import SCHEDULES
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -150,6 +151,8 @@ def estimate(cfg, plan: dict) -> Estimate:
     unit = max(block, trained[worst] * 4 - (m.n_layers // p.pp) * block) if p.dp_mode == "shard" else \
         trained[worst] * 4
     reduce_buffer = unit if p.dp > 1 else 0
+    if p.dp > 1 and p.dp_mode == "shard" and split_backward(p):  # a zero-bubble schedule: the rank's stages stay
+        reduce_buffer += held * compute  # gathered, in the compute dtype, from forward to backward (parallelize.py)
     optimizer = gradients * OPTIMIZER_STATES.get(cfg.optimizer.name, 2)
 
     seq, hp = t.seq_len, p.hp

@@ -44,7 +44,10 @@ LAYOUTS = {
     "megatron_hp2": ["parallel=megatron_hp2"],
     "megatron_hp2-sp-lp": ["parallel=megatron_hp2", "parallel.sequence_parallel=true", "parallel.loss_parallel=true"],
     "megatron_hp4": ["parallel=megatron_hp4"],
-    "pipeline_pp2": ["parallel=pipeline_pp2"],
+    # a zero-bubble schedule (the backward split into input and weight passes) under FSDP2: plain 1F1B on pp=2 is a
+    # part of the dp2_hp2_pp2 layouts
+    "dp2_pp2-zbv-shard": ["parallel=pipeline_pp2", "parallel.dp=2", "parallel.dp_mode=shard",
+                          "parallel.pp_schedule=zbv", "parallel.pp_chunks=2"],
     "pipeline_pp4_interleaved": ["parallel=pipeline_pp4_interleaved"],
     "dp2_hp2_pp2-replicate": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=replicate"],
     "dp2_hp2_pp2-shard": ["parallel=dp2_hp2_pp2", "parallel.dp_mode=shard"],
@@ -137,7 +140,7 @@ def test_layout_is_recorded_in_plan_and_manifest(runs):
 
 
 def test_pipeline_runs_record_their_timeline(runs):
-    for layout in ("pipeline_pp2", "pipeline_pp4_interleaved", "dp2_hp2_pp2-shard"):
+    for layout in ("dp2_pp2-zbv-shard", "pipeline_pp4_interleaved", "dp2_hp2_pp2-shard"):
         out = runs[layout] / "stages/train/output"
         timeline = read_json(out / "pipeline_timeline.json")
         pp = int(re.search(r"pp(\d)", layout).group(1))

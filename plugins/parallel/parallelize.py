@@ -12,7 +12,8 @@ on the meta device (nothing is allocated until the layout materialises the rank'
    left outside (TorchTitan's per-block compile).
 5. dp last (FSDP2): it shards whatever the block has become, and its hooks gather the parameters around the
    wrapped forward. Under engine=ort the parameters stay gathered from forward to backward (ORT keeps pointers
-   to them), hence no reshard after forward.
+   to them), hence no reshard after forward; so do they under a zero-bubble pipeline schedule (its weight pass
+   needs them gathered when the input pass starts: plugins/parallel/schedules.py, split_backward).
 6. precision: with dp, FSDP2 casts the parameters for forward and backward (the policy goes in with 5); without,
    the part's whole forward runs under autocast, outermost, so that the compiled blocks trace inside it. One
    mechanism per layout, never both (TorchTitan's rule).
@@ -26,6 +27,7 @@ from torch import nn
 from plugins.engines import get_engine
 from plugins.models.lora import shard_adapters
 from plugins.parallel.data import apply_dp as _fsdp
+from plugins.parallel.schedules import SCHEDULES
 from runtime import precision as mixed
 from runtime.kernels import KernelReport, apply_kernels
 
@@ -67,7 +69,18 @@ def apply_engine(module: nn.Module, spec, runs_on, engine) -> None:
 def apply_dp(module: nn.Module, spec, mesh, parallel_cfg, runs_on, precision) -> None:
     if parallel_cfg.dp > 1:
         _fsdp(module, mesh["dp"], parallel_cfg.dp_mode, spec.blocks(module),
-              reshard_after_forward=runs_on.reshard_after_forward, mp_policy=precision.fsdp_policy())
+              reshard_after_forward=runs_on.reshard_after_forward and not split_backward(parallel_cfg),
+              mp_policy=precision.fsdp_policy())
+
+
+def split_backward(parallel_cfg) -> bool:
+    """The pipeline schedule splits each backward into an input and a weight pass (zero-bubble). torch's input
+    pass (stage_backward_input) records which of the stage's registered parameters the weight pass computes
+    gradients for before autograd runs: FSDP2's pre-backward hook gathers them only later, so parameters resharded
+    after forward are the sharded ones, outside the graph, and the weight pass gives them no gradient (on gloo,
+    torch 2.13: every microbatch's on the last stage, the first microbatch's on the others, silently). Kept gathered
+    from forward to the schedule's REDUCE_GRAD (as TorchTitan does under any pipeline), they are the graph's own."""
+    return parallel_cfg.pp > 1 and SCHEDULES[parallel_cfg.pp_schedule].split_backward
 
 
 def apply_precision(module: nn.Module, cfg, device, precision: mixed.Precision) -> None:

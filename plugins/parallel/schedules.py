@@ -13,6 +13,11 @@ class Schedule:
     v_shape: bool = False   # stages go down the ranks and back up (rank r holds stages r and 2*pp-1-r)
     in_rounds: bool = False  # microbatches run in rounds of pp: their number is a multiple of the rounds
     all_forwards_first: bool = False  # every microbatch's activations are held at once (GPipe)
+    # the backward is split into an input pass (I) and a weight pass (W) (zero-bubble): torch finds the weights of
+    # the W pass from the stage's registered parameters when the I pass starts, before autograd runs FSDP's
+    # pre-backward gather; FSDP2 must then keep them gathered from forward on (parallelize.apply_dp), or the
+    # stage's weights get no gradient at all
+    split_backward: bool = False
 
     @property
     def multi_chunk(self) -> bool:
@@ -36,6 +41,6 @@ SCHEDULES = {
     "1f1b": Schedule("Schedule1F1B", 1, 1),
     "interleaved_1f1b": Schedule("ScheduleInterleaved1F1B", 2, None, in_rounds=True),
     "looped_bfs": Schedule("ScheduleLoopedBFS", 2, None),
-    "interleaved_zb": Schedule("ScheduleInterleavedZeroBubble", 2, None, in_rounds=True),
-    "zbv": Schedule("ScheduleZBVZeroBubble", 2, 2, v_shape=True),
+    "interleaved_zb": Schedule("ScheduleInterleavedZeroBubble", 2, None, in_rounds=True, split_backward=True),
+    "zbv": Schedule("ScheduleZBVZeroBubble", 2, 2, v_shape=True, split_backward=True),
 }
