@@ -133,7 +133,8 @@ def plan_run(cfg: DictConfig, run_dir: Path, overrides: list[str], until: Option
         commands = {name: executor.command(launches[name]) for name in to_run}
         _write_plan(run_dir, plan, where, commands)
         console.print(plan_table(plan, where))
-        said = [*choices, *counted, *estimates, *data, *(data_preview(cfg) if tokenize else []), *checked.warnings]
+        said = [*choices, *counted, *estimates, *checked.traced, *data, *(data_preview(cfg) if tokenize else []),
+                *checked.warnings]
         for line in [*_new_store(cfg, fresh), *(said if kind != "calibration" else [])]:  # the run's plan says them
             console.print(line, soft_wrap=True)
         if cfg.data.preview:

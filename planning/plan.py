@@ -16,7 +16,7 @@ from typing import Optional
 
 from omegaconf import OmegaConf
 
-from common.problem import Problem
+from common.problem import Found, Problem
 from planning.estimate import STAGE_RUNTIME, Estimate, StageCost, available_bytes, host_bytes, estimate, stage_costs
 from plugins.data.tokenize_cost import DataRead, memory_problem, tokenize_tasks
 from plugins.data.registry import get_source, source_names
@@ -164,28 +164,20 @@ def check(cfg, p: Plan, read: Optional[DataRead] = None, disk: bool = True) -> l
     """What the point's plan (p) knows cannot fit: a train rank, a one-process stage (the tokenize tasks from the
     corpus as the data's check read it, `read`; None: it read none, the data refused), the disk (disk=False where the
     folders themselves are refused)."""
-    return _rank_problems(cfg, p) + _stage_problems(cfg, p, read) + (_disk_problems(cfg, p) if disk else [])
+    disk_found = _disk_problems(cfg, p) if disk else []
+    ranks = [] if cfg.plan.trace else _rank_problems(cfg, p)  # traced, the trace's peak decides (run_plan._traced)
+    if cfg.dry_run:  # a plan, perhaps for a cluster's disk (cluster.device): this machine's shortfall is said, and
+        # refuses the run that writes (the Problem's words in a warning line: its facts, which validation says)
+        return Found(ranks + _stage_problems(cfg, p, read),
+                     facts=[f"warning: {q.rule}: a run from here would be refused (fix: {q.fix})" for q in disk_found])
+    return ranks + _stage_problems(cfg, p, read) + disk_found
 
 
 def _rank_problems(cfg, plan: Plan) -> list[Problem]:
     """A layout whose estimated peak exceeds what a rank may use is refused, with the numbers and the fixes."""
     if not plan.rank_limit or plan.rank.total <= plan.rank_limit:
         return []
-    p = cfg.parallel
-    fixes = [f"parallel.hp={p.hp * 2} or parallel.pp={p.pp * 2} (each rank holds less)"]
-    if p.dp > 1 and p.dp_mode != "shard":
-        fixes.append("parallel.dp_mode=shard (parameters, gradients and optimizer state split over dp)")
-    if cfg.memory.level == 0:
-        fixes.append("memory=level1 (recompute activations)")
-    fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
-    if cfg.cluster.get("device") is not None:  # a plan for a declared device: the one that holds it, if any
-        from planning.devices import DEVICES
-
-        holds = sorted((d.memory_gib, name) for name, d in DEVICES.items() if d.memory_gib * 2**30 >= plan.rank.total)
-        fixes += [f"cluster.device={holds[0][1]} ({holds[0][0]:g} GiB)"] if holds else []
-    lora = _lora_fits(cfg, plan.rank_limit)
-    if lora:
-        fixes.insert(0, lora)
+    p, fixes = cfg.parallel, layout_fixes(cfg, plan, plan.rank.total)
     m = cfg.model
     model = f"model.n_layers={m.n_layers}, model.d_model={m.d_model}, model.d_ff={m.d_ff}, " \
             f"model.vocab_size={m.vocab_size}"
@@ -198,6 +190,27 @@ def _rank_problems(cfg, plan: Plan) -> list[Problem]:
                     f"{plan.rank.describe()}, "
                     f"exceeds the {plan.rank_limit / GB:,.1f} GB a rank may use ({plan.rank_limit_where})",
                     "; ".join(fixes))]
+
+
+def layout_fixes(cfg, plan: Plan, need: int) -> list[str]:
+    """What lowers a rank's peak of `need` bytes below what it may use: the fixes of a refusal by the estimate or by
+    the trace (orchestrator/tracing.py)."""
+    p = cfg.parallel
+    fixes = [f"parallel.hp={p.hp * 2} or parallel.pp={p.pp * 2} (each rank holds less)"]
+    if p.dp > 1 and p.dp_mode != "shard":
+        fixes.append("parallel.dp_mode=shard (parameters, gradients and optimizer state split over dp)")
+    if cfg.memory.level == 0:
+        fixes.append("memory=level1 (recompute activations)")
+    fixes.append(f"a smaller train.batch_size (now {cfg.train.batch_size}) or more parallel.microbatches")
+    if cfg.cluster.get("device") is not None:  # a plan for a declared device: the one that holds it, if any
+        from planning.devices import DEVICES
+
+        holds = sorted((d.memory_gib, name) for name, d in DEVICES.items() if d.memory_gib * 2**30 >= need)
+        fixes += [f"cluster.device={holds[0][1]} ({holds[0][0]:g} GiB)"] if holds else []
+    lora = _lora_fits(cfg, plan.rank_limit)
+    if lora:
+        fixes.insert(0, lora)
+    return fixes
 
 
 def _lora_fits(cfg, limit: int) -> str:

@@ -199,6 +199,7 @@ CATALOGUE = [
     (["engine=ort", "precision=fp16"], "precision.name", "no mixed precision"),
     (["engine=ort", "data.packing_strategy=bfd"], "data.packing_strategy", "document mask"),
     (["engine=ort", "memory=level3"], "memory.level", "never show it"),
+    (["engine=ort", "plan.trace=true"], "plan.trace", "graphs do not take"),
     # data
     (["data=text"], "data.paths", "needs files"),
     (["data=text", "data.paths=[/nonexistent/corpus.txt]"], "data.paths", "does not exist"),

@@ -3,10 +3,9 @@
 This module walks the schema (known keys, choices, bounds) and collects the rules of the config's owners: each
 lives with what it constrains and returns `Problem`s from its `check(cfg)`. The owners' rules read fields as
 numbers they divide by, so they run once every field is valid on its own (`parallel.hp=0` is reported as the
-field's rule, >= 1, not as a crash of a rule that divides by it); the plan's (memory, disk) and train.init_from's
-run once the model and the layout are sound, since they build the partition plan. What the checks found is handed
-on (Checked): the plan, what the data's check read of the corpus, the warnings, so that what prints or runs the
-point reads those instead of going back to the config."""
+field's rule, >= 1, not as a crash of a rule that divides by it); the plan's and train.init_from's run once the
+model and the layout are sound (they build the partition plan), the trace once all passed. What they found is handed
+on (Checked), so that what prints or runs the point reads it instead of going back to the config."""
 from __future__ import annotations
 
 import contextlib
@@ -17,8 +16,8 @@ from typing import TYPE_CHECKING, Iterable, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
 from common.problem import Found, _show
+from orchestrator.config.errors import ConfigError, Problem, unknown_key_problem
 
 if TYPE_CHECKING:
     from planning.plan import Plan
@@ -97,21 +96,25 @@ OTHERS = (DATA, Check("objective", "plugins.objectives.rules"),
           Check("precision", "runtime.precision"), Check("triton", "runtime.kernels"),
           Check("tracking", "orchestrator.tracking.store_check"), Check("cache_dir", "orchestrator.cache.store"),
           Check("evaluate", "plugins.evaluate.rules"), Check("plan", "orchestrator.calibration"),
+          Check("plan.trace", "planning.trace.rules"),
           Check("sweep.objective", "orchestrator.sweeps.objective"))
 FOLDERS = Check("runs_dir", __name__, "_folder_problems")  # the plan's disk check is left out where they fail
 INIT_FROM = Check("train.init_from", "storage.init_from")  # with the partition plan's parameters
 PLAN = Check("train", "planning.plan")  # memory and disk, from the partition plan (and the corpus the data's read)
+TRACE = Check("plan.trace", "planning.trace.verdict", "traced")  # the layout's step traced, once the rest passed
 CHECKS = (*STRUCTURAL, *OTHERS, FOLDERS, INIT_FROM, PLAN)
 
 
 @dataclasses.dataclass(frozen=True)
 class Checked:
     """What validation found in a config that passed, made once a point and handed on to whatever prints or runs it:
-    the point's plan (planning/plan.py), what the data's check read of the corpus (None where it read none), and the
-    warnings (legal but unwise settings: the run goes ahead, and the plan says each in a line)."""
+    the point's plan (planning/plan.py), what the data's check read of the corpus (None where it read none), the
+    warnings (legal but unwise settings: the run goes ahead, and the plan says each in a line), and the trace's
+    lines (plan.trace: planning/trace/verdict.py)."""
     plan: "Plan"
     data: Optional["DataRead"]
     warnings: list[str]
+    traced: list[str] = dataclasses.field(default_factory=list)
 
 
 # What the configs the command's pre-check validated found (orchestrator/boundary.py, before Hydra writes anything):
@@ -131,8 +134,7 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = Fa
     seen = OmegaConf.to_yaml(cfg) + "\0".join(overrides)
     if seen in _PASSED:
         return _PASSED[seen]
-    problems, planned = schema_problems(cfg, overrides), None
-    read = None  # what the data's check read of the corpus, where it passed
+    problems, planned, said, read = schema_problems(cfg, overrides), None, [], None  # read: the data's, if it passed
     if not problems:
         structure = [p for check in STRUCTURAL for p in check(cfg)]
         folders = FOLDERS(cfg)
@@ -140,30 +142,33 @@ def validate(cfg: DictConfig, overrides: Iterable[str] = (), remember: bool = Fa
         read = others[DATA].facts
         problems = structure + [p for found in others.values() for p in found] + folders
         if not structure:  # a plan check that stops on an input another check refused says nothing more
-            found, planned = _plan_problems(cfg, bool(folders), read)
+            found, planned, said = _plan_problems(cfg, bool(folders), read)
             problems += [p for p in found if not (problems and isinstance(p, CheckFailed))]
-    if problems:
-        raise ConfigError(problems)
-    checked = Checked(planned, read, warnings(cfg))
+    traced = TRACE(cfg, planned) if cfg.plan.trace and not problems else Found()  # last, alone: slow at scale
+    if problems or traced:
+        raise ConfigError(problems or traced)
+    checked = Checked(planned, read, warnings(cfg) + said, traced.facts or [])  # said: the plan check's lines
     if remember:
         _PASSED[seen] = checked
     return checked
 
 
 def _plan_problems(cfg: DictConfig, folders_refused: bool, read: Optional["DataRead"]
-                   ) -> tuple[list[Problem], Optional["Plan"]]:
-    """The point's plan (None where it cannot be made), and what it refuses: train.init_from's shapes against the
-    partition plan, the memory and disk of the plan's estimates (read: the corpus as the data's check read it)."""
+                   ) -> tuple[list[Problem], Optional["Plan"], list[str]]:
+    """The point's plan (None where it cannot be made), what it refuses: train.init_from's shapes against the
+    partition plan, the memory and disk of the plan's estimates (read: the corpus as the data's check read it), and
+    what the plan's check says without refusing (a dry run's disk)."""
     from planning import plan
 
     try:
         planned = plan.plan_of(cfg)
     except plan.EstimatesFailed as e:  # the estimates are the plan check's input: said as that check's stopping
-        return INIT_FROM(cfg, e.partition["parameters"]) + [PLAN.failed(cfg, e.__cause__)], None
+        return INIT_FROM(cfg, e.partition["parameters"]) + [PLAN.failed(cfg, e.__cause__)], None, []
     except Exception as e:  # noqa: BLE001 (the partition plan's: said as a check's, not raised)
         return [check_failed("model", OmegaConf.select(cfg, "model.name"), "the partition plan (planning/plan.py)",
-                             e)], None
-    return INIT_FROM(cfg, planned.parameters) + PLAN(cfg, planned, read, not folders_refused), planned
+                             e)], None, []
+    found = PLAN(cfg, planned, read, not folders_refused)
+    return INIT_FROM(cfg, planned.parameters) + found, planned, found.facts or []
 
 
 def warnings(cfg: DictConfig) -> list[str]:

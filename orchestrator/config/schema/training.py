@@ -216,3 +216,9 @@ class PlanConfig:
                                   "export and transform the run's own, its model then deleted (not for a run of "
                                   "no more steps: it times itself); 0: no calibration",
                                min=0, max=MAX_STEPS, content=False)
+    trace: bool = key(False, "before anything launches, run one training step of each rank role of the layout (the "
+                             "first, middle and last pipeline stage) through the run's own code on fake tensors and "
+                             "a fake process group of the layout's world size, on this machine's CPU, and print its "
+                             "peak memory by category, collectives, FLOPs and checkpoint bytes beside the estimate; "
+                             "a layout whose traced peak exceeds what a rank may use (cluster.device) is refused "
+                             "(docs/trace.md)", content=False)
