@@ -48,11 +48,9 @@ def peak_allocated(fn) -> tuple[int, object]:
     return peak, result
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    sources = [a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--")]
-    cfg = make_cfg(*[a for a in sys.argv[1:] if not a.startswith("--")])
+def built(cfg) -> tuple[dict, object]:
+    """This rank's layout built as the train stage builds it, and what building it took: the peak of live bytes, the
+    bytes of the parameters the rank holds, of the model's largest parameter and of the whole model."""
     spec = get_model(cfg.model.name)
     plan = build_plan(cfg.model, cfg.parallel)
     full = build_on_meta(spec, cfg.model)
@@ -62,8 +60,16 @@ def main() -> None:
     for _, p in layout.params:
         local = p.to_local() if isinstance(p, DTensor) else p
         held += local.numel() * local.element_size()
-    line = {"rank": dist.get_rank(), "peak": peak, "held": held, "largest": largest,
-            "model": sum(p.numel() * p.element_size() for p in full.parameters())}
+    return {"rank": dist.get_rank() if dist.is_initialized() else 0, "peak": peak, "held": held, "largest": largest,
+            "model": sum(p.numel() * p.element_size() for p in full.parameters())}, layout
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    sources = [a[2:].split("=", 1) for a in sys.argv[1:] if a.startswith("--")]
+    cfg = make_cfg(*[a for a in sys.argv[1:] if not a.startswith("--")])
+    line, layout = built(cfg)
     for kind, path in sources:
         line[f"load_peak_{kind}"], _ = peak_allocated(lambda: load(kind, Path(path), cfg, layout))
     lines = [None] * dist.get_world_size()

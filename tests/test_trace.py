@@ -20,6 +20,7 @@ from planning.trace.roles import role_ranks, trace_roles
 from tests.conftest import ROOT, make_cfg, run_cli
 
 SHAPE = ["train.batch_size=8", "train.seq_len=64"]
+BOOKKEEPING = 16 * 2**10  # what building a layout allocates besides parameters (the mesh's rank tensor, ...)
 LAYOUTS = {  # name -> (ranks, overrides)
     "single": (1, ["model=gpt_tiny"]),
     "fsdp2": (2, ["model=llama_tiny", "parallel=ddp2", "parallel.dp_mode=shard"]),
@@ -146,3 +147,14 @@ def test_the_plan_prints_the_trace_beside_the_estimate_and_refuses_what_it_finds
     assert "x parallel=dp1 hp1 pp1" in refused.stderr and "the traced peak of rank 0" in refused.stderr
     assert "overflow it most" in refused.stderr and "exceeds the 0.0 GB a rank may use" in refused.stderr
     assert not (tmp_path / "small" / "runs").exists()
+
+
+@pytest.mark.parametrize("name", [name for name, (ranks, _) in LAYOUTS.items() if ranks > 1])
+def test_a_rank_builds_its_shards_and_at_most_one_full_parameter_besides(runs, name):
+    """TorchTitan's order (meta, split and shard, then allocate), on the real ranks of the trace's check: building a
+    rank's part of the layout never holds more than its own parameters plus one full parameter (the one being
+    initialised), by the profiler's record of every allocation. Building the whole model first would allocate all of
+    it on every rank."""
+    for rank in runs[name][0]:
+        build = rank["build"]
+        assert build["held"] < build["model"] and build["peak"] <= build["held"] + build["largest"] + BOOKKEEPING, build
