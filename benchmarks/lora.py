@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.support.cli import arguments  # noqa: E402
+from benchmarks.support.shapes import model_overrides  # noqa: E402
 from benchmarks.support.fresh import one_spec, peak_gb, print_peak  # noqa: E402
 from plugins.data.batcher import Batch  # noqa: E402
 from plugins.models import get_model  # noqa: E402
@@ -41,13 +42,11 @@ from storage.fsio import tree_bytes  # noqa: E402
 from orchestrator.config.compose import compose_config  # noqa: E402
 
 VARIANTS = ("full", "lora")
-SHAPES = {"llama_0.5b": ["model=llama_1b", "model.vocab_size=151936", "model.d_model=896", "model.n_layers=24",
-                         "model.n_heads=14", "model.n_kv_heads=2", "model.d_ff=4864"]}
 
 
 def setup(model: str, variant: str, rank: int, rows: int, seq: int):
     peft = ["peft=lora", f"peft.rank={rank}", f"peft.alpha={2 * rank}"] if variant == "lora" else []
-    cfg = compose_config(*SHAPES.get(model, [f"model={model}"]), f"train.batch_size={rows}", f"train.seq_len={seq}",
+    cfg = compose_config(*model_overrides(model), f"train.batch_size={rows}", f"train.seq_len={seq}",
                          "model.dropout=0", *peft)
     layout = build_layout(cfg, build_plan(cfg.model, cfg.parallel, cfg.peft), get_model(cfg.model.name),
                           torch.device("cpu"))

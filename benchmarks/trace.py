@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.support.cli import arguments  # noqa: E402
 from orchestrator.config.compose import compose_config  # noqa: E402
 from planning.trace.roles import trace_roles  # noqa: E402
 
@@ -23,6 +24,7 @@ GIB = 2**30
 
 
 def main(overrides: list[str]) -> None:
+    arguments(overrides, __doc__)  # -h: the usage; every argument an override
     cfg = compose_config(*overrides, conf=ROOT / "conf")
     p = cfg.parallel
     print(f"{cfg.model.name} ({' '.join(overrides)}): world {p.dp * p.hp * p.pp} = pp {p.pp} x dp {p.dp} x hp {p.hp}")

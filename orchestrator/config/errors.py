@@ -114,6 +114,9 @@ def from_hydra(exc: BaseException, argv: tuple[str, ...] = ()) -> Optional[Confi
         if isinstance(example, list):
             wanted = "a list" if wanted == "a value of the declared type" else wanted
             example = "[" + ",".join(map(str, example)) + "]"
+        elif isinstance(example, dict):  # as an override writes a mapping, not as Python prints one
+            wanted = "a mapping" if wanted == "a value of the declared type" else wanted
+            example = "{" + ",".join(f"{k}:{_show(v)}" for k, v in example.items()) + "}"
         fix = f"give {full_key} {wanted}" + (f", e.g. {full_key}={_show(example)}" if example is not None else "")
         return ConfigError([Problem(full_key, getattr(cause, "value", "?"), f"{full_key} must be {wanted}{meaning}",
                                     fix)])

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 def resolve_auto(cfg: DictConfig) -> list[str]:
     """Fill in the config's `auto` values in place; one line per choice made, for the plan."""
+    from plugins.data.formats.spec import FORMATS
     from plugins.data.packing import whole_documents
     from plugins.engines import engine_names, get_engine
     from runtime.machine import ranks_on_cuda
@@ -30,8 +31,11 @@ def resolve_auto(cfg: DictConfig) -> list[str]:
     notes = []
     if _resolve_tokenizer(cfg) and cfg.data.tokenizer != "bytes":  # first: the packing reads the tokenizer
         notes.append(f"data.tokenizer=auto: {cfg.data.tokenizer} (train.init_from's own)")
-    documents = whole_documents(cfg.data) is not None  # rows of whole documents: the same with auto resolved below
-    if cfg.data.packing and cfg.data.packing_strategy == "auto":  # what packs the rows decides what else is read
+    # rows of whole documents (the same with auto resolved below); of a format not registered, nothing is resolved:
+    # this runs before validation, which names the format
+    known = (OmegaConf.select(cfg, "data.format") or "text") in FORMATS.names()
+    documents = known and whole_documents(cfg.data) is not None
+    if known and cfg.data.packing and cfg.data.packing_strategy == "auto":  # what packs the rows decides the rest
         cfg.data.packing_strategy = "bfd" if documents else "wrapped"
     cuda, bf16 = ranks_on_cuda(cfg)
     if cfg.precision.name == "auto":

@@ -109,8 +109,7 @@ CHECKS = (*STRUCTURAL, *OTHERS, FOLDERS, INIT_FROM, PLAN)
 class Checked:
     """What validation found in a config that passed, made once a point and handed on to whatever prints or runs it:
     the point's plan (planning/plan.py), what the data's check read of the corpus (None where it read none), the
-    warnings (legal but unwise settings: the run goes ahead, and the plan says each in a line), and the trace's
-    lines (plan.trace: planning/trace/verdict.py)."""
+    warnings (legal but unwise settings: the plan says each in a line), the trace's lines (plan.trace)."""
     plan: "Plan"
     data: Optional["DataRead"]
     warnings: list[str]
@@ -373,9 +372,10 @@ def _field_problems(full: str, value, f: dataclasses.Field) -> list[Problem]:
     if nested and f.name != "mix":
         flat = [w for v in items for w in (v if isinstance(v, (list, tuple, ListConfig)) else [v])
                 if not isinstance(w, (list, tuple, dict, ListConfig, DictConfig))]
-        shown = f"[{','.join(map(str, flat))}]" if flat else "[a,b]"
-        return [Problem(full, value, f"the items of {full} are single values, not lists or mappings "
-                        f"({meta['help']})", f"{full}={shown} (one level of brackets)")]
+        shown, default = f"[{','.join(map(str, flat))}]" if flat else "[a,b]", _default(f)  # the user's items,
+        fix = f"{full}=[{','.join(map(str, default))}] (the default), or {shown}" if default else f"{full}={shown}"
+        return [Problem(full, value, f"the items of {full} are single values, not lists or mappings "  # unchecked:
+                        f"({meta['help']})", f"{fix} (one level of brackets)")]  # after the default
     choices = meta.get("choices")
     if choices and any(v not in choices for v in items):
         return [Problem(full, value, f"{full} must be {'a list of' if is_list else 'one of'} "
