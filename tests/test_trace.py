@@ -131,22 +131,29 @@ def test_roles_are_the_first_middle_and_last_stage():
     assert role_ranks(make_cfg().parallel) == [0]
 
 
-def test_the_plan_prints_the_trace_beside_the_estimate_and_refuses_what_it_finds_too_large(tmp_path):
-    """plan.trace=true through the command: the trace's lines in the plan, where the traced peak fits the declared
-    device; where it does not (a device of 1 MiB), exit 2 naming the category that overflows, nothing written. The
-    estimate's own memory refusal yields to the trace (it would refuse both)."""
-    args = ["model=gpt_tiny", "train.batch_size=8", "train.seq_len=32", "plan.trace=true", "dry_run=true",
-            "tracking=none"]
-    fits = run_cli([*args, "cluster.device=h100_80gb"], tmp_path)
-    assert fits.returncode == 0, fits.stdout[-3000:] + fits.stderr[-3000:]
-    assert "trace (plan.trace=true): one step of 1 rank role(s)" in fits.stdout
-    assert "fits: the traced peak" in fits.stdout and "at NVIDIA H100 SXM 80GB's dense fp32 peak" in fits.stdout
+def test_the_plan_prints_the_trace_beside_the_estimate_and_refuses_what_it_finds_too_large(runs, tmp_path):
+    """plan.trace=true through the command: where the traced peak exceeds the declared device (1 MiB), exit 2 naming
+    the category that overflows, nothing written (the estimate's own memory refusal yields to the trace: it would
+    refuse both). Where it fits, the plan's lines on the trace (verdict.lines on the module's traces)."""
+    from planning.plan import plan_of
+    from planning.trace.verdict import lines
+
     (tmp_path / "small").mkdir()
-    refused = run_cli([*args, "cluster.device=0.001"], tmp_path / "small")
+    refused = run_cli(["model=gpt_tiny", "train.batch_size=8", "train.seq_len=32", "plan.trace=true", "dry_run=true",
+                       "tracking=none", "cluster.device=0.001"], tmp_path / "small")
     assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
     assert "x parallel=dp1 hp1 pp1" in refused.stderr and "the traced peak of rank 0" in refused.stderr
     assert "overflow it most" in refused.stderr and "exceeds the 0.0 GB a rank may use" in refused.stderr
     assert not (tmp_path / "small" / "runs").exists()
+    _, traced, cfg = runs["pipeline_pp2"]
+    cfg.cluster.device = "h100_80gb"
+    said = lines([{**r, "step_floor": "0.01 s at a floor"} for r in traced], plan_of(cfg), 3.0)
+    assert said[0].startswith("trace (plan.trace=true): one step of 2 rank role(s)") and "of 2 ranks" in said[0]
+    assert said[1].startswith("  rank 0 (stage 0): peak") and "    step: 0.01 s at a floor" in said
+    assert any(line.startswith("  rank 1 (stage 1)") for line in said) and said[-1].startswith("  fits: the traced")
+    from planning.trace.role import step_floor
+
+    assert step_floor(cfg, 66.9e12 / 10) == "0.10 s at NVIDIA H100 SXM 80GB's dense fp32 peak (67 TFLOP/s; a floor)"
 
 
 @pytest.mark.parametrize("name", [name for name, (ranks, _) in LAYOUTS.items() if ranks > 1])
